@@ -1,0 +1,31 @@
+"""unified_dist: one facade over torch.distributed, Accelerate and Horovod.
+
+    import unified_dist as ud
+    model, optimizer, loader = ud.prepare(model, optimizer, loader)
+    for batch in loader:
+        with ud.accumulate(model), ud.autocast():
+            loss = model(**batch).loss
+            ud.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+The same script runs under python, torchrun, accelerate launch and horovodrun.
+"""
+from .errors import (BackendNotInstalled, CheckpointError, CollectiveError, PrecisionError,
+                     UnifiedDistError)
+from .facade import (accumulate, all_gather, all_reduce, autocast, backend_name, backward, barrier,
+                     broadcast, clip_grad_norm_, device, gather_for_metrics, gradient_accumulation_steps,
+                     init, is_local_main, is_main, launcher, load, local_rank, main_process_first,
+                     mixed_precision, prepare, print, rank, save, seed_everything, shutdown,
+                     sync_gradients, unwrap, world_size)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init", "shutdown", "backend_name", "launcher", "rank", "local_rank", "world_size", "device",
+    "is_main", "is_local_main", "mixed_precision", "gradient_accumulation_steps",
+    "prepare", "unwrap", "backward", "accumulate", "sync_gradients", "clip_grad_norm_", "autocast",
+    "seed_everything", "all_reduce", "all_gather", "gather_for_metrics", "broadcast", "barrier",
+    "print", "main_process_first", "save", "load",
+    "UnifiedDistError", "BackendNotInstalled", "CollectiveError", "PrecisionError", "CheckpointError",
+]

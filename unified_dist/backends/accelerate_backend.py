@@ -1,0 +1,123 @@
+"""Hugging Face Accelerate, as started by ``accelerate launch``."""
+from __future__ import annotations
+
+from typing import Any, ContextManager, List, Optional
+
+import torch
+
+from .base import Backend, Config
+from ..detection import Detection
+from ..errors import BackendNotInstalled
+
+
+class AccelerateBackend(Backend):
+    """Drives one ``accelerate.Accelerator``.
+
+    The scheduler is *not* stepped by Accelerate (``step_scheduler_with_optimizer=False``):
+    Accelerate would step it once per process per call, a different meaning from the other
+    backends; unified_dist steps it once per optimizer step everywhere.
+    """
+
+    name = "accelerate"
+
+    def __init__(self, detection: Detection, config: Config) -> None:
+        super().__init__(detection, config)
+        try:
+            from accelerate import Accelerator
+            from accelerate.utils import InitProcessGroupKwargs
+        except ImportError as exc:
+            raise BackendNotInstalled(
+                f"backend 'accelerate' needs the accelerate package ({exc}); install it with "
+                "`pip install unified_dist[accelerate]` or `make setup`") from None
+        self.accelerator = Accelerator(
+            # Without cpu=True, Accelerate ignores a multi-process launch on a GPU-less machine
+            # (DistributedType.NO, each process alone); with it, it uses gloo (MULTI_CPU).
+            cpu=not torch.cuda.is_available(),
+            mixed_precision=config.mixed_precision,
+            gradient_accumulation_steps=config.gradient_accumulation_steps,
+            step_scheduler_with_optimizer=False,
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=config.timeout)],
+        )
+
+    @property
+    def rank(self) -> int:
+        return self.accelerator.process_index
+
+    @property
+    def local_rank(self) -> int:
+        return self.accelerator.local_process_index
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    def shutdown(self) -> None:
+        from accelerate.state import AcceleratorState, GradientState
+
+        self.accelerator.end_training()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return self.accelerator.prepare_model(model)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        return self.accelerator.prepare_optimizer(optimizer)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return super().unwrap(self.accelerator.unwrap_model(model))
+
+    def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None) -> None:
+        self.accelerator.backward(loss)  # divides by gradient_accumulation_steps itself
+
+    def no_sync(self, model: torch.nn.Module) -> ContextManager:
+        return self.accelerator.no_sync(model)
+
+    def set_sync_gradients(self, sync: bool) -> None:
+        self.accelerator.sync_gradients = sync  # AcceleratedOptimizer skips step() when False
+
+    def autocast(self) -> ContextManager:
+        return self.accelerator.autocast()
+
+    def make_grad_scaler(self) -> Optional[Any]:
+        return None  # AcceleratedOptimizer owns the scaler
+
+    def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        if op == "sum":
+            from accelerate.utils import reduce
+
+            return reduce(tensor, reduction="sum")
+        if self.world_size == 1:
+            return tensor
+        # accelerate has no max/min reduction; under it torch.distributed holds the group.
+        torch.distributed.all_reduce(
+            tensor, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.MIN)
+        return tensor
+
+    def all_gather_equal(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        from accelerate.utils import gather
+
+        if self.world_size == 1:
+            return [tensor]
+        rows = tensor.reshape(1, *tensor.shape)  # accelerate concatenates on dim 0
+        return list(gather(rows).unbind(0))
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        from accelerate.utils import broadcast
+
+        return broadcast(tensor, from_process=src)
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([obj], from_process=src)[0]
+
+    def barrier(self) -> None:
+        self.accelerator.wait_for_everyone()

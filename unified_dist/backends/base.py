@@ -1,0 +1,129 @@
+"""The Backend protocol: the few primitives each distributed stack must provide.
+
+Everything user-facing (nested inputs, ``op="mean"``, uneven ``all_gather``, accumulation
+rules, checkpoints) is built once on top of these primitives, so it means the same on every
+backend. A backend only says *how* its library does each primitive.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ContextManager, List, Optional
+
+import torch
+
+from ..detection import Detection
+
+REDUCE_OPS = ("sum", "max", "min")
+"""Primitive reductions every backend implements; ``mean`` is ``sum`` divided by world size."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings resolved by ``init`` and handed to the backend's constructor."""
+
+    mixed_precision: str = "no"
+    gradient_accumulation_steps: int = 1
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+    debug: bool = False
+
+
+class Backend(ABC):
+    """One distributed stack. Constructing it joins the process group; ``shutdown`` leaves it."""
+
+    name: str = "?"
+
+    def __init__(self, detection: Detection, config: Config) -> None:
+        self.detection = detection
+        self.config = config
+
+    # ----------------------------------------------------------------- identity
+    @property
+    @abstractmethod
+    def rank(self) -> int:
+        """Global rank of this process, 0 .. world_size-1."""
+
+    @property
+    @abstractmethod
+    def local_rank(self) -> int:
+        """Rank of this process on its own machine."""
+
+    @property
+    @abstractmethod
+    def world_size(self) -> int:
+        """Number of processes in the job."""
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on: its local GPU if there is one, else the CPU."""
+        if torch.cuda.is_available():
+            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+    def shutdown(self) -> None:
+        """Leave the process group; the backend is unusable afterwards."""
+
+    # ----------------------------------------------------------------- preparation
+    @abstractmethod
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move ``model`` to :attr:`device` and make its gradients averaged across ranks."""
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        """Return the optimizer that must be stepped (may be ``optimizer`` itself)."""
+        return optimizer
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's original module inside whatever wrapper :meth:`prepare_model` added."""
+        while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            model = model.module
+        return getattr(model, "_orig_mod", model)  # torch.compile wrapper
+
+    # ----------------------------------------------------------------- training
+    def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None) -> None:
+        """Backpropagate ``loss / gradient_accumulation_steps`` (scaled by ``scaler`` for fp16)."""
+        loss = loss / self.config.gradient_accumulation_steps
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def no_sync(self, model: torch.nn.Module) -> ContextManager:
+        """Context in which backward passes accumulate locally without communicating."""
+        return contextlib.nullcontext()
+
+    def set_sync_gradients(self, sync: bool) -> None:
+        """Told before each micro-step whether its backward is the one that synchronises."""
+
+    def autocast(self) -> ContextManager:
+        """Autocast context for the configured mixed precision (no-op for ``"no"``)."""
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.mixed_precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def make_grad_scaler(self) -> Optional[Any]:
+        """A gradient scaler when fp16 needs one, else ``None``."""
+        if self.config.mixed_precision == "fp16":
+            return torch.amp.GradScaler(self.device.type)
+        return None
+
+    # ----------------------------------------------------------------- primitives
+    @abstractmethod
+    def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Reduce ``tensor`` (a private copy, may be modified) with op in :data:`REDUCE_OPS`; return the result."""
+
+    @abstractmethod
+    def all_gather_equal(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        """Every rank's ``tensor`` (same shape on all ranks), in rank order."""
+
+    @abstractmethod
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s ``tensor`` (a private copy, may be modified) on every rank."""
+
+    @abstractmethod
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Rank ``src``'s picklable ``obj`` on every rank."""
+
+    @abstractmethod
+    def barrier(self) -> None:
+        """Return only when every rank has called it."""

@@ -1,0 +1,87 @@
+"""Horovod (``horovod.torch``), as started by ``horovodrun``."""
+from __future__ import annotations
+
+import os
+from typing import Any, List, Optional
+
+import torch
+
+from .base import Backend, Config
+from ..detection import Detection
+from ..errors import BackendNotInstalled
+
+
+def _import_horovod():
+    try:
+        import horovod.torch as hvd
+    except ImportError as exc:
+        raise BackendNotInstalled(
+            f"backend 'horovod' needs horovod.torch ({exc}); build it against this torch with "
+            "`make setup` (runs tools/build_horovod.sh) or `pip install unified_dist[horovod]`") from None
+    return hvd
+
+
+class HorovodBackend(Backend):
+    """Drives ``horovod.torch``: parameter/optimizer-state broadcast and ``DistributedOptimizer``."""
+
+    name = "horovod"
+
+    def __init__(self, detection: Detection, config: Config) -> None:
+        super().__init__(detection, config)
+        self.hvd = _import_horovod()
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(config.timeout.total_seconds())))
+        self.hvd.init()
+        if torch.cuda.is_available():
+            torch.cuda.set_device(self.device)
+
+    @property
+    def rank(self) -> int:
+        return self.hvd.rank()
+
+    @property
+    def local_rank(self) -> int:
+        return self.hvd.local_rank()
+
+    @property
+    def world_size(self) -> int:
+        return self.hvd.size()
+
+    def shutdown(self) -> None:
+        self.hvd.shutdown()
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.device)
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        return model
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        hvd = self.hvd
+        # horovod's broadcast_optimizer_state() initialises an *empty* state by stepping the
+        # optimizer with zero gradients, which applies AdamW's weight decay once and bumps
+        # Adam's step count: a silent divergence from the other backends. A fresh optimizer
+        # has empty state on every rank, so there is nothing to broadcast then.
+        has_state = torch.tensor([1.0 if optimizer.state_dict()["state"] else 0.0])
+        if hvd.allreduce(has_state, op=hvd.Max, name="unified_dist.has_optimizer_state").item() > 0:
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        named = list(model.named_parameters()) if model is not None else None
+        return hvd.DistributedOptimizer(
+            optimizer, named_parameters=named, op=hvd.Average,
+            backward_passes_per_step=self.config.gradient_accumulation_steps)
+
+    def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        hvd_op = {"sum": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}[op]
+        return self.hvd.allreduce(tensor, op=hvd_op)
+
+    def all_gather_equal(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        rows = tensor.reshape(1, *tensor.shape)  # horovod concatenates on dim 0
+        return list(self.hvd.allgather(rows).unbind(0))
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return self.hvd.broadcast(tensor, root_rank=src)
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        return self.hvd.broadcast_object(obj, root_rank=src)
+
+    def barrier(self) -> None:
+        self.hvd.barrier()

@@ -1,0 +1,84 @@
+"""torch.distributed + DistributedDataParallel, as started by ``torchrun``."""
+from __future__ import annotations
+
+import os
+from typing import Any, ContextManager, List
+
+import torch
+import torch.distributed as dist
+
+from .base import Backend, Config
+from ..detection import Detection
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class TorchBackend(Backend):
+    """Joins the default process group (nccl on GPU, gloo on CPU) from torchrun's variables."""
+
+    name = "torch"
+
+    def __init__(self, detection: Detection, config: Config) -> None:
+        super().__init__(detection, config)
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            # Single-node default: rendezvous on loopback, never on a public interface.
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+            os.environ.setdefault("RANK", str(detection.rank))
+            os.environ.setdefault("WORLD_SIZE", str(detection.world_size))
+            if torch.cuda.is_available():
+                torch.cuda.set_device(self.device)
+            dist.init_process_group(
+                backend="nccl" if torch.cuda.is_available() else "gloo",
+                timeout=config.timeout,
+            )
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", self.detection.local_rank))
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def shutdown(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.device)
+        if not any(p.requires_grad for p in model.parameters()):
+            return model  # nothing to synchronise (e.g. an evaluation-only model)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+    def no_sync(self, model: torch.nn.Module) -> ContextManager:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            return model.no_sync()
+        return super().no_sync(model)
+
+    def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        dist.all_reduce(tensor, op=_OPS[op])
+        return tensor
+
+    def all_gather_equal(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(out, tensor)
+        return out
+
+    def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        dist.broadcast(tensor, src=src)
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        dist.barrier()

@@ -1,0 +1,80 @@
+"""Checkpoints that move between backends and never execute code on load.
+
+``save`` turns prepared objects into plain state (models unwrapped, so no ``module.`` prefix;
+tensors on the CPU), and the main process writes it atomically: a temporary file in the same
+directory, fsync, then ``os.replace``; a crash mid-write leaves the previous file intact.
+``load`` uses ``torch.load(weights_only=True)``: tensors, numbers, strings and containers only.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+
+from .errors import CheckpointError
+
+
+def to_state(obj: Any, unwrap: Callable[[torch.nn.Module], torch.nn.Module]) -> Any:
+    """Plain, portable state: modules/optimizers/schedulers/loaders become their state dicts."""
+    if isinstance(obj, torch.nn.Module):
+        return to_state(unwrap(obj).state_dict(), unwrap)
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        items = [(k, to_state(v, unwrap)) for k, v in obj.items()]
+        keys = [k for k, _ in items]
+        if keys and all(isinstance(k, str) and k.startswith("module.") for k in keys):
+            items = [(k[len("module."):], v) for k, v in items]  # a DDP-wrapped state dict
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_state(v, unwrap) for v in obj)
+    if hasattr(obj, "state_dict") and callable(obj.state_dict):
+        return to_state(obj.state_dict(), unwrap)
+    return obj
+
+
+def write_atomic(state: Any, path: str) -> None:
+    """Write ``state`` to ``path`` so that readers see the old file or the whole new one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_safe(path: str, map_location: Optional[Any] = None) -> Any:
+    """Load a checkpoint with ``weights_only=True``; every failure is one actionable line."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path} does not exist; check the path (or start without --resume)")
+    try:
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "Weights only load failed" in reason or "weights_only" in str(exc):
+            reason = next((line.strip() for line in str(exc).splitlines()
+                           if "Unsupported global" in line or "GLOBAL" in line), reason)
+            raise CheckpointError(
+                f"refusing to load {path}: it holds pickled code or objects that weights_only=True "
+                f"does not allow ({reason}); save plain state with ud.save") from None
+        raise CheckpointError(f"{path} is not a torch checkpoint ({reason})") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{path} is truncated or not a torch checkpoint ({first}); use an earlier checkpoint") from None

@@ -1,0 +1,111 @@
+"""Collectives with one meaning on every backend, built on the Backend primitives.
+
+- ``all_reduce(x, op)``: op in sum/mean/max/min; ``mean`` is ``sum / world_size`` everywhere
+  (gloo has no AVG, Horovod averages by default, Accelerate's defaults differ: none leaks through).
+- ``all_gather(x)``: concatenation along dim 0 in rank order; dim 0 may differ between ranks.
+- Inputs are never modified; nested list/tuple/dict structures are kept.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+import torch
+
+from .backends.base import Backend
+from .errors import CollectiveError
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+
+
+def map_tensors(x: Any, fn: Callable[[torch.Tensor], Any], what: str, path: str = "x") -> Any:
+    """Apply ``fn`` to every tensor in a nested list/tuple/dict; anything else is an error."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, dict):
+        return type(x)((k, map_tensors(v, fn, what, f"{path}[{k!r}]")) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        items = [map_tensors(v, fn, what, f"{path}[{i}]") for i, v in enumerate(x)]
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+    raise CollectiveError(
+        f"{what} expects a tensor or a nested list/tuple/dict of tensors, but {path} is "
+        f"{type(x).__name__}; wrap numbers with torch.tensor(...)")
+
+
+def _private_copy(backend: Backend, t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy on the backend's device, so the caller's tensor is never touched."""
+    return t.detach().to(backend.device, copy=True).contiguous()
+
+
+def all_reduce(backend: Backend, x: Any, op: str = "mean") -> Any:
+    """Reduce every tensor in ``x`` across ranks; returns new tensors on the backend's device.
+
+    ``mean`` of an integer or bool tensor returns a floating tensor (the true mean).
+    """
+    if op not in REDUCE_OPS:
+        raise CollectiveError(f"unknown all_reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+
+    def reduce_one(t: torch.Tensor) -> torch.Tensor:
+        work = _private_copy(backend, t)
+        was_bool = work.dtype == torch.bool
+        if was_bool:
+            work = work.to(torch.int64)
+        if op == "mean" and not work.is_floating_point():
+            work = work.to(torch.float64)
+        out = backend.all_reduce_(work, "sum" if op == "mean" else op)
+        if op == "mean":
+            return out / backend.world_size
+        return out.to(torch.bool) if was_bool and op != "sum" else out
+
+    return map_tensors(x, reduce_one, "all_reduce")
+
+
+def all_gather(backend: Backend, x: Any) -> Any:
+    """Concatenate every rank's tensors along dim 0 in rank order (0-d tensors become one row).
+
+    Dim 0 may differ between ranks; the other dims and the dtype must match, else every rank
+    raises a :class:`CollectiveError` naming each rank's shape.
+    """
+    return map_tensors(x, lambda t: _gather_one(backend, t), "all_gather")
+
+
+def _gather_one(backend: Backend, t: torch.Tensor) -> torch.Tensor:
+    work = _private_copy(backend, t)
+    if work.dim() == 0:
+        work = work.reshape(1)
+    if backend.world_size == 1:
+        return work
+    shapes = _exchange_shapes(backend, work)
+    trailing = {s[1:] for s in shapes}
+    if len(trailing) != 1:
+        per_rank = ", ".join(f"rank {r}: {tuple(s)}" for r, s in enumerate(shapes))
+        raise CollectiveError(
+            f"all_gather needs the same shape on every rank except dim 0, got {per_rank}; "
+            "pad or reshape before gathering")
+    sizes = [s[0] for s in shapes]
+    longest = max(sizes)
+    if work.shape[0] < longest:
+        pad = work.new_zeros((longest - work.shape[0],) + tuple(work.shape[1:]))
+        work = torch.cat([work, pad])
+    parts = backend.all_gather_equal(work)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+def _exchange_shapes(backend: Backend, t: torch.Tensor) -> List[tuple]:
+    """Every rank's shape of ``t`` (one small all_gather; ranks may differ in ndim)."""
+    max_dims = 8
+    if t.dim() > max_dims:
+        raise CollectiveError(f"all_gather supports up to {max_dims} dimensions, got shape {tuple(t.shape)}")
+    encoded = torch.full((max_dims + 1,), -1, dtype=torch.int64, device=backend.device)
+    encoded[0] = t.dim()
+    encoded[1:t.dim() + 1] = torch.tensor(t.shape, dtype=torch.int64)
+    rows = backend.all_gather_equal(encoded)
+    return [tuple(int(v) for v in row[1:int(row[0]) + 1].tolist()) for row in rows]
+
+
+def broadcast(backend: Backend, obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s value on every rank: a tensor (same shape/dtype on all ranks) or any picklable object."""
+    if not 0 <= src < backend.world_size:
+        raise CollectiveError(f"broadcast src={src} is not a rank; use 0 .. {backend.world_size - 1}")
+    if isinstance(obj, torch.Tensor):
+        return backend.broadcast_(_private_copy(backend, obj), src)
+    return backend.broadcast_object(obj, src)

@@ -1,0 +1,229 @@
+"""Sharded data loading whose order does not depend on the world size.
+
+The same sampler is used under every backend, so that the data order -- and therefore the
+losses -- are the same under torchrun, accelerate launch, horovodrun and plain python.
+
+Layout. Each epoch has one *global order* of the dataset (a permutation seeded by
+``seed + epoch`` when the loader shuffles, the sampler's own order otherwise), identical on every
+rank and for every world size. It is cut into *global batches* of ``B = batch_size * world_size``
+consecutive positions; rank ``r`` takes the ``r``-th contiguous slice of each. Hence
+
+* the union of step ``s``'s per-rank batches is exactly positions ``[s*B, (s+1)*B)`` -- the
+  single-process batch ``s`` with batch size ``B``, or ``world_size`` consecutive micro-batches
+  of a single process accumulating gradients;
+* ``all_gather`` of per-rank results (concatenated in rank order) is in global order;
+* a last global batch of ``m < B`` samples (``drop_last=False``) gives every rank
+  ``ceil(m / world_size)`` samples, padding with samples from the start of the epoch; the
+  padding is at the end of the gathered rows, which is how ``gather_for_metrics`` drops it.
+
+Progress is counted in global samples, so a loader's ``state_dict`` resumes mid-epoch under
+another world size as long as the global batch is the same.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+
+from .errors import UnifiedDistError
+
+
+def plan_global_batches(num_samples: int, global_batch: int, start: int, drop_last: bool) -> List[int]:
+    """Sizes ``m`` of the global batches of one epoch that begins at sample position ``start``."""
+    sizes, pos = [], start
+    while pos < num_samples:
+        m = min(global_batch, num_samples - pos)
+        if m < global_batch and drop_last:
+            break
+        sizes.append(m)
+        pos += m
+    return sizes
+
+
+class ShardedBatchSampler:
+    """Yields this rank's index batches for one epoch (set :attr:`epoch`/:attr:`start` first)."""
+
+    def __init__(self, order_fn: Callable[[int], Sequence[int]], num_samples: int, batch_size: int,
+                 rank: int, world_size: int, drop_last: bool) -> None:
+        self.order_fn = order_fn
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.start = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def __iter__(self) -> Iterator[List[int]]:
+        order = list(self.order_fn(self.epoch))
+        n = len(order)
+        pos = self.start
+        for m in plan_global_batches(n, self.global_batch, self.start, self.drop_last):
+            per_rank = math.ceil(m / self.world_size)
+            first = pos + self.rank * per_rank
+            yield [order[p] if p < n else order[(p - n) % n] for p in range(first, first + per_rank)]
+            pos += m
+
+    def __len__(self) -> int:
+        return len(plan_global_batches(self.num_samples, self.global_batch, self.start, self.drop_last))
+
+
+@dataclass
+class BatchInfo:
+    """What the loader knows about the batch it just yielded."""
+
+    real: int  # samples in this global batch that are not padding
+    padded: int  # rows an all_gather of per-sample results has (per-rank size * world size)
+    is_last: bool  # the epoch's last batch
+
+
+class LoaderStack:
+    """The prepared loaders being iterated right now, innermost last (eval inside train)."""
+
+    def __init__(self) -> None:
+        self._active: List["PreparedDataLoader"] = []
+
+    def push(self, loader: "PreparedDataLoader") -> None:
+        self._active.append(loader)
+
+    def remove(self, loader: "PreparedDataLoader") -> None:
+        if loader in self._active:
+            self._active.remove(loader)
+
+    @property
+    def current(self) -> Optional["PreparedDataLoader"]:
+        return self._active[-1] if self._active else None
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor) or (hasattr(batch, "to") and not isinstance(batch, (dict, list, tuple))):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return type(batch)((k, _move(v, device)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_move(v, device) for v in batch)
+    return batch
+
+
+class PreparedDataLoader:
+    """A ``DataLoader`` sharded across ranks (see the module docstring for the layout).
+
+    Iterating it again starts the next epoch (with a new order when shuffling); no
+    ``set_epoch`` call is needed. Batches arrive on the backend's device.
+    ``state_dict``/``load_state_dict`` resume mid-epoch, counted in global samples.
+    """
+
+    def __init__(self, loader: DataLoader, rank: int, world_size: int, device: torch.device,
+                 seed: int, stack: LoaderStack) -> None:
+        if isinstance(loader.dataset, IterableDataset):
+            raise UnifiedDistError(
+                "prepare() shards map-style datasets only; shard an IterableDataset yourself "
+                "with ud.rank() and ud.world_size()")
+        if loader.batch_size is None:
+            raise UnifiedDistError(
+                "prepare() needs a DataLoader built with batch_size=...; a custom batch_sampler "
+                "cannot be sharded without changing its batches")
+        self.dataset = loader.dataset
+        self.batch_size = loader.batch_size
+        self.shuffle = isinstance(loader.sampler, RandomSampler)
+        self.seed = seed
+        self.device = device
+        self._stack = stack
+        self._base_sampler = loader.sampler
+        self._num_samples = len(loader.sampler) if not self.shuffle else len(self.dataset)
+        self.batch_sampler = ShardedBatchSampler(
+            self._order, self._num_samples, loader.batch_size, rank, world_size, loader.drop_last)
+        kwargs: Dict[str, Any] = dict(
+            num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
+            timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+            multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+            persistent_workers=loader.persistent_workers)
+        if loader.num_workers > 0:
+            kwargs["prefetch_factor"] = loader.prefetch_factor
+        self._loader = DataLoader(self.dataset, batch_sampler=self.batch_sampler, **kwargs)
+        self._next_epoch = 0
+        self._resume_from = 0
+        self._epoch = 0
+        self._consumed = 0
+        self._in_pass = False
+        self.batch_info: Optional[BatchInfo] = None
+
+    def _order(self, epoch: int) -> Sequence[int]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            return torch.randperm(self._num_samples, generator=generator).tolist()
+        if isinstance(self._base_sampler, SequentialSampler):
+            return range(self._num_samples)
+        if hasattr(self._base_sampler, "set_epoch"):
+            self._base_sampler.set_epoch(epoch)
+        return list(self._base_sampler)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being iterated, or the one the next iteration starts."""
+        return self._epoch if self._in_pass else self._next_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (only needed to jump; iterating advances it)."""
+        self._next_epoch = epoch
+
+    def __len__(self) -> int:
+        """Batches per rank in a whole epoch."""
+        return len(plan_global_batches(self._num_samples, self.batch_sampler.global_batch, 0,
+                                       self.batch_sampler.drop_last))
+
+    def __iter__(self) -> Iterator[Any]:
+        self._epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
+        start, self._resume_from = self._resume_from, 0
+        self.batch_sampler.epoch, self.batch_sampler.start = self._epoch, start
+        sizes = plan_global_batches(self._num_samples, self.batch_sampler.global_batch, start,
+                                    self.batch_sampler.drop_last)
+        world = self.batch_sampler.world_size
+        self._consumed, self._in_pass = start, True
+        self._stack.push(self)
+        completed = False
+        try:
+            for i, (m, batch) in enumerate(zip(sizes, self._loader)):
+                self.batch_info = BatchInfo(real=m, padded=math.ceil(m / world) * world,
+                                            is_last=i == len(sizes) - 1)
+                self._consumed += m
+                yield _move(batch, self.device)
+            completed = True
+        finally:
+            self._stack.remove(self)
+            self.batch_info = None
+            if completed:
+                self._in_pass = False
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> Dict[str, int]:
+        """Where the data stream stands: the epoch and the global samples consumed in it."""
+        if self._in_pass:
+            epoch, consumed = self._epoch, self._consumed
+        else:
+            epoch, consumed = self._next_epoch, 0
+        return {"epoch": epoch, "samples_consumed": consumed, "num_samples": self._num_samples,
+                "seed": self.seed}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Make the next iteration continue where ``state`` was taken (any world size)."""
+        if int(state.get("num_samples", self._num_samples)) != self._num_samples:
+            raise UnifiedDistError(
+                f"loader state is for a dataset of {state['num_samples']} samples, this one has "
+                f"{self._num_samples}; resume with the same data")
+        self.seed = int(state.get("seed", self.seed))
+        self._in_pass = False
+        self._next_epoch = int(state["epoch"])
+        self._resume_from = int(state["samples_consumed"])
+        if not plan_global_batches(self._num_samples, self.batch_sampler.global_batch,
+                                   self._resume_from, self.batch_sampler.drop_last):
+            self._next_epoch, self._resume_from = self._next_epoch + 1, 0  # that epoch was finished

@@ -1,0 +1,359 @@
+"""The public functions. They hold the one process-wide backend and only delegate.
+
+Every function initialises with defaults on first use, so ``ud.init()`` is optional.
+"""
+from __future__ import annotations
+
+import atexit
+import builtins
+import contextlib
+import datetime
+import os
+import random
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterator, List, Optional
+
+import torch
+
+from . import checkpoint, collectives
+from .backends import Backend, Config, backend_class
+from .data import LoaderStack, PreparedDataLoader
+from .detection import Detection, detect
+from .errors import UnifiedDistError
+from .precision import resolve_mixed_precision
+from .training import GradientSync, PreparedOptimizer, PreparedScheduler
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+@dataclass
+class _Session:
+    backend: Backend
+    detection: Detection
+    sync: GradientSync
+    loaders: LoaderStack
+    optimizers: List[PreparedOptimizer] = field(default_factory=list)
+
+
+_session: Optional[_Session] = None
+_seed: int = 0
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _resolve_timeout(timeout: Optional[float]) -> datetime.timedelta:
+    if timeout is None:
+        raw = os.environ.get("UNIFIED_DIST_TIMEOUT")
+        try:
+            timeout = float(raw) if raw else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise UnifiedDistError(f"UNIFIED_DIST_TIMEOUT={raw!r} is not a number of seconds") from None
+    if timeout <= 0:
+        raise UnifiedDistError(f"timeout must be a positive number of seconds, got {timeout}")
+    return datetime.timedelta(seconds=timeout)
+
+
+def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None,
+         gradient_accumulation_steps: int = 1, timeout: Optional[float] = None,
+         debug: Optional[bool] = None) -> None:
+    """Join the job's process group through the detected (or given) backend.
+
+    Idempotent: a second call with compatible arguments does nothing; asking for another
+    backend or settings once initialised is an error (call :func:`shutdown` first).
+    ``timeout`` (seconds, default ``UNIFIED_DIST_TIMEOUT`` or 600) bounds every collective.
+    """
+    global _session
+    if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
+        raise UnifiedDistError(
+            f"gradient_accumulation_steps must be an integer >= 1, got {gradient_accumulation_steps!r}")
+    if _session is not None:
+        current = _session.backend
+        if backend is not None and backend != current.name:
+            raise UnifiedDistError(
+                f"unified_dist is already running backend {current.name!r}; call ud.shutdown() before init({backend!r})")
+        if gradient_accumulation_steps != 1 and gradient_accumulation_steps != current.config.gradient_accumulation_steps:
+            raise UnifiedDistError(
+                "init() was already called with gradient_accumulation_steps="
+                f"{current.config.gradient_accumulation_steps}; call ud.init(...) before any other ud function")
+        return
+    detection = detect(os.environ, backend)
+    for message in detection.warnings:
+        warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=2)
+    config = Config(
+        mixed_precision=resolve_mixed_precision(mixed_precision, os.environ, torch.cuda.is_available()),
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        timeout=_resolve_timeout(timeout),
+        debug=_env_flag("UNIFIED_DIST_DEBUG") if debug is None else bool(debug),
+    )
+    instance = backend_class(detection.backend)(detection, config)
+    loaders = LoaderStack()
+    _session = _Session(instance, detection, GradientSync(instance, loaders), loaders)
+    atexit.register(_shutdown_at_exit)
+
+
+def _current() -> _Session:
+    if _session is None:
+        init()
+    assert _session is not None
+    return _session
+
+
+def _backend() -> Backend:
+    return _current().backend
+
+
+def shutdown() -> None:
+    """Leave the process group; a later call to any function initialises again."""
+    global _session
+    if _session is not None:
+        session, _session = _session, None
+        session.backend.shutdown()
+
+
+def _shutdown_at_exit() -> None:
+    with contextlib.suppress(Exception):
+        shutdown()
+
+
+# ---------------------------------------------------------------------- identity
+def backend_name() -> str:
+    """``"torch"``, ``"accelerate"``, ``"horovod"`` or ``"single"``."""
+    return _backend().name
+
+
+def launcher() -> str:
+    """What started this process: ``"python"``, ``"torchrun"``, ``"accelerate"`` or ``"horovodrun"``."""
+    return _current().detection.launcher
+
+
+def rank() -> int:
+    """Global rank of this process (0 on the main process)."""
+    return _backend().rank
+
+
+def local_rank() -> int:
+    """Rank of this process on its machine."""
+    return _backend().local_rank
+
+
+def world_size() -> int:
+    """Number of processes in the job."""
+    return _backend().world_size
+
+
+def device() -> torch.device:
+    """The device this process should compute on."""
+    return _backend().device
+
+
+def is_main() -> bool:
+    """True on global rank 0 only."""
+    return rank() == 0
+
+
+def is_local_main() -> bool:
+    """True on local rank 0 of each machine."""
+    return local_rank() == 0
+
+
+def mixed_precision() -> str:
+    """The active mixed-precision mode: ``"no"``, ``"bf16"`` or ``"fp16"``."""
+    return _backend().config.mixed_precision
+
+
+def gradient_accumulation_steps() -> int:
+    """Micro-batches per optimizer step, as given to :func:`init`."""
+    return _backend().config.gradient_accumulation_steps
+
+
+# ---------------------------------------------------------------------- preparation
+def prepare(*objs: Any) -> Any:
+    """Make models, optimizers, LR schedulers and DataLoaders ready; returned in the order given.
+
+    One object in gives that object back (not a 1-tuple). Models are moved to :func:`device`
+    and their gradients averaged across ranks; optimizers step only when gradients are
+    synchronised; loaders are sharded (see :mod:`unified_dist.data`) and reshuffle each epoch.
+    """
+    session = _current()
+    backend = session.backend
+    models = [o for o in objs if isinstance(o, torch.nn.Module)]
+    out = []
+    for obj in objs:
+        if isinstance(obj, torch.nn.Module):
+            out.append(backend.prepare_model(obj))
+        elif isinstance(obj, PreparedOptimizer):
+            out.append(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            inner = backend.prepare_optimizer(obj, models[0] if len(models) == 1 else None)
+            prepared = PreparedOptimizer(inner, session.sync, backend.make_grad_scaler())
+            session.optimizers.append(prepared)
+            out.append(prepared)
+        elif isinstance(obj, torch.utils.data.DataLoader):
+            out.append(PreparedDataLoader(obj, backend.rank, backend.world_size, backend.device,
+                                          _seed, session.loaders))
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+                hasattr(obj, "step") and hasattr(obj, "state_dict") and hasattr(obj, "optimizer")):
+            out.append(PreparedScheduler(obj, session.sync))
+        else:
+            raise UnifiedDistError(
+                f"prepare() got a {type(obj).__name__}; it accepts torch.nn.Module, torch.optim.Optimizer, "
+                "LR schedulers and torch.utils.data.DataLoader")
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The original module inside a prepared model (for saving, ``save_pretrained``, inspection)."""
+    return _backend().unwrap(model)
+
+
+# ---------------------------------------------------------------------- training
+def backward(loss: torch.Tensor) -> None:
+    """Backpropagate ``loss`` (divided by the accumulation steps; scaled for fp16 if needed)."""
+    if not isinstance(loss, torch.Tensor):
+        raise UnifiedDistError(f"backward() expects the loss tensor, got {type(loss).__name__}")
+    session = _current()
+    scaler = session.optimizers[-1].scaler if session.optimizers else None
+    session.backend.backward(loss, scaler)
+
+
+@contextlib.contextmanager
+def accumulate(model: torch.nn.Module) -> Iterator[None]:
+    """Wrap one micro-step (forward, backward, step): only every k-th one synchronises.
+
+    With ``gradient_accumulation_steps=k`` the prepared optimizer steps on every k-th
+    micro-step and on the last batch of a prepared loader; in between, gradients
+    accumulate locally with no communication.
+    """
+    with _current().sync.accumulate(model):
+        yield
+
+
+def sync_gradients() -> bool:
+    """True when the current micro-step synchronises gradients (and the optimizer steps)."""
+    return _current().sync.sync_gradients
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) -> Optional[torch.Tensor]:
+    """Clip the averaged gradients; returns the total norm, or ``None`` on a non-synchronising micro-step.
+
+    Waits for gradient averaging first (Horovod averages asynchronously) and unscales fp16 gradients.
+    """
+    session = _current()
+    if not session.sync.sync_gradients:
+        return None
+    for optimizer in session.optimizers:
+        optimizer.synchronize()
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+
+def autocast() -> contextlib.AbstractContextManager:
+    """Autocast for the configured mixed precision (a no-op for ``"no"``)."""
+    return _backend().autocast()
+
+
+def seed_everything(seed: int, per_rank: bool = False) -> int:
+    """Seed python, numpy and torch (plus ``per_rank`` adds the rank) and the loaders' shuffling.
+
+    The loaders' shuffle seed is always ``seed`` itself, so every rank agrees on the order.
+    Call it before :func:`prepare`. Returns the seed used for the RNGs.
+    """
+    global _seed
+    _seed = int(seed)
+    value = _seed + (rank() if per_rank else 0)
+    random.seed(value)
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        numpy.random.seed(value % 2**32)
+    torch.manual_seed(value)
+    return value
+
+
+# ---------------------------------------------------------------------- collectives
+def all_reduce(x: Any, op: str = "mean") -> Any:
+    """Reduce ``x`` (a tensor or nested list/tuple/dict of tensors) across ranks with op sum/mean/max/min.
+
+    Returns new tensors; the input is never modified. ``mean`` is sum / world size on every backend.
+    """
+    return collectives.all_reduce(_backend(), x, op)
+
+
+def all_gather(x: Any) -> Any:
+    """Concatenate ``x`` from every rank along dim 0 in rank order; dim 0 may differ per rank."""
+    return collectives.all_gather(_backend(), x)
+
+
+def gather_for_metrics(x: Any) -> Any:
+    """``all_gather`` inside a prepared loader's loop, minus the rows its last batch padded in.
+
+    Gathering every batch of a prepared evaluation loader yields exactly ``len(dataset)`` rows,
+    each sample once, in dataset order (unshuffled loader).
+    """
+    session = _current()
+    gathered = collectives.all_gather(session.backend, x)
+    loader = session.loaders.current
+    info = loader.batch_info if loader is not None else None
+    if info is None or info.real == info.padded:
+        return gathered
+    return collectives.map_tensors(
+        gathered, lambda t: t[:info.real] if t.shape[0] == info.padded else t, "gather_for_metrics")
+
+
+def broadcast(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s value on every rank: a tensor (new tensor returned) or any picklable object."""
+    return collectives.broadcast(_backend(), obj, src)
+
+
+def barrier() -> None:
+    """Wait until every rank arrives."""
+    _backend().barrier()
+
+
+def print(*args: Any, **kwargs: Any) -> None:  # noqa: A001 - mirrors builtins.print on purpose
+    """``print`` on the main process only."""
+    if is_main():
+        kwargs.setdefault("flush", True)
+        builtins.print(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def main_process_first() -> Iterator[None]:
+    """The main process runs the block first (e.g. to fill a cache); the others follow."""
+    if not is_main():
+        barrier()
+    try:
+        yield
+    finally:
+        if is_main():
+            barrier()
+
+
+# ---------------------------------------------------------------------- checkpoints
+def save(obj: Any, path: str) -> None:
+    """Every rank calls it; the main process writes ``obj`` atomically, then all ranks return.
+
+    Prepared models are stored unwrapped (no ``module.`` prefix); optimizers, schedulers and
+    loaders as their state dicts; tensors on the CPU. A failed write raises on every rank and
+    leaves any previous file at ``path`` intact.
+    """
+    backend = _backend()
+    error = None
+    if backend.rank == 0:
+        try:
+            checkpoint.write_atomic(checkpoint.to_state(obj, backend.unwrap), path)
+        except Exception as exc:  # reported on every rank below, so no rank hangs
+            error = f"{type(exc).__name__}: {exc}"
+    error = backend.broadcast_object(error, 0) if backend.world_size > 1 else error
+    if error is not None:
+        raise UnifiedDistError(f"saving {path} failed on the main process: {error}")
+
+
+def load(path: str, map_location: Optional[Any] = None) -> Any:
+    """Read a checkpoint written by :func:`save` (under any backend) with ``weights_only=True``.
+
+    Every rank reads ``path`` itself, so it must be visible to every rank.
+    """
+    return checkpoint.read_safe(path, map_location)

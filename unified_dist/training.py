@@ -1,0 +1,140 @@
+"""Gradient accumulation, and the optimizer/scheduler wrappers that honour it on every backend.
+
+One meaning everywhere: with ``gradient_accumulation_steps=k``, inside ``ud.accumulate(model)``
+only every k-th backward pass (and the last batch of a prepared loader) synchronises
+gradients; the prepared optimizer steps and zeroes gradients only then, and the prepared
+scheduler steps once per optimizer step. ``ud.backward`` divides the loss by k, so k
+micro-batches of b samples give the gradient of one batch of k*b samples.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, List, Optional
+
+import torch
+
+from .backends.base import Backend
+from .data import LoaderStack
+
+
+class GradientSync:
+    """Counts micro-steps and decides which backward pass synchronises."""
+
+    def __init__(self, backend: Backend, loaders: LoaderStack) -> None:
+        self.backend = backend
+        self.loaders = loaders
+        self.steps = backend.config.gradient_accumulation_steps
+        self.micro_step = 0
+        self.sync_gradients = True
+
+    @contextlib.contextmanager
+    def accumulate(self, model: torch.nn.Module) -> Iterator[None]:
+        self.micro_step += 1
+        loader = self.loaders.current
+        end_of_epoch = loader is not None and loader.batch_info is not None and loader.batch_info.is_last
+        self.sync_gradients = self.micro_step % self.steps == 0 or end_of_epoch
+        if self.sync_gradients:
+            self.micro_step = 0
+        self.backend.set_sync_gradients(self.sync_gradients)
+        with (contextlib.nullcontext() if self.sync_gradients else self.backend.no_sync(model)):
+            yield
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """The user's optimizer, stepped only on synchronising micro-steps.
+
+    Subclasses ``torch.optim.Optimizer`` (without its ``__init__``) so LR schedulers accept it;
+    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, sync: GradientSync,
+                 scaler: Optional[Any] = None) -> None:
+        self.optimizer = optimizer
+        self._sync = sync
+        self.scaler = scaler
+        self._synchronized = False
+
+    # passthrough of what torch and schedulers read
+    @property
+    def param_groups(self) -> List[dict]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[dict]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict) -> None:
+        self.optimizer.defaults = value
+
+    def __repr__(self) -> str:
+        return f"PreparedOptimizer({self.optimizer!r})"
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def synchronize(self) -> None:
+        """Finish this step's gradient averaging now (Horovod: before reading or clipping grads)."""
+        if hasattr(self.optimizer, "synchronize") and hasattr(self.optimizer, "skip_synchronize"):
+            if not self._synchronized:
+                self.optimizer.synchronize()
+                self._synchronized = True
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Step only if this micro-step synchronised gradients; returns ``None`` otherwise."""
+        if not self._sync.sync_gradients:
+            return None
+        skip = self.optimizer.skip_synchronize() if self._synchronized else contextlib.nullcontext()
+        self._synchronized = False
+        with skip:
+            if self.scaler is None:
+                return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            result = self.scaler.step(self.optimizer)
+            self.scaler.update()
+            return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero gradients only on synchronising micro-steps (they accumulate in between)."""
+        if self._sync.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class PreparedScheduler:
+    """The user's LR scheduler, stepped once per optimizer step on every backend."""
+
+    def __init__(self, scheduler: Any, sync: GradientSync) -> None:
+        self.scheduler = scheduler
+        self._sync = sync
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._sync.sync_gradients:
+            self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)
