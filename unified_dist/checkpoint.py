@@ -74,7 +74,7 @@ def read_safe(path: str, map_location: Optional[Any] = None) -> Any:
                 f"refusing to load {path}: it holds pickled code or objects that weights_only=True "
                 f"does not allow ({reason}); save plain state with ud.save") from None
         raise CheckpointError(f"{path} is not a torch checkpoint ({reason})") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+    except Exception as exc:  # zip/pickle errors of a truncated or foreign file take many forms
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"{path} is truncated or not a torch checkpoint ({first}); use an earlier checkpoint") from None

@@ -115,8 +115,16 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients only on synchronising micro-steps (they accumulate in between)."""
-        if self._sync.sync_gradients:
-            self.optimizer.zero_grad(set_to_none=set_to_none)
+        if not self._sync.sync_gradients:
+            return
+        if set_to_none:
+            self.optimizer.zero_grad()  # horovod's zero_grad() takes no argument; default is set_to_none
+            return
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.detach_()
+                    p.grad.zero_()
 
 
 class PreparedScheduler:

@@ -1,0 +1,91 @@
+"""Run a script under a real launcher (python, torchrun, accelerate launch, horovodrun) for tests.
+
+Every launch gets its own free port where the launcher takes one, OMP_NUM_THREADS=1, the
+venv's ``bin/`` first on PATH (horovodrun starts ``python`` by name), and a timeout after
+which the whole process group is killed, so a hang fails the test instead of blocking CI.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+LAUNCHERS = ("python", "torchrun", "accelerate", "horovodrun")
+BACKEND_OF = {"python": "single", "torchrun": "torch", "accelerate": "accelerate", "horovodrun": "horovod"}
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2) -> List[str]:
+    """The exact command line a user would type for ``launcher`` on this CPU machine."""
+    py = str(BIN / "python")
+    if launcher == "python":
+        return [py, script, *args]
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *args]
+    if launcher == "accelerate":
+        return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port()), script, *args]
+    if launcher == "horovodrun":
+        return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo",
+                "python", script, *args]
+    raise ValueError(f"unknown launcher {launcher}")
+
+
+def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HOROVOD_", "ACCELERATE_", "TORCHELASTIC_", "UNIFIED_DIST_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Result:
+    cmd: List[str]
+    returncode: int
+    output: str
+    timed_out: bool
+
+    def check(self) -> "Result":
+        assert not self.timed_out, f"timed out: {' '.join(self.cmd)}\n{self.output[-4000:]}"
+        assert self.returncode == 0, f"exit {self.returncode}: {' '.join(self.cmd)}\n{self.output[-4000:]}"
+        return self
+
+
+def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
+        cwd: Optional[Path] = None) -> Result:
+    """Run ``cmd`` in its own session; on timeout kill the whole process group."""
+    proc = subprocess.Popen(list(cmd), cwd=cwd or ROOT, env=env or child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return Result(list(cmd), proc.returncode, out, False)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return Result(list(cmd), -9, out, True)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def launch(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2, timeout: float = 180,
+           env: Optional[Dict[str, str]] = None) -> Result:
+    """Run ``script`` under ``launcher`` with ``nproc`` processes (1 for plain python)."""
+    return run(command(launcher, script, args, nproc), timeout, child_env(env))

@@ -1,0 +1,77 @@
+"""Atomic writes, portable state, and loads that never run code."""
+import os
+import pickle
+
+import pytest
+import torch
+
+import unified_dist as ud
+from unified_dist import checkpoint
+
+
+@pytest.fixture(autouse=True)
+def fresh_facade():
+    ud.shutdown()
+    yield
+    ud.shutdown()
+
+
+def test_ddp_prefix_is_stripped_and_tensors_are_plain():
+    wrapped = {"module.weight": torch.ones(2), "module.bias": torch.zeros(1)}
+    state = checkpoint.to_state({"model": wrapped, "step": 3}, lambda m: m)
+    assert set(state["model"]) == {"weight", "bias"} and state["step"] == 3
+
+
+def test_save_load_round_trip(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ud.prepare(model, opt)
+    ud.save({"model": model, "optimizer": opt, "epoch": 2}, str(tmp_path / "c.pt"))
+    got = ud.load(str(tmp_path / "c.pt"))
+    assert got["epoch"] == 2 and torch.equal(got["model"]["weight"], model.weight.detach())
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "c.pt")
+    ud.save({"v": torch.tensor([1.0])}, path)
+
+    def broken_save(obj, handle):
+        handle.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpoint.torch, "save", broken_save)
+    with pytest.raises(ud.UnifiedDistError, match="saving .* failed on the main process: OSError: disk full"):
+        ud.save({"v": torch.tensor([2.0])}, path)
+    monkeypatch.undo()
+    assert ud.load(path)["v"].item() == 1.0
+    assert os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_missing_truncated_and_foreign_files(tmp_path):
+    with pytest.raises(ud.CheckpointError, match="does not exist"):
+        ud.load(str(tmp_path / "nope.pt"))
+    good = tmp_path / "good.pt"
+    ud.save({"w": torch.randn(100)}, str(good))
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[:200])
+    with pytest.raises(ud.CheckpointError, match="truncated or not a torch checkpoint") as info:
+        ud.load(str(truncated))
+    assert "\n" not in str(info.value)
+    foreign = tmp_path / "notes.txt"
+    foreign.write_text("hello")
+    with pytest.raises(ud.CheckpointError):
+        ud.load(str(foreign))
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_pickled_code_is_refused_with_the_reason(tmp_path):
+    evil = tmp_path / "evil.pt"
+    torch.save({"x": Payload()}, str(evil), pickle_module=pickle)
+    with pytest.raises(ud.CheckpointError, match="refusing to load .*weights_only=True") as info:
+        ud.load(str(evil))
+    assert "\n" not in str(info.value)

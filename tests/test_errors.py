@@ -1,0 +1,107 @@
+"""Every documented error is one actionable line (single process; backends faked by absence)."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import unified_dist as ud
+from unified_dist.precision import resolve_mixed_precision
+from launchers import ROOT, child_env
+
+
+@pytest.fixture(autouse=True)
+def fresh_facade():
+    ud.shutdown()
+    yield
+    ud.shutdown()
+
+
+def one_line(exc_info):
+    text = str(exc_info.value)
+    assert text and "\n" not in text, text
+    return text
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError) as info:
+        ud.init(backend="nccl")
+    assert "unknown backend 'nccl'" in one_line(info)
+
+
+@pytest.mark.parametrize("backend,module,hint", [
+    ("accelerate", "accelerate", "pip install unified_dist[accelerate]"),
+    ("horovod", "horovod", "make setup"),
+])
+def test_backend_not_installed_says_how_to_install(backend, module, hint):
+    code = (f"import sys; sys.modules[{module!r}] = None\n"
+            "import unified_dist as ud\n"
+            f"try:\n    ud.init(backend={backend!r})\n"
+            "except ud.BackendNotInstalled as exc:\n    print('ERR', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=ROOT, capture_output=True,
+                         text=True, timeout=120).stdout
+    assert out.startswith("ERR ") and hint in out and out.count("\n") == 1, out
+
+
+def test_non_tensor_and_unknown_op():
+    with pytest.raises(ud.CollectiveError) as info:
+        ud.all_reduce([torch.ones(1), 2.0])
+    assert "x[1] is float" in one_line(info)
+    with pytest.raises(ud.CollectiveError) as info:
+        ud.all_reduce(torch.ones(1), op="avg")
+    assert "use one of sum, mean, max, min" in one_line(info)
+    with pytest.raises(ud.CollectiveError):
+        ud.all_gather("text")
+
+
+def test_fp16_on_cpu_is_refused_with_the_alternative():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; fp16 is allowed")
+    with pytest.raises(ud.PrecisionError) as info:
+        ud.init(mixed_precision="fp16")
+    assert "bf16" in one_line(info)
+    with pytest.raises(ud.PrecisionError):
+        resolve_mixed_precision(None, {"ACCELERATE_MIXED_PRECISION": "fp16"}, cuda=False)
+    with pytest.raises(ud.PrecisionError, match="unknown mixed precision"):
+        resolve_mixed_precision("fp8x", {}, cuda=True)
+
+
+def test_precision_resolution_order():
+    assert resolve_mixed_precision(None, {}, cuda=False) == "no"
+    assert resolve_mixed_precision(None, {"ACCELERATE_MIXED_PRECISION": "bf16"}, cuda=False) == "bf16"
+    assert resolve_mixed_precision("no", {"ACCELERATE_MIXED_PRECISION": "bf16"}, cuda=False) == "no"
+    assert resolve_mixed_precision(None, {"UNIFIED_DIST_MIXED_PRECISION": "BF16"}, cuda=False) == "bf16"
+
+
+def test_bad_init_arguments():
+    with pytest.raises(ud.UnifiedDistError, match="gradient_accumulation_steps must be an integer >= 1"):
+        ud.init(gradient_accumulation_steps=0)
+    with pytest.raises(ud.UnifiedDistError, match="positive number of seconds"):
+        ud.init(timeout=-1)
+
+
+def test_init_is_idempotent_and_refuses_a_second_backend():
+    ud.init()
+    ud.init()
+    assert ud.backend_name() == "single"
+    with pytest.raises(ud.UnifiedDistError, match="call ud.shutdown"):
+        ud.init(backend="torch")
+
+
+def test_prepare_rejects_unknown_objects_and_backward_non_tensor():
+    with pytest.raises(ud.UnifiedDistError, match="prepare\\(\\) got a str"):
+        ud.prepare("model")
+    with pytest.raises(ud.UnifiedDistError, match="expects the loss tensor, got float"):
+        ud.backward(1.0)
+
+
+def test_iterable_dataset_and_batch_sampler_loaders_are_refused():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    with pytest.raises(ud.UnifiedDistError, match="map-style"):
+        ud.prepare(torch.utils.data.DataLoader(Stream(), batch_size=2))
+    sampler = torch.utils.data.BatchSampler(range(4), batch_size=2, drop_last=False)
+    with pytest.raises(ud.UnifiedDistError, match="batch_size"):
+        ud.prepare(torch.utils.data.DataLoader(list(range(4)), batch_sampler=sampler))

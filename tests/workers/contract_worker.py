@@ -1,0 +1,382 @@
+"""Checks of the facade's contract, run inside every rank under a real launcher.
+
+    <launcher> tests/workers/contract_worker.py --suite core|accum|bf16 --out DIR
+
+Each check raises AssertionError on failure; results go to DIR/<suite>_rank<R>.json as
+{check: "ok" | "FAIL: ..."} plus the detected identity. Checks call collectives in the same
+order on every rank and assert only afterwards, so one failing rank does not hang the others.
+Expected values come from arithmetic or from a plain single-process torch computation, never
+from the facade itself.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import json
+import os
+import traceback
+
+import torch
+
+import unified_dist as ud
+
+CHECKS = {}
+
+
+def check(suite):
+    def register(fn):
+        CHECKS.setdefault(suite, []).append(fn)
+        return fn
+    return register
+
+
+def close(a, b, atol=1e-6):
+    assert torch.allclose(a.double(), b.double(), atol=atol, rtol=0), f"{a} != {b}"
+
+
+# ----------------------------------------------------------------- collectives
+@check("core")
+def identity():
+    r, w = ud.rank(), ud.world_size()
+    ranks = ud.all_gather(torch.tensor(r))
+    assert ranks.tolist() == list(range(w)), ranks
+    assert ud.is_main() == (r == 0)
+    assert 0 <= ud.local_rank() < w and ud.is_local_main() == (ud.local_rank() == 0)
+    assert ud.device().type in ("cpu", "cuda")
+
+
+@check("core")
+def all_reduce_ops():
+    r, w = ud.rank(), ud.world_size()
+    x = torch.tensor([1.0, -2.0, 3.0]) * (r + 1)
+    before = x.clone()
+    got = {op: ud.all_reduce(x, op) for op in ("sum", "mean", "max", "min")}
+    default = ud.all_reduce(x)
+    total = sum(range(1, w + 1))
+    close(got["sum"], torch.tensor([1.0, -2.0, 3.0]) * total)
+    close(got["mean"], torch.tensor([1.0, -2.0, 3.0]) * total / w)
+    close(default, got["mean"])
+    close(got["max"], torch.tensor([w, -2.0, 3 * w]))
+    close(got["min"], torch.tensor([1.0, -2.0 * w, 3.0]))
+    assert torch.equal(x, before), "all_reduce modified its input"
+    assert all(t is not x for t in got.values())
+
+
+@check("core")
+def all_reduce_integers_and_nested():
+    r, w = ud.rank(), ud.world_size()
+    nested = {"count": torch.tensor(r + 1), "pair": [torch.tensor([r, 1]), (torch.ones(2, 2) * r,)]}
+    summed = ud.all_reduce(nested, "sum")
+    mean = ud.all_reduce(torch.tensor([r], dtype=torch.int64), "mean")
+    total = sum(range(w))
+    assert summed["count"].item() == sum(range(1, w + 1)) and summed["count"].dtype == torch.int64
+    assert summed["pair"][0].tolist() == [total, w]
+    assert isinstance(summed["pair"][1], tuple)
+    close(summed["pair"][1][0], torch.ones(2, 2) * total)
+    assert mean.is_floating_point(), mean.dtype
+    close(mean, torch.tensor([total / w]))
+    assert nested["count"].item() == r + 1
+
+
+@check("core")
+def all_gather_even_uneven_0d():
+    r, w = ud.rank(), ud.world_size()
+    even = ud.all_gather(torch.full((2, 3), float(r)))
+    uneven = ud.all_gather(torch.arange(r + 1, dtype=torch.float32).reshape(-1, 1) + 10 * r)
+    scalar = ud.all_gather(torch.tensor(float(r)))
+    empty = ud.all_gather(torch.zeros((0 if r == 0 else 1, 2)))
+    assert even.shape == (2 * w, 3) and even[::2, 0].tolist() == list(range(w))
+    expected = torch.cat([torch.arange(k + 1, dtype=torch.float32).reshape(-1, 1) + 10 * k for k in range(w)])
+    close(uneven, expected)
+    close(scalar, torch.arange(w, dtype=torch.float32))
+    assert empty.shape == (w - 1, 2), empty.shape
+
+
+@check("core")
+def all_gather_mismatch_is_clear_error():
+    r, w = ud.rank(), ud.world_size()
+    if w == 1:
+        return
+    try:
+        ud.all_gather(torch.zeros(2, 3 + r))
+    except ud.CollectiveError as exc:
+        text = str(exc)
+        assert "rank 0: (2, 3)" in text and "rank 1: (2, 4)" in text, text
+        assert "\n" not in text
+    else:
+        raise AssertionError("mismatched trailing dims did not raise")
+
+
+@check("core")
+def bad_input_errors():
+    for bad, fn in (("not a tensor", lambda: ud.all_reduce(3.0)),
+                    ("unknown op", lambda: ud.all_reduce(torch.ones(1), "avg")),
+                    ("nested non-tensor", lambda: ud.all_reduce({"a": [torch.ones(1), "x"]}))):
+        try:
+            fn()
+        except ud.CollectiveError as exc:
+            assert "\n" not in str(exc), bad
+        else:
+            raise AssertionError(f"{bad}: no error")
+
+
+@check("core")
+def broadcast_tensor_and_object():
+    r, w = ud.rank(), ud.world_size()
+    src = w - 1
+    x = torch.arange(4.0) + 100 * r
+    before = x.clone()
+    t = ud.broadcast(x, src=src)
+    o = ud.broadcast({"from": r, "items": [r, "x"]}, src=src)
+    close(t, torch.arange(4.0) + 100 * src)
+    assert torch.equal(x, before)
+    assert o == {"from": src, "items": [src, "x"]}, o
+
+
+@check("core")
+def barrier_and_main_first():
+    order = []
+    with ud.main_process_first():
+        order.append(ud.rank())
+    ud.barrier()
+    assert order == [ud.rank()]
+
+
+# ----------------------------------------------------------------- physics of training
+def _model():
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _data(n):
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(n, 5, generator=g), torch.randn(n, 1, generator=g)
+
+
+def _reference_steps(x, y, global_batch, steps, opt_cls, **opt_kwargs):
+    """Plain single-process torch: `steps` optimizer steps on consecutive global batches."""
+    model = _model()
+    opt = opt_cls(model.parameters(), **opt_kwargs)
+    for s in range(steps):
+        xb, yb = x[s * global_batch:(s + 1) * global_batch], y[s * global_batch:(s + 1) * global_batch]
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, **opt_kwargs):
+    w = ud.world_size()
+    n = per_rank_batch * w * accumulation * steps
+    x, y = _data(n)
+    model = _model()
+    opt = opt_cls(model.parameters(), **opt_kwargs)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=per_rank_batch)
+    model, opt, loader = ud.prepare(model, opt, loader)
+    for xb, yb in loader:
+        with ud.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            ud.backward(loss)
+            opt.step()
+            opt.zero_grad()
+    ref = _reference_steps(x, y, per_rank_batch * w * accumulation, steps, opt_cls, **opt_kwargs)
+    return ud.unwrap(model), ref
+
+
+def _same_params(model, ref, atol=1e-6):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach().cpu(), q.detach(), atol=atol)
+
+
+@check("core")
+def gradient_average_matches_single_process_sgd():
+    """N ranks x batch b, one SGD step == 1 process x batch N*b."""
+    model, ref = _facade_steps(4, 1, torch.optim.SGD, 1, lr=0.5)
+    _same_params(model, ref)
+
+
+@check("core")
+def gradient_average_matches_single_process_adamw_3_steps():
+    model, ref = _facade_steps(3, 3, torch.optim.AdamW, 1, lr=0.05, weight_decay=0.1)
+    _same_params(model, ref, atol=1e-5)
+
+
+@check("accum")
+def accumulation_matches_single_process_sgd():
+    """N ranks x 2 micro-batches x b == 1 process x 2*N*b, and only one step is taken."""
+    assert ud.gradient_accumulation_steps() == 2
+    model, ref = _facade_steps(3, 1, torch.optim.SGD, 2, lr=0.5)
+    _same_params(model, ref)
+
+
+@check("accum")
+def accumulation_matches_single_process_adamw_2_steps():
+    model, ref = _facade_steps(2, 2, torch.optim.AdamW, 2, lr=0.05, weight_decay=0.1)
+    _same_params(model, ref, atol=1e-5)
+
+
+@check("accum")
+def accumulation_steps_only_every_kth_microstep():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ud.prepare(model, opt)
+    synced, stepped = [], []
+    first = copy.deepcopy(ud.unwrap(model).state_dict())
+    for i in range(4):
+        with ud.accumulate(model):
+            ud.backward(model(torch.ones(2, 5)).sum())
+            synced.append(ud.sync_gradients())
+            opt.step()
+            stepped.append(not torch.equal(ud.unwrap(model).state_dict()["0.weight"], first["0.weight"]))
+            opt.zero_grad()
+    assert synced == [False, True, False, True], synced
+    assert stepped[0] is False and stepped[1] is True, stepped
+
+
+# ----------------------------------------------------------------- loaders
+@check("core")
+def train_loader_shards_disjoint_cover_and_reshuffle():
+    r, w = ud.rank(), ud.world_size()
+    n, b = 23, 3
+    ds = torch.utils.data.TensorDataset(torch.arange(n))
+    loader = ud.prepare(torch.utils.data.DataLoader(ds, batch_size=b, shuffle=True))
+    epochs = []
+    for _ in range(2):
+        mine, gathered = [], []
+        for (idx,) in loader:
+            mine.extend(idx.tolist())
+            gathered.append(ud.gather_for_metrics(idx))
+        epochs.append((mine, torch.cat(gathered).tolist()))
+    lengths = ud.all_gather(torch.tensor([len(epochs[0][0])]))
+    for mine, everything in epochs:
+        assert sorted(everything) == list(range(n)), everything
+    assert len(set(lengths.tolist())) == 1, f"ranks got different numbers of samples: {lengths}"
+    assert epochs[0][1] != epochs[1][1], "same order in two epochs"
+    # world-size invariant: the gathered order is the single-process permutation of seed+epoch
+    for epoch, (_, everything) in enumerate(epochs):
+        expected = torch.randperm(n, generator=torch.Generator().manual_seed(0 + epoch)).tolist()
+        assert everything == expected, (epoch, everything, expected)
+
+
+@check("core")
+def eval_loader_gather_for_metrics_counts_each_sample_once():
+    w = ud.world_size()
+    for n, b in ((23, 4), (7, 5), (1, 2), (16, 2)):
+        ds = torch.utils.data.TensorDataset(torch.arange(n), torch.arange(n) * 2)
+        loader = ud.prepare(torch.utils.data.DataLoader(ds, batch_size=b))
+        rows, plain_rows = [], 0
+        for idx, doubled in loader:
+            got = ud.gather_for_metrics({"idx": idx, "twice": doubled})
+            plain_rows += ud.all_gather(idx).shape[0]
+            rows.append(got)
+        idx = torch.cat([g["idx"] for g in rows])
+        twice = torch.cat([g["twice"] for g in rows])
+        assert idx.tolist() == list(range(n)), (n, b, idx.tolist())
+        assert torch.equal(twice, idx * 2)
+        assert n <= plain_rows <= n + w - 1, (n, plain_rows)  # padding only evens out the last step
+
+
+@check("core")
+def loader_state_resumes_mid_epoch():
+    n, b = 20, 2
+    ds = torch.utils.data.TensorDataset(torch.arange(n))
+    loader = ud.prepare(torch.utils.data.DataLoader(ds, batch_size=b, shuffle=True))
+    full = [ud.all_gather(i).tolist() for (i,) in loader]
+    again = ud.prepare(torch.utils.data.DataLoader(ds, batch_size=b, shuffle=True))
+    seen = []
+    for k, (i,) in enumerate(again):
+        seen.append(ud.all_gather(i).tolist())
+        if k == 1:
+            state = again.state_dict()
+            break
+    assert state["epoch"] == 0 and state["samples_consumed"] == 2 * b * ud.world_size(), state
+    resumed = ud.prepare(torch.utils.data.DataLoader(ds, batch_size=b, shuffle=True))
+    resumed.load_state_dict(state)
+    seen += [ud.all_gather(i).tolist() for (i,) in resumed]
+    assert seen == full, (seen, full)
+    assert resumed.state_dict()["epoch"] == 1
+
+
+# ----------------------------------------------------------------- checkpoints
+def _deterministic_model():
+    torch.manual_seed(99)
+    return torch.nn.Linear(4, 3)
+
+
+@check("core")
+def save_load_round_trip_and_cross_backend(out_dir):
+    model = _deterministic_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model, opt = ud.prepare(model, opt)
+    with ud.accumulate(model):
+        ud.backward(model(torch.ones(2, 4)).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    path = os.path.join(out_dir, f"ckpt_{ud.backend_name()}.pt")
+    ud.save({"model": model, "optimizer": opt, "step": 1, "backend": ud.backend_name()}, path)
+    state = ud.load(path)
+    assert state["step"] == 1 and state["backend"] == ud.backend_name()
+    assert set(state["model"]) == {"weight", "bias"}, list(state["model"])
+    for k, v in ud.unwrap(model).state_dict().items():
+        close(state["model"][k], v.cpu())
+    assert state["optimizer"]["state"], "optimizer state missing"
+    # checkpoints written by the other backends' runs (same deterministic model and step) load here
+    others = [p for p in glob.glob(os.path.join(out_dir, "ckpt_*.pt")) if p != path]
+    for other in others:
+        theirs = ud.load(other)
+        fresh = _deterministic_model()
+        fresh.load_state_dict(theirs["model"])
+        for k, v in fresh.state_dict().items():
+            close(v, state["model"][k], atol=1e-6)
+    with open(os.path.join(out_dir, f"loaded_by_{ud.backend_name()}_rank{ud.rank()}.json"), "w") as f:
+        json.dump(sorted(os.path.basename(o) for o in others), f)
+
+
+# ----------------------------------------------------------------- mixed precision
+@check("bf16")
+def bf16_autocast_trains_on_cpu():
+    assert ud.mixed_precision() == "bf16"
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ud.prepare(model, opt)
+    x, y = _data(8)
+    with ud.accumulate(model):
+        with ud.autocast():
+            hidden = ud.unwrap(model)[0](x)
+            loss = torch.nn.functional.mse_loss(model(x).float(), y)
+        ud.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    assert hidden.dtype == torch.bfloat16, hidden.dtype
+    assert torch.isfinite(loss)
+    weights = ud.all_gather(ud.unwrap(model)[0].weight.detach().reshape(1, -1))
+    assert torch.equal(weights[0], weights[-1]), "ranks diverged"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--suite", choices=["core", "accum", "bf16"], required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    ud.init(gradient_accumulation_steps=2 if args.suite == "accum" else 1,
+            mixed_precision="bf16" if args.suite == "bf16" else None)
+    results = {}
+    for fn in CHECKS[args.suite]:
+        try:
+            fn(args.out) if fn.__code__.co_argcount else fn()
+            results[fn.__name__] = "ok"
+        except Exception as exc:  # recorded for pytest to report per check
+            results[fn.__name__] = "FAIL: " + "".join(traceback.format_exception_only(type(exc), exc)).strip() \
+                + "\n" + traceback.format_exc()[-1500:]
+    identity = {"backend": ud.backend_name(), "launcher": ud.launcher(), "world_size": ud.world_size(),
+                "rank": ud.rank()}
+    with open(os.path.join(args.out, f"{args.suite}_rank{ud.rank()}.json"), "w") as f:
+        json.dump({"identity": identity, "results": results}, f)
+    ud.barrier()
+    ud.shutdown()
+
+
+if __name__ == "__main__":
+    main()
