@@ -38,4 +38,4 @@ if ! ls "$CACHE"/horovod-*.whl >/dev/null 2>&1; then
   cp "$WORK"/dist/horovod-*.whl "$CACHE/"
 fi
 "$PY" -m pip install --quiet --no-deps "$CACHE"/horovod-*.whl
-"$PY" -c 'import horovod.torch as hvd; print("horovod", hvd.__version__ if hasattr(hvd, "__version__") else "", "ok")'
+"$PY" -c 'import horovod.torch as hvd; import horovod; print("horovod", horovod.__version__, "installed with torch ops")'

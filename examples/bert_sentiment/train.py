@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     import datasets
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
 
@@ -332,6 +333,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         train_loader.load_state_dict(ck["loader"])
         if "torch_rng" in ck:
             torch.set_rng_state(ck["torch_rng"])
+        # The schedule spans *this* run's --epochs/--max-steps. If they changed since the checkpoint
+        # (e.g. resuming with a larger --max-steps), the restored LR is the old schedule's; take the
+        # next step's LR from the new one instead.
+        for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["lr"] = base_lr * factor(scheduler.last_epoch)
         step, resumed_from = int(ck["step"]), resume_path
         old_batch = ck.get("global_batch")
         ud.print(f"resumed from {resume_path}: step {step}, epoch {ck['loader']['epoch'] + 1}, "
