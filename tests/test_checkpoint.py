@@ -75,3 +75,57 @@ def test_pickled_code_is_refused_with_the_reason(tmp_path):
     with pytest.raises(ud.CheckpointError, match="refusing to load .*weights_only=True") as info:
         ud.load(str(evil))
     assert "\n" not in str(info.value)
+
+
+def test_rotation_keeps_the_newest_and_never_the_only_good_one(tmp_path):
+    d = str(tmp_path)
+    for step in (10, 20, 30, 40):
+        path = ud.save_checkpoint({"step": step}, d, step, keep_last=2)
+    assert sorted(os.listdir(d)) == ["checkpoint-000000030.pt", "checkpoint-000000040.pt"]
+    assert ud.latest_checkpoint(d) == path and ud.load(path)["step"] == 40
+    # a truncated newest file (e.g. copied by hand) is skipped by latest() and deletes nothing
+    broken = checkpoint.checkpoint_path(d, 50)
+    with open(broken, "wb") as f:
+        f.write(b"PK\x03\x04 not really")
+    checkpoint.rotate(d, 1, broken)
+    assert ud.latest_checkpoint(d) == path and len(os.listdir(d)) == 3
+    assert ud.latest_checkpoint(str(tmp_path / "empty")) is None
+
+
+KILL_DURING_SAVE = r"""
+import sys, torch, unified_dist as ud
+path = sys.argv[1]
+print("ready", flush=True)
+ud.save({"w": torch.randn(64, 1024, 1024), "tag": "new"}, path)   # 256 MiB: takes a while to write
+"""
+
+
+def test_killing_a_process_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from launchers import ROOT, child_env
+
+    path = tmp_path / "ckpt.pt"
+    ud.save({"w": torch.arange(5.0), "tag": "previous"}, str(path))
+    proc = subprocess.Popen([sys.executable, "-c", KILL_DURING_SAVE, str(path)], env=child_env(), cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        deadline = time.time() + 60
+        while time.time() < deadline and not any(p.name.endswith(".tmp") and p.stat().st_size > 10_000_000
+                                                 for p in tmp_path.iterdir()):
+            time.sleep(0.05)
+        assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "never caught it mid-write"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    state = ud.load(str(path))  # loadable whatever the moment of the kill
+    if state["tag"] == "previous":
+        assert torch.equal(state["w"], torch.arange(5.0))
+    else:  # the kill landed after the rename: then the new file is whole
+        assert state["tag"] == "new" and state["w"].shape == (64, 1024, 1024)

@@ -33,7 +33,7 @@ def test_detection_table(name, env, explicit, backend, launcher, world, rank, lo
     got = detect(env, explicit)
     assert (got.backend, got.launcher, got.world_size, got.rank, got.local_rank) == (backend, launcher, world, rank, local)
     assert got.reason
-    assert got.warnings == ()
+    assert got.warnings == () and got.problems == ()
 
 
 def test_accelerate_without_multi_gpu_warns_with_the_right_command():
@@ -42,13 +42,14 @@ def test_accelerate_without_multi_gpu_warns_with_the_right_command():
            "MASTER_PORT": "29500"}
     got = detect(env)
     assert got.backend == "accelerate" and got.world_size == 1
-    assert len(got.warnings) == 1 and "--multi_gpu --num_processes" in got.warnings[0]
+    assert len(got.problems) == 1 and "--multi_gpu --num_processes" in got.problems[0]
+    assert detect(env, "single").warnings == got.problems  # an explicit choice only warns
 
 
-def test_half_set_torch_variables_warn():
+def test_half_set_torch_variables_are_a_problem():
     got = detect({"WORLD_SIZE": "2"})
     assert got.backend == "single"
-    assert "RANK missing" in got.warnings[0] and "torchrun" in got.warnings[0]
+    assert "RANK missing" in got.problems[0] and "torchrun" in got.problems[0]
 
 
 @pytest.mark.parametrize("explicit,env", [("mpi", {}), (None, {"UNIFIED_DIST_BACKEND": "deepspeed"})])

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import tempfile
+import zipfile
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -78,3 +80,48 @@ def read_safe(path: str, map_location: Optional[Any] = None) -> Any:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"{path} is truncated or not a torch checkpoint ({first}); use an earlier checkpoint") from None
+
+
+_NAME = re.compile(r"^checkpoint-(\d+)\.pt$")
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    """Where :func:`rotate` expects step ``step``'s checkpoint: ``directory/checkpoint-<step>.pt``."""
+    return os.path.join(directory, f"checkpoint-{step:09d}.pt")
+
+
+def _listed(directory: str) -> List[Tuple[int, str]]:
+    if not os.path.isdir(directory):
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, name))
+             for name in os.listdir(directory) if (m := _NAME.match(name))]
+    return sorted(found)
+
+
+def looks_complete(path: str) -> bool:
+    """Cheap integrity check: a torch zip archive whose central directory reads back."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def rotate(directory: str, keep_last: int, newest: str) -> None:
+    """Delete all but the ``keep_last`` newest checkpoints; never ``newest`` (just written)."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    if not looks_complete(newest):
+        return  # never delete older ones unless the new one is good
+    listed = [path for _, path in _listed(directory)]
+    for path in listed[:-keep_last]:
+        if os.path.abspath(path) != os.path.abspath(newest):
+            os.unlink(path)
+
+
+def latest(directory: str) -> Optional[str]:
+    """The newest complete checkpoint in ``directory`` (by step), or ``None``."""
+    for _, path in reversed(_listed(directory)):
+        if looks_complete(path):
+            return path
+    return None

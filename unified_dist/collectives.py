@@ -7,12 +7,14 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List
+import contextlib
+from typing import Any, Callable, Iterator, List
 
 import torch
 
+from . import checkmode
 from .backends.base import Backend
-from .errors import CollectiveError
+from .errors import CollectiveError, CollectiveTimeout, PeerLost, UnifiedDistError
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -36,6 +38,42 @@ def _private_copy(backend: Backend, t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(backend.device, copy=True).contiguous()
 
 
+_TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded", "stalled")
+_PEER_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "horovodinternalerror",
+               "horovod has been shut down", "connection refused", "socket closed")
+
+
+@contextlib.contextmanager
+def guarded(backend: Backend, what: str, checked: Any = None, **args: Any) -> Iterator[None]:
+    """Run one collective: compare signatures first in check mode; turn hangs and lost peers into clear errors."""
+    if backend.config.debug:
+        checkmode.verify(backend, checkmode.signature(what, checked, **args))
+    try:
+        yield
+    except UnifiedDistError:
+        raise
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}".lower()
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        seconds = int(backend.config.timeout.total_seconds())
+        if any(word in text for word in _TIMEOUT_WORDS):
+            raise CollectiveTimeout(
+                f"{what} timed out after {seconds}s on rank {backend.rank}: another rank is stuck, dead or "
+                f"calling a different collective ({first[:200]}); rerun with UNIFIED_DIST_DEBUG=1 to compare "
+                "collectives across ranks") from exc
+        if any(word in text for word in _PEER_WORDS):
+            raise PeerLost(
+                f"{what} failed on rank {backend.rank}: a peer process is gone ({first[:200]}); "
+                "the launcher's log names the rank that exited first") from exc
+        raise
+
+
+def barrier(backend: Backend) -> None:
+    """Return when every rank has called it."""
+    with guarded(backend, "barrier"):
+        backend.barrier()
+
+
 def all_reduce(backend: Backend, x: Any, op: str = "mean") -> Any:
     """Reduce every tensor in ``x`` across ranks; returns new tensors on the backend's device.
 
@@ -43,6 +81,7 @@ def all_reduce(backend: Backend, x: Any, op: str = "mean") -> Any:
     """
     if op not in REDUCE_OPS:
         raise CollectiveError(f"unknown all_reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+    map_tensors(x, lambda t: t, "all_reduce")  # validate before any rank communicates
 
     def reduce_one(t: torch.Tensor) -> torch.Tensor:
         work = _private_copy(backend, t)
@@ -56,16 +95,19 @@ def all_reduce(backend: Backend, x: Any, op: str = "mean") -> Any:
             return out / backend.world_size
         return out.to(torch.bool) if was_bool and op != "sum" else out
 
-    return map_tensors(x, reduce_one, "all_reduce")
+    with guarded(backend, "all_reduce", x, op=op):
+        return map_tensors(x, reduce_one, "all_reduce")
 
 
-def all_gather(backend: Backend, x: Any) -> Any:
+def all_gather(backend: Backend, x: Any, what: str = "all_gather") -> Any:
     """Concatenate every rank's tensors along dim 0 in rank order (0-d tensors become one row).
 
     Dim 0 may differ between ranks; the other dims and the dtype must match, else every rank
     raises a :class:`CollectiveError` naming each rank's shape.
     """
-    return map_tensors(x, lambda t: _gather_one(backend, t), "all_gather")
+    map_tensors(x, lambda t: t, "all_gather")
+    with guarded(backend, what, x):
+        return map_tensors(x, lambda t: _gather_one(backend, t), what)
 
 
 def _gather_one(backend: Backend, t: torch.Tensor) -> torch.Tensor:
@@ -106,6 +148,8 @@ def broadcast(backend: Backend, obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s value on every rank: a tensor (same shape/dtype on all ranks) or any picklable object."""
     if not 0 <= src < backend.world_size:
         raise CollectiveError(f"broadcast src={src} is not a rank; use 0 .. {backend.world_size - 1}")
-    if isinstance(obj, torch.Tensor):
-        return backend.broadcast_(_private_copy(backend, obj), src)
-    return backend.broadcast_object(obj, src)
+    is_tensor = isinstance(obj, torch.Tensor)
+    with guarded(backend, "broadcast", obj if is_tensor else None, src=src, tensor=is_tensor):
+        if is_tensor:
+            return backend.broadcast_(_private_copy(backend, obj), src)
+        return backend.broadcast_object(obj, src)

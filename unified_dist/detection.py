@@ -38,7 +38,9 @@ class Detection:
 
     ``backend`` is one of :data:`BACKENDS`; ``launcher`` names what started the process
     (``"python"``, ``"torchrun"``, ``"accelerate"``, ``"horovodrun"``, or ``"explicit"``);
-    ``reason`` is one human sentence; ``warnings`` are contradictions worth telling the user.
+    ``reason`` is one human sentence. ``problems`` are contradictions in a launcher's
+    environment (``init`` refuses to start on them, naming the right command); ``warnings`` are
+    the same contradictions when the user chose the backend explicitly, so they only warn.
     """
 
     backend: str
@@ -48,6 +50,7 @@ class Detection:
     rank: int = 0
     local_rank: int = 0
     warnings: Tuple[str, ...] = field(default_factory=tuple)
+    problems: Tuple[str, ...] = field(default_factory=tuple)
 
 
 class DetectionError(ValueError):
@@ -88,7 +91,8 @@ def _half_set_torch_vars(env: Mapping[str, str]) -> Optional[str]:
         return None
     missing = [k for k in ("RANK", "WORLD_SIZE") if k not in present]
     return (f"{', '.join(present)} set but {', '.join(missing)} missing: a distributed launch "
-            f"half-configured; start with torchrun (or unset {', '.join(present)})")
+            f"half-configured; start with torchrun, or unset {', '.join(present)}, "
+            f"or set {ENV_BACKEND}=single to run one process anyway")
 
 
 def detect(env: Mapping[str, str], explicit: Optional[str] = None) -> Detection:
@@ -112,14 +116,14 @@ def _choose(name: str, env: Mapping[str, str], launcher_hint: str, why: str) -> 
             f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} (or leave it unset to detect the launcher)")
     found = _from_launcher(env)
     if name == "single":
-        return Detection("single", "python", f"{why}: one plain process", warnings=found.warnings)
+        return Detection("single", "python", f"{why}: one plain process", warnings=found.problems)
     if name == "horovod":
         base = _horovod(env) if any(k in env for k in _HOROVOD_KEYS) else Detection("horovod", "python", "")
     else:
         base = _torch_style(env, name, found.launcher, "")
     return Detection(name, found.launcher if found.backend != "single" else "python", why,
                      world_size=base.world_size, rank=base.rank, local_rank=base.local_rank,
-                     warnings=found.warnings)
+                     warnings=found.problems)
 
 
 def _from_launcher(env: Mapping[str, str]) -> Detection:
@@ -129,19 +133,19 @@ def _from_launcher(env: Mapping[str, str]) -> Detection:
         if env.get("WORLD_SIZE") and env.get("RANK"):
             return _torch_style(env, "accelerate", "accelerate",
                                 "ACCELERATE_* and RANK/WORLD_SIZE are set (started by accelerate launch)")
-        warnings = ()
+        problems: Tuple[str, ...] = ()
         if env.get("MASTER_PORT") or env.get("MASTER_ADDR"):
-            warnings = (
+            problems = (
                 "accelerate launch asked for several processes but started them without a distributed "
                 "launcher, so each one runs alone (world size 1). On a CPU machine run: accelerate launch "
                 "--multi_gpu --num_processes N --num_machines 1 --mixed_precision no --dynamo_backend no script.py",
             )
         return Detection("accelerate", "accelerate",
                          "ACCELERATE_* is set without RANK/WORLD_SIZE (accelerate launch, one process)",
-                         warnings=warnings)
+                         problems=problems)
     if env.get("TORCHELASTIC_RUN_ID") or all(env.get(k) for k in _TORCH_KEYS):
         return _torch_style(env, "torch", "torchrun",
                             "TORCHELASTIC_RUN_ID or RANK/WORLD_SIZE are set (started by torchrun)")
     half = _half_set_torch_vars(env)
     return Detection("single", "python", "no launcher variables: one plain process",
-                     warnings=(half,) if half else ())
+                     problems=(half,) if half else ())

@@ -19,3 +19,19 @@ class PrecisionError(UnifiedDistError, ValueError):
 
 class CheckpointError(UnifiedDistError):
     """A checkpoint is missing, truncated, foreign, or would execute code on load."""
+
+
+class CollectiveTimeout(UnifiedDistError, TimeoutError):
+    """A collective did not complete within ``init(timeout=...)``."""
+
+
+class PeerLost(UnifiedDistError, ConnectionError):
+    """Another rank of the job died while this one was communicating."""
+
+
+class LaunchError(UnifiedDistError, ValueError):
+    """The launcher's environment contradicts itself; the message names the right command."""
+
+
+class NonFiniteLoss(UnifiedDistError, FloatingPointError):
+    """A rank's loss is NaN or infinite; every rank stops at the same step."""

@@ -20,7 +20,7 @@ from . import checkpoint, collectives
 from .backends import Backend, Config, backend_class
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
-from .errors import UnifiedDistError
+from .errors import LaunchError, NonFiniteLoss, UnifiedDistError
 from .precision import resolve_mixed_precision
 from .training import GradientSync, PreparedOptimizer, PreparedScheduler
 
@@ -34,6 +34,7 @@ class _Session:
     sync: GradientSync
     loaders: LoaderStack
     optimizers: List[PreparedOptimizer] = field(default_factory=list)
+    check_finite: bool = True
 
 
 _session: Optional[_Session] = None
@@ -80,6 +81,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
                 f"{current.config.gradient_accumulation_steps}; call ud.init(...) before any other ud function")
         return
     detection = detect(os.environ, backend)
+    if detection.problems:
+        raise LaunchError(detection.problems[0])
     for message in detection.warnings:
         warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=2)
     config = Config(
@@ -90,7 +93,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     )
     instance = backend_class(detection.backend)(detection, config)
     loaders = LoaderStack()
-    _session = _Session(instance, detection, GradientSync(instance, loaders), loaders)
+    _session = _Session(instance, detection, GradientSync(instance, loaders), loaders,
+                        check_finite=os.environ.get("UNIFIED_DIST_CHECK_FINITE", "1") != "0")
     atexit.register(_shutdown_at_exit)
 
 
@@ -215,8 +219,24 @@ def backward(loss: torch.Tensor) -> None:
     if not isinstance(loss, torch.Tensor):
         raise UnifiedDistError(f"backward() expects the loss tensor, got {type(loss).__name__}")
     session = _current()
+    if session.check_finite:
+        _stop_on_non_finite(session, loss)
     scaler = session.optimizers[-1].scaler if session.optimizers else None
     session.backend.backward(loss, scaler)
+
+
+def _stop_on_non_finite(session: _Session, loss: torch.Tensor) -> None:
+    """Every rank learns whether any rank's loss is NaN/inf, and all stop at the same step."""
+    finite = torch.isfinite(loss.detach()).all().to(torch.uint8).reshape(1)
+    flags = collectives.all_gather(session.backend, finite, what="backward(non-finite check)")
+    if bool(flags.all()):
+        return
+    bad = [r for r, ok in enumerate(flags.tolist()) if not ok]
+    step = (session.optimizers[-1].steps_taken if session.optimizers else 0) + 1
+    raise NonFiniteLoss(
+        f"loss is not finite on rank {', '.join(map(str, bad))} at optimizer step {step}: nothing was "
+        "updated and earlier checkpoints are intact; lower the learning rate, clip gradients or check "
+        "the inputs (UNIFIED_DIST_CHECK_FINITE=0 skips this check)")
 
 
 @contextlib.contextmanager
@@ -293,7 +313,7 @@ def gather_for_metrics(x: Any) -> Any:
     each sample once, in dataset order (unshuffled loader).
     """
     session = _current()
-    gathered = collectives.all_gather(session.backend, x)
+    gathered = collectives.all_gather(session.backend, x, what="gather_for_metrics")
     loader = session.loaders.current
     info = loader.batch_info if loader is not None else None
     if info is None or info.real == info.padded:
@@ -309,7 +329,7 @@ def broadcast(obj: Any, src: int = 0) -> Any:
 
 def barrier() -> None:
     """Wait until every rank arrives."""
-    _backend().barrier()
+    collectives.barrier(_backend())
 
 
 def print(*args: Any, **kwargs: Any) -> None:  # noqa: A001 - mirrors builtins.print on purpose
@@ -349,6 +369,25 @@ def save(obj: Any, path: str) -> None:
     error = backend.broadcast_object(error, 0) if backend.world_size > 1 else error
     if error is not None:
         raise UnifiedDistError(f"saving {path} failed on the main process: {error}")
+
+
+def save_checkpoint(obj: Any, directory: str, step: int, keep_last: Optional[int] = 3) -> str:
+    """:func:`save` to ``directory/checkpoint-<step>.pt``, then keep only the ``keep_last`` newest.
+
+    Older checkpoints are deleted only after the new one is completely written, so the last
+    good checkpoint always survives a crash. Returns the new checkpoint's path.
+    """
+    path = checkpoint.checkpoint_path(directory, step)
+    save(obj, path)
+    if keep_last is not None and rank() == 0:
+        checkpoint.rotate(directory, keep_last, path)
+    barrier()
+    return path
+
+
+def latest_checkpoint(directory: str) -> Optional[str]:
+    """Path of the newest complete checkpoint written by :func:`save_checkpoint`, or ``None``."""
+    return checkpoint.latest(directory)
 
 
 def load(path: str, map_location: Optional[Any] = None) -> Any:

@@ -53,6 +53,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._sync = sync
         self.scaler = scaler
         self._synchronized = False
+        self.steps_taken = 0
 
     # passthrough of what torch and schedulers read
     @property
@@ -106,6 +107,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
             return None
         skip = self.optimizer.skip_synchronize() if self._synchronized else contextlib.nullcontext()
         self._synchronized = False
+        self.steps_taken += 1
         with skip:
             if self.scaler is None:
                 return self.optimizer.step(closure) if closure is not None else self.optimizer.step()

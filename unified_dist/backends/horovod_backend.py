@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import pickle
+import time
 from typing import Any, List, Optional
 
 import torch
@@ -29,7 +31,8 @@ class HorovodBackend(Backend):
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
         self.hvd = _import_horovod()
-        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(config.timeout.total_seconds())))
+        seconds = max(1, int(config.timeout.total_seconds()))
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
         self.hvd.init()
         if torch.cuda.is_available():
             torch.cuda.set_device(self.device)
@@ -69,19 +72,38 @@ class HorovodBackend(Backend):
             optimizer, named_parameters=named, op=hvd.Average,
             backward_passes_per_step=self.config.gradient_accumulation_steps)
 
+    def _wait(self, handle: Any) -> Any:
+        """Horovod has no per-collective timeout: poll the async handle against our deadline."""
+        timeout = self.config.timeout.total_seconds()
+        deadline = time.monotonic() + timeout
+        delay = 5e-5
+        while not self.hvd.poll(handle):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout:.0f}s waiting for the other ranks")
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+        return self.hvd.synchronize(handle)
+
     def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         hvd_op = {"sum": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}[op]
-        return self.hvd.allreduce(tensor, op=hvd_op)
+        return self._wait(self.hvd.allreduce_async_(tensor, op=hvd_op))
 
     def all_gather_equal(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         rows = tensor.reshape(1, *tensor.shape)  # horovod concatenates on dim 0
-        return list(self.hvd.allgather(rows).unbind(0))
+        return list(self._wait(self.hvd.allgather_async(rows)).unbind(0))
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return self.hvd.broadcast(tensor, root_rank=src)
+        return self._wait(self.hvd.broadcast_async_(tensor, root_rank=src))
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
-        return self.hvd.broadcast_object(obj, root_rank=src)
+        # as hvd.broadcast_object (size, then bytes), but with plain pickle and our deadline
+        payload = pickle.dumps(obj) if self.rank == src else b""
+        size = self.broadcast_(torch.tensor([len(payload)], dtype=torch.int64), src)
+        data = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if self.rank == src:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        data = self.broadcast_(data, src)
+        return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
 
     def barrier(self) -> None:
-        self.hvd.barrier()
+        self.all_reduce_(torch.zeros(1), "sum")

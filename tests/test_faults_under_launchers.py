@@ -1,0 +1,77 @@
+"""Hangs become errors, dead ranks end the job, NaN stops every rank: under each real launcher."""
+import json
+import time
+
+import pytest
+
+from launchers import launch
+
+DIST = ["torchrun", "accelerate", "horovodrun"]
+WORKER = "tests/workers/fault_worker.py"
+
+
+def run(launcher, scenario, tmp_path, timeout=120):
+    start = time.monotonic()
+    result = launch(launcher, WORKER, [scenario, str(tmp_path)], nproc=2, timeout=timeout)
+    ranks = {}
+    for r in range(2):
+        path = tmp_path / f"rank{r}.json"
+        if path.exists():
+            ranks[r] = json.loads(path.read_text())
+    return result, ranks, time.monotonic() - start
+
+
+@pytest.mark.parametrize("launcher", DIST)
+def test_check_mode_reports_shape_mismatch_on_every_rank(launcher, tmp_path):
+    result, ranks, _ = run(launcher, "mismatch_shape", tmp_path)
+    assert not result.timed_out and result.returncode != 0
+    for r in (0, 1):
+        msg = ranks[r]["message"]
+        assert ranks[r]["error"] == "CollectiveMismatch", ranks
+        assert "rank 0: all_reduce(op=sum) float32(3,)" in msg and "rank 1: all_reduce(op=sum) float32(4,)" in msg, msg
+        assert "fault_worker.py:" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("launcher", DIST)
+def test_check_mode_reports_different_operations(launcher, tmp_path):
+    result, ranks, _ = run(launcher, "mismatch_op", tmp_path)
+    assert not result.timed_out and result.returncode != 0
+    for r in (0, 1):
+        assert ranks[r]["error"] == "CollectiveMismatch"
+        assert "rank 0: all_gather() float32(2,)" in ranks[r]["message"]
+        assert "rank 1: barrier()" in ranks[r]["message"]
+
+
+def test_check_mode_allows_uneven_all_gather(tmp_path):
+    result, ranks, _ = run("torchrun", "mismatch_ok", tmp_path)
+    result.check()
+    assert ranks[0]["error"] is None and ranks[1]["error"] is None
+
+
+@pytest.mark.parametrize("launcher", DIST)
+def test_timeout_names_the_collective_and_suggests_check_mode(launcher, tmp_path):
+    result, ranks, wall = run(launcher, "timeout", tmp_path)
+    assert not result.timed_out and result.returncode != 0
+    assert ranks[0]["error"] == "CollectiveTimeout", ranks
+    msg = ranks[0]["message"]
+    assert "all_reduce timed out after 4s on rank 0" in msg and "UNIFIED_DIST_DEBUG=1" in msg, msg
+    assert ranks[0]["elapsed"] < 30
+    assert wall < 60, f"job took {wall:.0f}s to end after the timeout"
+
+
+@pytest.mark.parametrize("launcher", DIST)
+def test_a_killed_rank_ends_the_job_in_bounded_time(launcher, tmp_path):
+    result, ranks, wall = run(launcher, "rank_dies", tmp_path, timeout=100)
+    assert not result.timed_out, result.output[-2000:]
+    assert result.returncode != 0
+    assert wall < 60, wall
+    assert 1 not in ranks  # the killed rank wrote nothing
+
+
+@pytest.mark.parametrize("launcher", DIST)
+def test_nan_loss_stops_every_rank_at_the_same_step(launcher, tmp_path):
+    result, ranks, _ = run(launcher, "nan_loss", tmp_path)
+    assert result.returncode != 0 and not result.timed_out
+    for r in (0, 1):
+        assert ranks[r]["error"] == "NonFiniteLoss", ranks
+        assert "not finite on rank 1 at optimizer step 3" in ranks[r]["message"]

@@ -1,0 +1,9 @@
+"""The ``unified-dist`` command (also ``python -m unified_dist``).
+
+    unified-dist env      versions, backends, Horovod's build, devices, what would run here and why
+    unified-dist launch   one command line for torchrun, accelerate launch and horovodrun
+    unified-dist test     a self-test of every collective and a training step under each real launcher
+
+One module per subcommand; ``main`` only wires argparse. Backend libraries are imported
+inside the functions that probe or run them, so the command works without them.
+"""

@@ -1,0 +1,270 @@
+"""``unified-dist launch``: one command line for torchrun, accelerate launch and horovodrun.
+
+:func:`build` turns a :class:`Plan` into the exact native command a user would type on this
+machine; :func:`run` prints it and replaces this process with the launcher, so the launcher
+owns the terminal, receives Ctrl-C, and its exit status is the command's. The launched script
+sees what the native launcher gives it, plus ``UNIFIED_DIST_MIXED_PRECISION`` where the
+launcher has no mixed-precision flag (torchrun, horovodrun).
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
+
+from .errors import UsageError
+
+BACKENDS: Tuple[str, ...] = ("torch", "accelerate", "horovod")
+"""Backends that have a multi-process launcher (``single`` is plain ``python script.py``)."""
+
+LAUNCHER_OF: Dict[str, str] = {"torch": "torchrun", "accelerate": "accelerate", "horovod": "horovodrun"}
+
+INSTALL_FIX: Dict[str, str] = {
+    "torch": "torchrun ships with torch: reinstall it in this environment (`make setup`)",
+    "accelerate": "install it with `pip install unified_dist[accelerate]` (or `make setup`)",
+    "horovod": ("build it against this torch with `make setup` "
+                "(tools/build_horovod.sh: horovod 0.28.1 patched to C++17)"),
+}
+"""How to get each backend's library and launcher, for error messages and ``unified-dist env``."""
+
+MIXED_PRECISION_MODES: Tuple[str, ...] = ("no", "bf16", "fp16")
+ENV_MIXED_PRECISION = "UNIFIED_DIST_MIXED_PRECISION"
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the user asked for: a backend, a process layout, and the script with its arguments.
+
+    ``nproc`` counts processes per node. ``master_addr``/``master_port`` are for torch and
+    accelerate (accelerate also takes the port on one machine); ``hosts`` is horovod's
+    ``host:slots,...`` list; ``mixed_precision`` ``None`` leaves the script's own choice alone.
+    """
+
+    backend: str
+    script: str
+    script_args: Tuple[str, ...] = ()
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    hosts: Optional[str] = None
+    network_interface: Optional[str] = None
+    mixed_precision: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Command:
+    """A launcher command line plus the variables it is run with (shown in front of it)."""
+
+    argv: Tuple[str, ...]
+    env: Dict[str, str] = field(default_factory=dict)
+
+    def line(self) -> str:
+        """One shell line a user can copy: ``VAR=value ... launcher args``."""
+        assignments = [f"{key}={shlex.quote(value)}" for key, value in self.env.items()]
+        return " ".join([*assignments, shlex.join(self.argv)])
+
+
+# ---------------------------------------------------------------------- building
+def build(plan: Plan, cuda: bool = False, environ: Mapping[str, str] = os.environ) -> Command:
+    """The native command for ``plan`` on a machine with (``cuda``) or without a GPU.
+
+    Pure apart from reading ``environ`` for the default mixed precision; raises
+    :class:`UsageError` for a plan no launcher can honour.
+    """
+    if plan.backend not in BACKENDS:
+        raise UsageError(f"unknown backend {plan.backend!r}; choose one of {', '.join(BACKENDS)}")
+    if plan.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {plan.nproc}")
+    if plan.nnodes < 1:
+        raise UsageError(f"--nnodes must be at least 1, got {plan.nnodes}")
+    if not 0 <= plan.node_rank < plan.nnodes:
+        raise UsageError(f"--node-rank must be in 0..{plan.nnodes - 1} for --nnodes {plan.nnodes}, got {plan.node_rank}")
+    if plan.mixed_precision is not None and plan.mixed_precision not in MIXED_PRECISION_MODES:
+        raise UsageError(
+            f"unknown mixed precision {plan.mixed_precision!r}; use one of {', '.join(MIXED_PRECISION_MODES)}")
+    return _BUILDERS[plan.backend](plan, cuda, environ)
+
+
+def _multi_node_address(plan: Plan) -> Tuple[str, int]:
+    if plan.hosts:
+        raise UsageError(f"--hosts is horovod's; {plan.backend} runs the same command on every node with "
+                         "--nnodes, its own --node-rank and --master-addr")
+    if not plan.master_addr:
+        raise UsageError(f"--nnodes {plan.nnodes} needs --master-addr (the address of the node with "
+                         "--node-rank 0); run the same command on every node with its own --node-rank")
+    return plan.master_addr, plan.master_port or DEFAULT_MASTER_PORT
+
+
+def _socket_env(plan: Plan, cuda: bool) -> Dict[str, str]:
+    if not plan.network_interface:
+        return {}
+    env = {"GLOO_SOCKET_IFNAME": plan.network_interface}
+    if cuda:
+        env["NCCL_SOCKET_IFNAME"] = plan.network_interface
+    return env
+
+
+def _precision_env(plan: Plan) -> Dict[str, str]:
+    return {ENV_MIXED_PRECISION: plan.mixed_precision} if plan.mixed_precision else {}
+
+
+def _torchrun(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
+    if plan.nnodes == 1:
+        # --standalone picks a free rendezvous port itself, so --master-port is not needed here.
+        layout = ["--standalone", "--nproc_per_node", str(plan.nproc)]
+    else:
+        addr, port = _multi_node_address(plan)
+        layout = ["--nnodes", str(plan.nnodes), "--node_rank", str(plan.node_rank),
+                  "--nproc_per_node", str(plan.nproc), "--master_addr", addr, "--master_port", str(port)]
+    argv = ("torchrun", *layout, plan.script, *plan.script_args)
+    return Command(argv, {**_precision_env(plan), **_socket_env(plan, cuda)})
+
+
+def _accelerate(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
+    total = plan.nproc * plan.nnodes
+    # --multi_gpu is what starts a real multi-process job, also on a CPU-only machine (then
+    # over gloo); without it each process believes it is alone.
+    args: List[str] = ["--multi_gpu"] if total > 1 else []
+    args += ["--num_processes", str(total), "--num_machines", str(plan.nnodes)]
+    if plan.nnodes > 1:
+        addr, port = _multi_node_address(plan)
+        args += ["--machine_rank", str(plan.node_rank), "--main_process_ip", addr, "--main_process_port", str(port)]
+    elif plan.master_port:
+        args += ["--main_process_port", str(plan.master_port)]
+    mode = plan.mixed_precision or environ.get(ENV_MIXED_PRECISION) or "no"
+    args += ["--mixed_precision", mode, "--dynamo_backend", "no"]
+    argv = ("accelerate", "launch", *args, plan.script, *plan.script_args)
+    return Command(argv, _socket_env(plan, cuda))
+
+
+def parse_hosts(text: str, default_slots: int) -> List[Tuple[str, int]]:
+    """``"a:2,b"`` -> ``[("a", 2), ("b", default_slots)]``."""
+    hosts = []
+    for item in text.split(","):
+        name, _, slots = item.strip().partition(":")
+        if not name:
+            raise UsageError(f"--hosts {text!r}: empty host name; write host1:slots,host2:slots")
+        try:
+            count = int(slots) if slots else default_slots
+        except ValueError:
+            raise UsageError(f"--hosts {text!r}: slots of {name!r} must be an integer (host:slots)") from None
+        if count < 1:
+            raise UsageError(f"--hosts {text!r}: {name!r} needs at least 1 slot")
+        hosts.append((name, count))
+    return hosts
+
+
+def _horovodrun(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
+    if plan.hosts:
+        hosts = parse_hosts(plan.hosts, plan.nproc)
+        if plan.nnodes > 1 and plan.nnodes != len(hosts):
+            raise UsageError(f"--nnodes {plan.nnodes} but --hosts names {len(hosts)} hosts; give one host:slots per node")
+    elif plan.nnodes > 1:
+        raise UsageError(f"horovod on {plan.nnodes} nodes needs --hosts host1:slots,host2:slots "
+                         "(horovodrun runs once, on the first node, and starts the others over ssh)")
+    else:
+        hosts = [("localhost", plan.nproc)]
+    if plan.node_rank != 0:
+        raise UsageError("horovodrun is started once, on the first node (--node-rank 0); "
+                         "it starts the processes of the other --hosts over ssh")
+    args = ["-np", str(sum(slots for _, slots in hosts)),
+            "-H", ",".join(f"{name}:{slots}" for name, slots in hosts), "--gloo"]
+    if plan.network_interface:
+        args += ["--network-interface", plan.network_interface]
+    argv = ("horovodrun", *args, _python_name(), plan.script, *plan.script_args)
+    return Command(argv, _precision_env(plan))
+
+
+_BUILDERS: Dict[str, Callable[[Plan, bool, Mapping[str, str]], Command]] = {
+    "torch": _torchrun, "accelerate": _accelerate, "horovod": _horovodrun,
+}
+
+
+# ---------------------------------------------------------------------- this machine
+def search_path(environ: Mapping[str, str] = os.environ) -> str:
+    """``PATH`` with this interpreter's directory first, so launchers and ``python`` are this environment's."""
+    own = os.path.dirname(sys.executable)
+    rest = [p for p in environ.get("PATH", "").split(os.pathsep) if p and p != own]
+    return os.pathsep.join([own, *rest])
+
+
+def _python_name() -> str:
+    """``python`` when that name finds this interpreter (horovodrun starts workers by name), else its path."""
+    found = shutil.which("python", path=search_path())
+    if found and os.path.realpath(found) == os.path.realpath(sys.executable):
+        return "python"
+    return sys.executable
+
+
+def find_launcher(backend: str, environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The path of ``backend``'s launcher in this environment, or ``None``."""
+    return shutil.which(LAUNCHER_OF[backend], path=search_path(environ))
+
+
+def check_machine(plan: Plan, environ: Mapping[str, str] = os.environ) -> None:
+    """Raise :class:`UsageError` unless the launcher is installed and the script exists."""
+    launcher = LAUNCHER_OF[plan.backend]
+    if find_launcher(plan.backend, environ) is None:
+        raise UsageError(f"{launcher} (the {plan.backend} launcher) is not installed here; {INSTALL_FIX[plan.backend]}")
+    if not os.path.isfile(plan.script):
+        raise UsageError(f"script {plan.script!r} does not exist (relative to {os.getcwd()})")
+
+
+def environment(command: Command, base: Mapping[str, str] = os.environ) -> Dict[str, str]:
+    """The environment to run ``command`` in: ``base`` plus its variables, this interpreter's ``bin/`` first on PATH."""
+    env = dict(base)
+    env.update(command.env)
+    env["PATH"] = search_path(base)
+    return env
+
+
+def run(command: Command) -> NoReturn:
+    """Print ``+ command`` on stderr and become the launcher (its exit status becomes ours)."""
+    print(f"+ {command.line()}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    env = environment(command)
+    os.execvpe(command.argv[0], list(command.argv), env)
+
+
+# ---------------------------------------------------------------------- subcommand
+def add_arguments(parser) -> None:
+    """The ``launch`` subcommand's options."""
+    parser.add_argument("--backend", required=True, choices=BACKENDS,
+                        help="torch (torchrun), accelerate (accelerate launch) or horovod (horovodrun)")
+    parser.add_argument("--nproc", type=int, default=1, metavar="N", help="processes per node (default 1)")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="M", help="number of nodes (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank (torch, accelerate)")
+    parser.add_argument("--master-addr", metavar="A", help="address of node 0 (multi-node torch, accelerate)")
+    parser.add_argument("--master-port", type=int, metavar="P",
+                        help=f"port on node 0 (multi-node torch, accelerate; default {DEFAULT_MASTER_PORT})")
+    parser.add_argument("--hosts", metavar="H1:S,H2:S",
+                        help="horovod's hosts and slots; run once, on the first host: horovodrun reaches the others over ssh")
+    parser.add_argument("--network-interface", metavar="NIC",
+                        help="network interface (horovodrun --network-interface; GLOO_SOCKET_IFNAME for torch/accelerate)")
+    parser.add_argument("--mixed-precision", choices=MIXED_PRECISION_MODES,
+                        help="accelerate --mixed_precision, else UNIFIED_DIST_MIXED_PRECISION for the script")
+    parser.add_argument("--dry-run", action="store_true", help="print the command on stdout; do not run it")
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("script_args", nargs="...", help="arguments for the script")
+
+
+def main(args) -> int:
+    """Build, check and print the command; run it unless ``--dry-run``."""
+    import torch  # already loaded by unified_dist; only asked whether there is a GPU
+
+    plan = Plan(backend=args.backend, script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
+                nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                master_port=args.master_port, hosts=args.hosts, network_interface=args.network_interface,
+                mixed_precision=args.mixed_precision)
+    command = build(plan, cuda=torch.cuda.is_available())
+    check_machine(plan)
+    if args.dry_run:
+        print(command.line())
+        return 0
+    run(command)

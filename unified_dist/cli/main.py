@@ -1,0 +1,50 @@
+"""Argument parsing for ``unified-dist``; each subcommand lives in its own module."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, NoReturn, Optional
+
+from . import env_report, launch, selftest
+from .errors import UsageError
+
+PROG = "unified-dist"
+
+SUBCOMMANDS = (
+    ("env", env_report, "report versions, working backends, Horovod's build, devices, and what would run here"),
+    ("launch", launch, "run a script under torchrun, accelerate launch or horovodrun with the right flags"),
+    ("test", selftest, "self-test every collective and a training step under each installed launcher"),
+)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit status 2), not the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=PROG, description="One command line for torch.distributed, Accelerate and Horovod.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{env,launch,test}")
+    for name, module, summary in SUBCOMMANDS:
+        sub = commands.add_parser(name, help=summary, description=summary)
+        module.add_arguments(sub)
+        sub.set_defaults(handler=module.main)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of the ``unified-dist`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except UsageError as exc:
+        print(f"{PROG} {args.command}: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""``unified-dist test``: every collective and a training step, under each backend's real launcher.
+
+For each backend, :func:`run_backend` launches ``selftest_worker.py`` with the command
+:mod:`.launch` builds (a free port where the launcher takes one), in its own process group,
+and kills that group when the timeout expires, so a hang is a failure rather than a stuck
+terminal. The ranks write their results to a temporary folder; :func:`main` prints one table
+row per backend and check, and exits 1 if any row did not pass.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence
+
+from . import launch
+from .errors import UsageError
+
+WORKER = Path(__file__).with_name("selftest_worker.py")
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_TIMEOUT_S = 240.0
+_LIBRARY = {"torch": "torch", "accelerate": "accelerate", "horovod": "horovod"}
+_LAUNCHER_VARIABLES = ("HOROVOD_", "ACCELERATE_", "TORCHELASTIC_", "UNIFIED_DIST_")
+_TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass
+class Row:
+    """One line of the table."""
+
+    backend: str
+    check: str
+    status: str  # "pass", "FAIL", "hung" (still running when the launch was killed) or "not run"
+    seconds: Optional[float] = None
+    detail: str = ""
+
+
+@dataclass
+class BackendRun:
+    """The outcome of one backend's launch."""
+
+    backend: str
+    rows: List[Row]
+    log_tail: str
+
+    @property
+    def passed(self) -> bool:
+        return all(row.status == "pass" for row in self.rows)
+
+
+def installed(backend: str) -> bool:
+    """The backend's library and its launcher are present (whether they work is what the test finds out)."""
+    return importlib.util.find_spec(_LIBRARY[backend]) is not None and launch.find_launcher(backend) is not None
+
+
+def choose_backends(requested: Optional[Sequence[str]]) -> List[str]:
+    """``--backend`` values (repeatable, comma lists) in the order given, or every installed backend."""
+    if not requested:
+        return [b for b in launch.BACKENDS if installed(b)]
+    chosen: List[str] = []
+    for name in (part.strip() for item in requested for part in item.split(",")):
+        if name not in launch.BACKENDS:
+            raise UsageError(f"unknown backend {name!r}; choose from {', '.join(launch.BACKENDS)}")
+        if not installed(name):
+            raise UsageError(f"backend {name!r} is not installed here; {launch.INSTALL_FIX[name]}")
+        if name not in chosen:
+            chosen.append(name)
+    return chosen
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _clean_environment(timeout: float) -> Dict[str, str]:
+    """This environment minus launcher and unified_dist variables (we may be inside a job), plus test settings."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCHER_VARIABLES) and k not in _TORCH_VARIABLES}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["UNIFIED_DIST_TIMEOUT"] = str(max(1, int(timeout)))  # a stuck collective gives up too
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def kill_tree(pid: int) -> None:
+    """Kill the process group ``pid`` leads and every descendant that left it (horovodrun's workers do)."""
+    descendants = []
+    try:
+        import psutil
+
+        descendants = psutil.Process(pid).children(recursive=True)
+    except Exception:  # psutil missing or the process already gone: the group kill below still applies
+        pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in descendants:
+        try:
+            child.kill()
+        except Exception:
+            pass
+
+
+def _rows(backend: str, out: Path, nproc: int, finished: bool) -> List[Row]:
+    """Merge the ranks' result files: a check passes only if every rank passed it."""
+    from .selftest_worker import CHECKS
+
+    ranks: Dict[int, Dict] = {}
+    for r in range(nproc):
+        path = out / f"rank{r}.json"
+        if path.exists():
+            ranks[r] = json.loads(path.read_text())["checks"]
+    rows = []
+    for name in ["init", *(n for n, _ in CHECKS)]:
+        per_rank = {r: checks.get(name) for r, checks in ranks.items()}
+        failures = [f"rank {r}: {c['error']}" for r, c in per_rank.items() if c and c["status"] == "fail"]
+        running = [r for r, c in per_rank.items() if c and c["status"] == "running"]
+        missing = [r for r in range(nproc) if not per_rank.get(r)]
+        seconds = max((c["seconds"] for c in per_rank.values() if c and c["status"] != "running"), default=None)
+        if failures:
+            rows.append(Row(backend, name, "FAIL", seconds, failures[0]))
+        elif running:
+            rows.append(Row(backend, name, "hung" if not finished else "FAIL", None,
+                            f"ranks {running} never finished it"))
+        elif missing:
+            rows.append(Row(backend, name, "not run", None, f"no result from ranks {missing}"))
+        else:
+            rows.append(Row(backend, name, "pass", seconds))
+    return rows
+
+
+def run_backend(backend: str, nproc: int, timeout: float, cuda: bool = False) -> BackendRun:
+    """Launch the worker under ``backend``'s launcher and collect its rows (the launch itself first)."""
+    with tempfile.TemporaryDirectory(prefix=f"unified-dist-test-{backend}-") as tmp:
+        out = Path(tmp)
+        plan = launch.Plan(backend=backend, script=str(WORKER), nproc=nproc, master_port=free_port(),
+                           script_args=("--out", str(out), "--backend", backend, "--world-size", str(nproc)))
+        command = launch.build(plan, cuda=cuda, environ={})
+        print(f"+ {command.line()}", file=sys.stderr, flush=True)
+        log_path = out / "launcher.log"
+        start = time.perf_counter()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(list(command.argv), env=launch.environment(command, _clean_environment(timeout)),
+                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                code: Optional[int] = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            finally:
+                kill_tree(proc.pid)  # also reaps stragglers after a normal exit
+                proc.wait()
+        wall = time.perf_counter() - start
+        launcher = f"{launch.LAUNCHER_OF[backend]}, {nproc} processes"
+        if code is None:
+            first = Row(backend, "launch", "FAIL", wall, f"{launcher}: timed out after {timeout:g}s (killed)")
+        elif code != 0:
+            first = Row(backend, "launch", "FAIL", wall, f"{launcher}: exit status {code}")
+        else:
+            first = Row(backend, "launch", "pass", wall, launcher)
+        rows = [first, *_rows(backend, out, nproc, finished=code is not None)]
+        lines = log_path.read_text(errors="replace").splitlines()
+        return BackendRun(backend, rows, "\n".join(lines[-20:]))
+
+
+def table(rows: Sequence[Row]) -> str:
+    """The pass/fail table."""
+    lines = [f"{'backend':<12}{'check':<20}{'result':<9}{'seconds':>8}  detail"]
+    for row in rows:
+        seconds = f"{row.seconds:.2f}" if row.seconds is not None else "-"
+        detail = row.detail if len(row.detail) <= 160 else row.detail[:157] + "..."
+        lines.append(f"{row.backend:<12}{row.check:<20}{row.status:<9}{seconds:>8}  {detail}".rstrip())
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- subcommand
+def add_arguments(parser) -> None:
+    """The ``test`` subcommand's options."""
+    parser.add_argument("--backend", action="append", metavar="NAME",
+                        help="torch, accelerate or horovod; repeat or comma-separate (default: every installed one)")
+    parser.add_argument("--nproc", type=int, default=2, metavar="N", help="processes per launch (default 2)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                        help=f"seconds per launch before its processes are killed (default {DEFAULT_TIMEOUT_S:g})")
+
+
+def main(args) -> int:
+    """Run the self-test under every chosen backend; 0 if every row passed, else 1."""
+    import torch
+
+    if args.nproc < 1:
+        raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.timeout <= 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    backends = choose_backends(args.backend)
+    runs = [run_backend(b, args.nproc, args.timeout, cuda=torch.cuda.is_available()) for b in backends]
+    rows = [row for run in runs for row in run.rows]
+    print(table(rows))
+    for run in runs:
+        if not run.passed and run.log_tail:
+            print(f"\n{run.backend}: last lines of the launcher's output", file=sys.stderr)
+            print("\n".join(f"  {line}" for line in run.log_tail.splitlines()), file=sys.stderr)
+    failed = sum(row.status != "pass" for row in rows)
+    print(f"\n{len(rows) - failed} of {len(rows)} passed"
+          + (f", {failed} failed" if failed else f" ({', '.join(backends)}; {args.nproc} processes each)"))
+    return 1 if failed else 0
