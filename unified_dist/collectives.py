@@ -153,3 +153,20 @@ def broadcast(backend: Backend, obj: Any, src: int = 0) -> Any:
         if is_tensor:
             return backend.broadcast_(_private_copy(backend, obj), src)
         return backend.broadcast_object(obj, src)
+
+
+def all_gather_object(backend: Backend, obj: Any) -> List[Any]:
+    """Every rank's picklable ``obj``, in rank order (payloads may differ in size)."""
+    import pickle
+
+    with guarded(backend, "all_gather_object"):
+        if backend.world_size == 1:
+            return [pickle.loads(pickle.dumps(obj))]
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(backend.device)
+        sizes = [int(n) for n in _gather_one(backend, torch.tensor([payload.numel()], device=backend.device))]
+        data = _gather_one(backend, payload).cpu()
+        out, offset = [], 0
+        for n in sizes:
+            out.append(pickle.loads(data[offset:offset + n].numpy().tobytes()))
+            offset += n
+        return out

@@ -16,7 +16,7 @@ from typing import Any, Iterator, List, Optional
 
 import torch
 
-from . import checkpoint, collectives
+from . import checkpoint, collectives, rng
 from .backends import Backend, Config, backend_class
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
@@ -320,6 +320,27 @@ def gather_for_metrics(x: Any) -> Any:
         return gathered
     return collectives.map_tensors(
         gathered, lambda t: t[:info.real] if t.shape[0] == info.padded else t, "gather_for_metrics")
+
+
+def all_gather_object(obj: Any) -> List[Any]:
+    """Every rank's picklable ``obj`` as a list in rank order."""
+    return collectives.all_gather_object(_backend(), obj)
+
+
+def rng_states() -> List[Any]:
+    """Every rank's RNG states (python, numpy, torch, CUDA), in rank order: put them in a checkpoint."""
+    return all_gather_object(rng.capture())
+
+
+def restore_rng_states(states: List[Any]) -> None:
+    """Restore this rank's generators from :func:`rng_states` output.
+
+    Exact when the world size is unchanged; otherwise rank r takes ``states[r % len(states)]``
+    (the data order is still exact: it does not depend on these generators).
+    """
+    if not states:
+        return
+    rng.restore(states[rank() % len(states)])
 
 
 def broadcast(obj: Any, src: int = 0) -> Any:

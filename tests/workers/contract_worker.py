@@ -143,6 +143,23 @@ def barrier_and_main_first():
     assert order == [ud.rank()]
 
 
+@check("core")
+def all_gather_object_and_rng_states_round_trip():
+    r, w = ud.rank(), ud.world_size()
+    objs = ud.all_gather_object({"rank": r, "pad": "x" * (r * 1000)})
+    assert [o["rank"] for o in objs] == list(range(w)) and len(objs[-1]["pad"]) == (w - 1) * 1000
+    ud.seed_everything(5, per_rank=True)
+    states = ud.rng_states()
+    expected = torch.rand(3)
+    draws = ud.all_gather(expected.reshape(1, 3))
+    ud.seed_everything(0)
+    ud.restore_rng_states(states)
+    again = torch.rand(3)
+    assert len(states) == w
+    assert torch.equal(again, expected)
+    assert w == 1 or not torch.equal(draws[0], draws[1]), "per-rank seeds should differ"
+
+
 # ----------------------------------------------------------------- physics of training
 def _model():
     torch.manual_seed(1234)
