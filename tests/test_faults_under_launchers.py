@@ -75,3 +75,28 @@ def test_nan_loss_stops_every_rank_at_the_same_step(launcher, tmp_path):
     for r in (0, 1):
         assert ranks[r]["error"] == "NonFiniteLoss", ranks
         assert "not finite on rank 1 at optimizer step 3" in ranks[r]["message"]
+
+
+def test_accelerate_without_multi_gpu_is_refused_with_the_right_command(tmp_path):
+    from launchers import BIN, child_env, free_port, run as run_cmd
+
+    script = tmp_path / "s.py"
+    script.write_text("import unified_dist as ud\nud.init()\nprint('started alone')\n")
+    result = run_cmd([str(BIN / "accelerate"), "launch", "--num_processes", "2", "--num_machines", "1",
+                      "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
+                      str(script)], timeout=120, env=child_env())
+    assert result.returncode != 0 and "started alone" not in result.output
+    assert "LaunchError: accelerate launch asked for several processes" in result.output
+    assert "accelerate launch --multi_gpu --num_processes N" in result.output
+
+
+def test_half_set_launcher_variables_are_refused(tmp_path):
+    from launchers import child_env, run as run_cmd
+    import sys
+
+    result = run_cmd([sys.executable, "-c", "import unified_dist as ud; ud.init()"], timeout=60,
+                     env=child_env({"WORLD_SIZE": "2", "MASTER_PORT": "29555"}))
+    assert result.returncode != 0
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("unified_dist.errors.LaunchError: WORLD_SIZE, MASTER_PORT set but RANK missing"), line
+    assert "UNIFIED_DIST_BACKEND=single" in line
