@@ -4,10 +4,12 @@ Enabled by ``UNIFIED_DIST_DEBUG=1`` or ``ud.init(debug=True)``. Before each faca
 every rank all-gathers a small signature (operation, arguments, shapes, dtypes, call site).
 If the ranks disagree, *every* rank raises the same :class:`CollectiveMismatch` listing what
 each rank called -- instead of hanging, or silently reducing tensors of different meaning.
-Costs one small all_gather per collective (see bench/).
+Costs one 8-byte all_gather per collective (a hash of the signature); the full signatures are
+exchanged only when the hashes differ (see bench/).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -69,9 +71,22 @@ def _comparable(sig: Dict[str, Any], ignore_dim0: bool) -> Any:
 
 
 def verify(backend: Any, sig: Dict[str, Any]) -> None:
-    """All-gather ``sig`` from every rank; raise the same error on every rank if they differ."""
+    """Compare ``sig`` across ranks; raise the same error on every rank if they differ."""
     if backend.world_size == 1:
         return
+    ignore_dim0 = sig["op"] in ("all_gather", "gather_for_metrics")
+    key = json.dumps(_comparable(sig, ignore_dim0), sort_keys=True).encode()
+    digest = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little", signed=True)
+    hashes = backend.all_gather_equal(torch.tensor([digest], dtype=torch.int64, device=backend.device))
+    if len(set(hashes.flatten().tolist())) == 1:
+        return
+    # every rank saw different hashes, so every rank takes part in the full exchange
+    sigs = _exchange(backend, sig)
+    listing = "; ".join(f"rank {r}: {_describe(s)}" for r, s in enumerate(sigs))
+    raise CollectiveMismatch(f"collective mismatch (check mode): {listing}")
+
+
+def _exchange(backend: Any, sig: Dict[str, Any]) -> List[Dict[str, Any]]:
     raw = json.dumps(sig, sort_keys=True).encode()
     if len(raw) > _PAYLOAD - 4:
         sig = dict(sig, tensors=sig["tensors"][:8] + [["...", None]])
@@ -79,13 +94,10 @@ def verify(backend: Any, sig: Dict[str, Any]) -> None:
     buf = torch.zeros(_PAYLOAD, dtype=torch.uint8)
     buf[:4] = torch.tensor(list(len(raw).to_bytes(4, "little")), dtype=torch.uint8)
     buf[4:4 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    rows = backend.all_gather_equal(buf.to(backend.device))
+    rows = backend.all_gather_equal(buf.to(backend.device)).cpu()
     sigs = []
     for row in rows:
-        data = bytes(row.cpu().tolist())
+        data = bytes(row.tolist())
         length = int.from_bytes(data[:4], "little")
         sigs.append(json.loads(data[4:4 + length].decode()))
-    ignore_dim0 = sig["op"] in ("all_gather", "gather_for_metrics")
-    if len({json.dumps(_comparable(s, ignore_dim0), sort_keys=True) for s in sigs}) > 1:
-        listing = "; ".join(f"rank {r}: {_describe(s)}" for r, s in enumerate(sigs))
-        raise CollectiveMismatch(f"collective mismatch (check mode): {listing}")
+    return sigs

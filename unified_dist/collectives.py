@@ -35,7 +35,7 @@ def map_tensors(x: Any, fn: Callable[[torch.Tensor], Any], what: str, path: str 
 
 def _private_copy(backend: Backend, t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy on the backend's device, so the caller's tensor is never touched."""
-    return t.detach().to(backend.device, copy=True).contiguous()
+    return t.detach().to(backend.device, copy=True, memory_format=torch.contiguous_format)
 
 
 _TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded", "stalled")
@@ -81,7 +81,8 @@ def all_reduce(backend: Backend, x: Any, op: str = "mean") -> Any:
     """
     if op not in REDUCE_OPS:
         raise CollectiveError(f"unknown all_reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
-    map_tensors(x, lambda t: t, "all_reduce")  # validate before any rank communicates
+    if not isinstance(x, torch.Tensor):
+        map_tensors(x, lambda t: t, "all_reduce")  # validate before any rank communicates
 
     def reduce_one(t: torch.Tensor) -> torch.Tensor:
         work = _private_copy(backend, t)
@@ -125,6 +126,8 @@ def _gather_one(backend: Backend, t: torch.Tensor) -> torch.Tensor:
             "pad or reshape before gathering")
     sizes = [s[0] for s in shapes]
     longest = max(sizes)
+    if min(sizes) == longest:
+        return backend.all_gather_equal(work).reshape((-1,) + tuple(work.shape[1:]))
     if work.shape[0] < longest:
         pad = work.new_zeros((longest - work.shape[0],) + tuple(work.shape[1:]))
         work = torch.cat([work, pad])
@@ -140,8 +143,8 @@ def _exchange_shapes(backend: Backend, t: torch.Tensor) -> List[tuple]:
     encoded = torch.full((max_dims + 1,), -1, dtype=torch.int64, device=backend.device)
     encoded[0] = t.dim()
     encoded[1:t.dim() + 1] = torch.tensor(t.shape, dtype=torch.int64)
-    rows = backend.all_gather_equal(encoded)
-    return [tuple(int(v) for v in row[1:int(row[0]) + 1].tolist()) for row in rows]
+    rows = backend.all_gather_equal(encoded).tolist()
+    return [tuple(row[1:row[0] + 1]) for row in rows]
 
 
 def broadcast(backend: Backend, obj: Any, src: int = 0) -> Any:

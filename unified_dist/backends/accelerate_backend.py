@@ -1,7 +1,7 @@
 """Hugging Face Accelerate, as started by ``accelerate launch``."""
 from __future__ import annotations
 
-from typing import Any, ContextManager, List, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 
@@ -101,13 +101,11 @@ class AccelerateBackend(Backend):
             tensor, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.MIN)
         return tensor
 
-    def all_gather_equal(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+    def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
         from accelerate.utils import gather
 
-        if self.world_size == 1:
-            return [tensor]
-        rows = tensor.reshape(1, *tensor.shape)  # accelerate concatenates on dim 0
-        return list(gather(rows).unbind(0))
+        rows = tensor.unsqueeze(0)  # accelerate concatenates on dim 0
+        return rows if self.world_size == 1 else gather(rows)
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         from accelerate.utils import broadcast

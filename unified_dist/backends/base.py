@@ -113,8 +113,8 @@ class Backend(ABC):
         """Reduce ``tensor`` (a private copy, may be modified) with op in :data:`REDUCE_OPS`; return the result."""
 
     @abstractmethod
-    def all_gather_equal(self, tensor: torch.Tensor) -> List[torch.Tensor]:
-        """Every rank's ``tensor`` (same shape on all ranks), in rank order."""
+    def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` (same shape on all ranks) stacked on a new dim 0, in rank order."""
 
     @abstractmethod
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:

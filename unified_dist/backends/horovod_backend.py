@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -88,9 +88,8 @@ class HorovodBackend(Backend):
         hvd_op = {"sum": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}[op]
         return self._wait(self.hvd.allreduce_async_(tensor, op=hvd_op))
 
-    def all_gather_equal(self, tensor: torch.Tensor) -> List[torch.Tensor]:
-        rows = tensor.reshape(1, *tensor.shape)  # horovod concatenates on dim 0
-        return list(self._wait(self.hvd.allgather_async(rows)).unbind(0))
+    def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self._wait(self.hvd.allgather_async(tensor.unsqueeze(0)))  # concatenates on dim 0
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         return self._wait(self.hvd.broadcast_async_(tensor, root_rank=src))

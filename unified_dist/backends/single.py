@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, List
+from typing import Any
 
 import torch
 
@@ -32,8 +32,8 @@ class SingleProcessBackend(Backend):
     def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         return tensor
 
-    def all_gather_equal(self, tensor: torch.Tensor) -> List[torch.Tensor]:
-        return [tensor]
+    def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.unsqueeze(0)
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         return tensor

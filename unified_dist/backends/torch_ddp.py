@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, ContextManager, List
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -66,10 +66,11 @@ class TorchBackend(Backend):
         dist.all_reduce(tensor, op=_OPS[op])
         return tensor
 
-    def all_gather_equal(self, tensor: torch.Tensor) -> List[torch.Tensor]:
-        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(out, tensor)
-        return out
+    def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
+        rows = tensor.reshape((1,) + tuple(tensor.shape)) if tensor.dim() == 0 else tensor
+        out = rows.new_empty((self.world_size * rows.shape[0],) + tuple(rows.shape[1:]))
+        dist.all_gather_into_tensor(out, rows)  # gloo wants the concatenated layout
+        return out.view((self.world_size,) + tuple(tensor.shape))
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         dist.broadcast(tensor, src=src)
