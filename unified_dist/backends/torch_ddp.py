@@ -10,6 +10,8 @@ import torch.distributed as dist
 from .base import Backend, Config
 from ..detection import Detection
 
+# torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -69,7 +71,7 @@ class TorchBackend(Backend):
     def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
         rows = tensor.reshape((1,) + tuple(tensor.shape)) if tensor.dim() == 0 else tensor
         out = rows.new_empty((self.world_size * rows.shape[0],) + tuple(rows.shape[1:]))
-        dist.all_gather_into_tensor(out, rows)  # gloo wants the concatenated layout
+        _gather_into(out, rows)  # gloo wants the concatenated layout
         return out.view((self.world_size,) + tuple(tensor.shape))
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:

@@ -141,7 +141,8 @@ def detection(environ: Mapping[str, str], cuda: bool) -> Dict[str, Any]:
         precision = f"error: {exc}"
     return {"backend": found.backend, "launcher": found.launcher, "reason": found.reason,
             "world_size": found.world_size, "rank": found.rank, "local_rank": found.local_rank,
-            "mixed_precision": precision, "warnings": list(found.warnings)}
+            "mixed_precision": precision, "warnings": list(found.warnings),
+            "problems": list(getattr(found, "problems", ()))}  # contradictions init() refuses to start on
 
 
 def collect(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
@@ -153,6 +154,7 @@ def collect(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
     chosen = detection(environ, machine["cuda_available"])
     problems: List[str] = [f"{name}: {info['detail']}; fix: {info['fix']}"
                            for name, info in backends.items() if not info["ok"]]
+    problems += [f"detection: {p} (ud.init() refuses to start here)" for p in chosen.get("problems", [])]
     problems += [f"detection: {w}" for w in chosen.get("warnings", [])]
     if "error" in chosen:
         problems.append(f"detection: {chosen['error']}")
@@ -214,6 +216,7 @@ def render(report: Dict[str, Any]) -> str:
         rows.append(f"  {'reason':<14}{found['reason']}")
         rows.append(f"  {'rank':<14}{found['rank']} of world size {found['world_size']}")
         rows.append(f"  {'precision':<14}{found['mixed_precision']}")
+        rows += [f"  {'problem':<14}{p}" for p in found["problems"]]
         rows += [f"  {'warning':<14}{w}" for w in found["warnings"]]
 
     rows += ["", "problems"]
