@@ -13,7 +13,7 @@ import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, NoReturn, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
 
 from .errors import UsageError
 

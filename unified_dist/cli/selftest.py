@@ -8,6 +8,7 @@ row per backend and check, and exits 1 if any row did not pass.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -19,7 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from . import launch
 from .errors import UsageError
@@ -88,29 +89,28 @@ def _clean_environment(timeout: float) -> Dict[str, str]:
            if not k.startswith(_LAUNCHER_VARIABLES) and k not in _TORCH_VARIABLES}
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
-    env["UNIFIED_DIST_TIMEOUT"] = str(max(1, int(timeout)))  # a stuck collective gives up too
+    # A collective stuck for half the launch's budget gives up with a clear error before the kill.
+    env["UNIFIED_DIST_TIMEOUT"] = str(max(1, int(timeout / 2)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
 
 def kill_tree(pid: int) -> None:
-    """Kill the process group ``pid`` leads and every descendant that left it (horovodrun's workers do)."""
+    """Kill the live process ``pid``, its process group, and every descendant that left the group.
+
+    horovodrun's workers run in sessions of their own, hence the descendants (found with psutil,
+    which Horovod installs; without it the group kill still applies).
+    """
     descendants = []
-    try:
+    with contextlib.suppress(Exception):
         import psutil
 
         descendants = psutil.Process(pid).children(recursive=True)
-    except Exception:  # psutil missing or the process already gone: the group kill below still applies
-        pass
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     for child in descendants:
-        try:
+        with contextlib.suppress(Exception):
             child.kill()
-        except Exception:
-            pass
 
 
 def _rows(backend: str, out: Path, nproc: int, finished: bool) -> List[Row]:
@@ -127,15 +127,18 @@ def _rows(backend: str, out: Path, nproc: int, finished: bool) -> List[Row]:
         per_rank = {r: checks.get(name) for r, checks in ranks.items()}
         failures = [f"rank {r}: {c['error']}" for r, c in per_rank.items() if c and c["status"] == "fail"]
         running = [r for r, c in per_rank.items() if c and c["status"] == "running"]
-        missing = [r for r in range(nproc) if not per_rank.get(r)]
+        silent = [r for r in range(nproc) if r not in ranks]
+        not_reached = [r for r in ranks if not per_rank.get(r)]
         seconds = max((c["seconds"] for c in per_rank.values() if c and c["status"] != "running"), default=None)
         if failures:
             rows.append(Row(backend, name, "FAIL", seconds, failures[0]))
         elif running:
             rows.append(Row(backend, name, "hung" if not finished else "FAIL", None,
                             f"ranks {running} never finished it"))
-        elif missing:
-            rows.append(Row(backend, name, "not run", None, f"no result from ranks {missing}"))
+        elif silent or not_reached:
+            why = [f"ranks {not_reached} never reached it"] if not_reached else []
+            why += [f"ranks {silent} wrote no results"] if silent else []
+            rows.append(Row(backend, name, "not run", None, "; ".join(why)))
         else:
             rows.append(Row(backend, name, "pass", seconds))
     return rows
@@ -160,10 +163,14 @@ def run_backend(backend: str, nproc: int, timeout: float, cuda: bool = False) ->
             except subprocess.TimeoutExpired:
                 code = None
             finally:
-                kill_tree(proc.pid)  # also reaps stragglers after a normal exit
-                proc.wait()
+                if proc.poll() is None:  # timed out or interrupted (Ctrl-C)
+                    kill_tree(proc.pid)
+                    proc.wait()
+                else:  # stragglers of a finished launch, if any, are still in its group
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
         wall = time.perf_counter() - start
-        launcher = f"{launch.LAUNCHER_OF[backend]}, {nproc} processes"
+        launcher = f"{launch.LAUNCHER_OF[backend]}, {nproc} process{'es' if nproc > 1 else ''}"
         if code is None:
             first = Row(backend, "launch", "FAIL", wall, f"{launcher}: timed out after {timeout:g}s (killed)")
         elif code != 0:
@@ -213,5 +220,5 @@ def main(args) -> int:
             print("\n".join(f"  {line}" for line in run.log_tail.splitlines()), file=sys.stderr)
     failed = sum(row.status != "pass" for row in rows)
     print(f"\n{len(rows) - failed} of {len(rows)} passed"
-          + (f", {failed} failed" if failed else f" ({', '.join(backends)}; {args.nproc} processes each)"))
+          + (f", {failed} failed" if failed else f" ({', '.join(backends)}; {args.nproc} process{'es' if args.nproc > 1 else ''} each)"))
     return 1 if failed else 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+if __name__ == "__main__" and sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)  # run as a script: don't let this folder's modules shadow top-level ones
 
 import argparse  # noqa: E402
@@ -178,8 +178,10 @@ def _run(results: _Results, name: str, fn: Callable[[], None]) -> bool:
     try:
         fn()
     except Exception as exc:  # recorded for the parent's table
-        message = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
-        results.record(name, "fail", time.perf_counter() - start, message[-1] if message else type(exc).__name__)
+        lines = str(exc).strip().splitlines()
+        results.record(name, "fail", time.perf_counter() - start,
+                       f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__)
+        traceback.print_exc()  # the full story goes to the launcher's output
         return False
     results.record(name, "pass", time.perf_counter() - start)
     return True

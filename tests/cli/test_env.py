@@ -1,0 +1,63 @@
+"""``unified-dist env``: text and JSON reports, Horovod's build, detection, and fixes for what is broken."""
+import json
+
+KEYS = {"python", "packages", "backends", "horovod_build", "hardware", "detection", "problems"}
+PACKAGES = {"unified_dist", "torch", "accelerate", "horovod", "transformers", "datasets"}
+
+
+def test_text_report_has_every_section(cli):
+    result = cli("env")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    for heading in ("versions", "backends", "horovod build", "hardware", "this environment would run", "problems"):
+        assert f"\n{heading}" in f"\n{text}", heading
+    for package in PACKAGES:
+        assert f"\n  {package} " in text, package
+    assert "  backend       single" in text and "  launcher      python" in text
+    assert "no launcher variables" in text
+
+
+def test_json_report_keys_and_detection_under_torchrun_variables(cli):
+    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+           "UNIFIED_DIST_MIXED_PRECISION": "bf16"}
+    result = cli("env", "--json", env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report) == KEYS
+    assert set(report["packages"]) == PACKAGES and report["packages"]["torch"].startswith("2.")
+    assert {"torch", "accelerate", "horovod", "single"} <= set(report["backends"])
+    assert report["backends"]["torch"]["ok"] and report["backends"]["torch"]["launcher"].endswith("torchrun")
+    assert report["hardware"]["cpu_count"] >= 1 and isinstance(report["hardware"]["gpus"], list)
+    found = report["detection"]
+    assert (found["backend"], found["launcher"], found["world_size"], found["rank"]) == ("torch", "torchrun", 2, 1)
+    assert "TORCHELASTIC_RUN_ID" in found["reason"] and found["mixed_precision"] == "bf16"
+
+
+def test_json_report_horovod_built_with_gloo(cli):
+    report = json.loads(cli("env", "--json").stdout)
+    assert report["backends"]["horovod"]["ok"], report["backends"]["horovod"]
+    build = report["horovod_build"]
+    assert build["frameworks"]["PyTorch"] and build["controllers"]["Gloo"] and build["tensor_operations"]["Gloo"]
+    assert not build["controllers"]["MPI"]  # built with HOROVOD_WITHOUT_MPI=1
+
+
+def test_broken_backends_are_reported_with_their_fix(cli):
+    code = ("import sys; sys.modules['accelerate'] = None; sys.modules['horovod.torch'] = None\n"
+            "from unified_dist.cli.main import main; sys.exit(main(sys.argv[1:]))")
+    result = cli("env", "--json", code=code)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    accelerate, horovod = report["backends"]["accelerate"], report["backends"]["horovod"]
+    assert not accelerate["ok"] and "pip install unified_dist[accelerate]" in accelerate["fix"]
+    assert not horovod["ok"] and "make setup" in horovod["fix"] and "tools/build_horovod.sh" in horovod["fix"]
+    assert report["horovod_build"] is None
+    assert any(p.startswith("accelerate:") for p in report["problems"])
+    text = cli("env", code=code).stdout
+    assert "BROKEN" in text and "fix: build it against this torch with `make setup`" in text
+
+
+def test_half_configured_launch_is_reported_as_a_problem(cli):
+    report = json.loads(cli("env", "--json", env={"RANK": "1"}).stdout)
+    assert report["detection"]["backend"] == "single"
+    assert any("RANK set but WORLD_SIZE missing" in p for p in report["detection"]["problems"])
+    assert any(p.startswith("detection: RANK set") and "start with torchrun" in p for p in report["problems"])

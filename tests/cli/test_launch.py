@@ -1,0 +1,98 @@
+"""``unified-dist launch``: the exact native command per backend, and real 2-process launches."""
+import json
+import shlex
+import subprocess
+
+import pytest
+
+from launchers import child_env
+
+SINGLE = {
+    "torch": "torchrun --standalone --nproc_per_node 2 train.py --lr 3",
+    "accelerate": ("accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no "
+                   "--dynamo_backend no train.py --lr 3"),
+    "horovod": "horovodrun -np 2 -H localhost:2 --gloo python train.py --lr 3",
+}
+MULTI_NODE = {
+    "torch": (["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "1234"],
+              "UNIFIED_DIST_MIXED_PRECISION=bf16 torchrun --nnodes 2 --node_rank 1 --nproc_per_node 2 "
+              "--master_addr 10.0.0.1 --master_port 1234 train.py 'two words'"),
+    "accelerate": (["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--master-port", "1234"],
+                   "accelerate launch --multi_gpu --num_processes 4 --num_machines 2 --machine_rank 1 "
+                   "--main_process_ip 10.0.0.1 --main_process_port 1234 --mixed_precision bf16 "
+                   "--dynamo_backend no train.py 'two words'"),
+    "horovod": (["--hosts", "10.0.0.1:2,10.0.0.2:2", "--network-interface", "eth0"],
+                "UNIFIED_DIST_MIXED_PRECISION=bf16 horovodrun -np 4 -H 10.0.0.1:2,10.0.0.2:2 --gloo "
+                "--network-interface eth0 python train.py 'two words'"),
+}
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    (tmp_path / "train.py").write_text("raise SystemExit('a dry run must not run the script')\n")
+    return tmp_path
+
+
+def _dry_run(cli, cwd, *args):
+    result = cli("launch", "--dry-run", *args, cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("\n") == 1, result.stdout
+    return result.stdout.strip()
+
+
+@pytest.mark.parametrize("backend", list(SINGLE))
+def test_dry_run_single_node(cli, workdir, backend):
+    assert _dry_run(cli, workdir, "--backend", backend, "--nproc", "2", "train.py", "--lr", "3") == SINGLE[backend]
+
+
+@pytest.mark.parametrize("backend", list(MULTI_NODE))
+def test_dry_run_multi_node(cli, workdir, backend):
+    flags, expected = MULTI_NODE[backend]
+    line = _dry_run(cli, workdir, "--backend", backend, "--nproc", "2", *flags, "--mixed-precision", "bf16",
+                    "train.py", "two words")
+    assert line == expected
+
+
+def test_dry_run_accelerate_one_process_is_not_multi_gpu(cli, workdir):
+    line = _dry_run(cli, workdir, "--backend", "accelerate", "train.py")
+    assert line == "accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no train.py"
+
+
+WORKER = """
+import json, os, sys
+import unified_dist as ud
+ud.init()
+with open(os.path.join(sys.argv[1], f"rank{ud.rank()}.json"), "w") as f:
+    json.dump({"rank": ud.rank(), "world_size": ud.world_size(), "backend": ud.backend_name(),
+               "launcher": ud.launcher(), "mixed_precision": ud.mixed_precision()}, f)
+ud.barrier()
+ud.shutdown()
+"""
+
+
+@pytest.mark.parametrize("backend,launcher", [("torch", "torchrun"), ("accelerate", "accelerate"),
+                                              ("horovod", "horovodrun")])
+def test_real_launch_two_ranks_with_bf16(cli, tmp_path, backend, launcher):
+    (tmp_path / "worker.py").write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = cli("launch", "--backend", backend, "--nproc", "2", "--mixed-precision", "bf16", "worker.py", str(out),
+                 cwd=tmp_path, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    printed = result.stderr.splitlines()[0]
+    assert printed.startswith("+ ") and f" {launcher} " in f" {printed[2:]}", printed
+    ranks = sorted(json.loads(p.read_text())["rank"] for p in out.glob("rank*.json"))
+    assert ranks == [0, 1], result.stdout + result.stderr
+    for path in out.glob("rank*.json"):
+        data = json.loads(path.read_text())
+        assert (data["world_size"], data["backend"], data["launcher"], data["mixed_precision"]) == \
+            (2, backend, launcher, "bf16"), data
+
+
+def test_exit_status_is_the_launchers_and_the_printed_command_runs_the_same_horovod(cli, tmp_path):
+    (tmp_path / "fail.py").write_text("import sys; sys.exit(3)\n")
+    result = cli("launch", "--backend", "horovod", "--nproc", "1", "fail.py", cwd=tmp_path, timeout=60)
+    printed = result.stderr.splitlines()[0]
+    assert printed == "+ horovodrun -np 1 -H localhost:1 --gloo python fail.py", printed
+    native = subprocess.run(shlex.split(printed[2:]), cwd=tmp_path, env=child_env(), capture_output=True, timeout=60)
+    assert result.returncode == native.returncode != 0, (result.returncode, native.returncode)

@@ -1,0 +1,33 @@
+"""``unified-dist test``: the built-in self-test passes under every launcher, and a hang fails it."""
+import os
+
+WITHOUT_HOROVOD = os.environ.get("UNIFIED_DIST_WITHOUT_HOROVOD") == "1"  # deliberately left out (make setup)
+BACKENDS = ["torch", "accelerate"] + ([] if WITHOUT_HOROVOD else ["horovod"])
+CHECKS = ["launch", "init", "identity", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "all_reduce_min",
+          "all_gather_even", "all_gather_uneven", "all_gather_0d", "broadcast_tensor", "broadcast_object",
+          "barrier", "gather_for_metrics", "training_step"]
+
+
+def _table(stdout):
+    rows = [line.split() for line in stdout.splitlines() if line and not line.startswith("backend")]
+    return {(r[0], r[1]): r[2] for r in rows if len(r) >= 3 and r[0] in ("torch", "accelerate", "horovod")}
+
+
+def test_every_installed_backend_passes_with_two_processes(cli):
+    choice = ["--backend", ",".join(BACKENDS)] if WITHOUT_HOROVOD else []  # else: the default, every installed one
+    result = cli("test", *choice, "--nproc", "2", "--timeout", "150", timeout=480)
+    assert result.returncode == 0, result.stdout + result.stderr[-4000:]
+    table = _table(result.stdout)
+    assert set(table) == {(b, c) for b in BACKENDS for c in CHECKS}, sorted(table)
+    assert set(table.values()) == {"pass"}, table
+    assert f"{len(table)} of {len(table)} passed" in result.stdout
+    assert result.stderr.count("\n+ ") + result.stderr.startswith("+ ") == len(BACKENDS), result.stderr
+
+
+def test_a_launch_past_its_timeout_is_killed_and_fails(cli):
+    result = cli("test", "--backend", "torch", "--nproc", "2", "--timeout", "1", timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    table = _table(result.stdout)
+    assert table[("torch", "launch")] == "FAIL" and "timed out after 1s (killed)" in result.stdout
+    assert "pass" not in table.values()
+    assert "failed" in result.stdout.splitlines()[-1]
