@@ -55,8 +55,8 @@ def test_resume_start_skips_consumed_samples_for_any_world_size():
 
 def test_prepared_loader_epochs_state_and_batch_info():
     ds = torch.utils.data.TensorDataset(torch.arange(10))
-    loader = PreparedDataLoader(torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True), rank=0,
-                                world_size=1, device=torch.device("cpu"), seed=5, stack=LoaderStack())
+    loader = PreparedDataLoader(torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True), lambda: (0, 1),
+                                device=torch.device("cpu"), seed=5, stack=LoaderStack())
     assert len(loader) == 3
     first = [b[0].tolist() for b in loader]
     second = [b[0].tolist() for b in loader]
@@ -73,16 +73,16 @@ def test_prepared_loader_epochs_state_and_batch_info():
 
 def test_loader_state_for_another_dataset_is_refused():
     ds = torch.utils.data.TensorDataset(torch.arange(10))
-    loader = PreparedDataLoader(torch.utils.data.DataLoader(ds, batch_size=4), 0, 1, torch.device("cpu"), 0,
-                                LoaderStack())
+    loader = PreparedDataLoader(torch.utils.data.DataLoader(ds, batch_size=4), lambda: (0, 1), torch.device("cpu"),
+                                0, LoaderStack())
     with pytest.raises(Exception, match="dataset of 11 samples"):
         loader.load_state_dict({"epoch": 0, "samples_consumed": 4, "num_samples": 11})
 
 
 def test_state_taken_after_the_last_batch_resumes_at_the_next_epoch():
     ds = torch.utils.data.TensorDataset(torch.arange(8))
-    loader = PreparedDataLoader(torch.utils.data.DataLoader(ds, batch_size=4), 0, 1, torch.device("cpu"), 0,
-                                LoaderStack())
+    loader = PreparedDataLoader(torch.utils.data.DataLoader(ds, batch_size=4), lambda: (0, 1), torch.device("cpu"),
+                                0, LoaderStack())
     for _ in loader:
         state = loader.state_dict()
     assert state == {"epoch": 0, "samples_consumed": 8, "num_samples": 8, "seed": 0}

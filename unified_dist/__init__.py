@@ -12,6 +12,7 @@
 The same script runs under python, torchrun, accelerate launch and horovodrun.
 """
 from .checkmode import CollectiveMismatch
+from .elastic import ElasticState, elastic_run
 from .errors import (BackendNotInstalled, CheckpointError, CollectiveError, CollectiveTimeout, LaunchError,
                      NonFiniteLoss, PeerLost, PrecisionError, UnifiedDistError)
 from .facade import (accumulate, all_gather, all_gather_object, all_reduce, autocast, backend_name, backward, barrier,
@@ -27,7 +28,7 @@ __all__ = [
     "is_main", "is_local_main", "mixed_precision", "gradient_accumulation_steps",
     "prepare", "unwrap", "backward", "accumulate", "sync_gradients", "clip_grad_norm_", "autocast",
     "seed_everything", "rng_states", "restore_rng_states", "all_reduce", "all_gather", "all_gather_object", "gather_for_metrics", "broadcast", "barrier",
-    "print", "main_process_first", "save", "save_checkpoint", "latest_checkpoint", "load",
+    "print", "main_process_first", "ElasticState", "elastic_run", "save", "save_checkpoint", "latest_checkpoint", "load",
     "UnifiedDistError", "BackendNotInstalled", "CollectiveError", "CollectiveMismatch", "CollectiveTimeout",
     "PeerLost", "LaunchError", "NonFiniteLoss", "PrecisionError", "CheckpointError",
 ]

@@ -39,8 +39,8 @@ def _private_copy(backend: Backend, t: torch.Tensor) -> torch.Tensor:
 
 
 _TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded", "stalled")
-_PEER_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "horovodinternalerror",
-               "horovod has been shut down", "connection refused", "socket closed")
+_PEER_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused",
+               "socket closed")
 
 
 @contextlib.contextmanager
@@ -53,6 +53,8 @@ def guarded(backend: Backend, what: str, checked: Any = None, **args: Any) -> It
     except UnifiedDistError:
         raise
     except Exception as exc:
+        if type(exc).__name__ in ("HorovodInternalError", "HostsUpdatedInterrupt"):
+            raise  # horovod's elastic mode recovers from these; horovodrun names the lost process
         text = f"{type(exc).__name__}: {exc}".lower()
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         seconds = int(backend.config.timeout.total_seconds())

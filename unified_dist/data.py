@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
@@ -122,7 +122,7 @@ class PreparedDataLoader:
     ``state_dict``/``load_state_dict`` resume mid-epoch, counted in global samples.
     """
 
-    def __init__(self, loader: DataLoader, rank: int, world_size: int, device: torch.device,
+    def __init__(self, loader: DataLoader, topology: Callable[[], Tuple[int, int]], device: torch.device,
                  seed: int, stack: LoaderStack) -> None:
         if isinstance(loader.dataset, IterableDataset):
             raise UnifiedDistError(
@@ -140,6 +140,8 @@ class PreparedDataLoader:
         self._stack = stack
         self._base_sampler = loader.sampler
         self._num_samples = len(loader.sampler) if not self.shuffle else len(self.dataset)
+        self._topology = topology
+        rank, world_size = topology()
         self.batch_sampler = ShardedBatchSampler(
             self._order, self._num_samples, loader.batch_size, rank, world_size, loader.drop_last)
         kwargs: Dict[str, Any] = dict(
@@ -182,6 +184,8 @@ class PreparedDataLoader:
                                        self.batch_sampler.drop_last))
 
     def __iter__(self) -> Iterator[Any]:
+        # read at every pass: an elastic job (horovodrun --min-np) may have changed size
+        self.batch_sampler.rank, self.batch_sampler.world_size = self._topology()
         self._epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
         start, self._resume_from = self._resume_from, 0
         self.batch_sampler.epoch, self.batch_sampler.start = self._epoch, start

@@ -196,7 +196,7 @@ def prepare(*objs: Any) -> Any:
             session.optimizers.append(prepared)
             out.append(prepared)
         elif isinstance(obj, torch.utils.data.DataLoader):
-            out.append(PreparedDataLoader(obj, backend.rank, backend.world_size, backend.device,
+            out.append(PreparedDataLoader(obj, lambda: (backend.rank, backend.world_size), backend.device,
                                           _seed, session.loaders))
         elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
                 hasattr(obj, "step") and hasattr(obj, "state_dict") and hasattr(obj, "optimizer")):

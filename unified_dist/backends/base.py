@@ -107,6 +107,19 @@ class Backend(ABC):
             return torch.amp.GradScaler(self.device.type)
         return None
 
+    # ----------------------------------------------------------------- elastic
+    def elastic_commit(self, state: Any) -> None:
+        """Make ``state`` (an ``ElasticState``) the restore point: here, its checkpoint on disk.
+
+        torchrun/accelerate restart every process after a failure, and a new ElasticState
+        loads the newest checkpoint.
+        """
+        state.save_checkpoint()
+
+    def elastic_run(self, fn: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(state, ...)``; recovery from a lost process is the launcher's restart here."""
+        return fn(state, *args, **kwargs)
+
     # ----------------------------------------------------------------- primitives
     @abstractmethod
     def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:

@@ -23,6 +23,29 @@ def _import_horovod():
     return hvd
 
 
+def _make_horovod_state(backend: "HorovodBackend", outer: Any) -> Any:
+    """A ``horovod.common.elastic.State`` whose save/restore/sync act on an ``ElasticState``."""
+    from horovod.common.elastic import State
+
+    class _State(State):
+        def __init__(self) -> None:
+            super().__init__(bcast_object=lambda obj: backend.broadcast_object(obj, 0), get_rank=backend.hvd.rank)
+            self._saved: Any = None  # no collective here: a late joiner meets the others in sync()
+
+        def save(self) -> None:
+            self._saved = outer.snapshot()
+
+        def restore(self) -> None:
+            if self._saved is not None:
+                outer.apply(self._saved)
+
+        def sync(self) -> None:  # after a (re)start: everyone takes rank 0's state, keeps its own RNG
+            outer.apply(backend.broadcast_object(outer.snapshot(), 0), restore_rng=False)
+            self.save()
+
+    return _State()
+
+
 class HorovodBackend(Backend):
     """Drives ``horovod.torch``: parameter/optimizer-state broadcast and ``DistributedOptimizer``."""
 
@@ -52,9 +75,17 @@ class HorovodBackend(Backend):
     def shutdown(self) -> None:
         self.hvd.shutdown()
 
+    @property
+    def elastic(self) -> bool:
+        """Started by an elastic horovodrun (--min-np/--max-np): state is synced by ElasticState."""
+        return os.environ.get("HOROVOD_ELASTIC") == "1"
+
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device)
-        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        # In an elastic job a worker that joins late must not run collectives before
+        # elastic_run's sync (the others are in it): ElasticState broadcasts the state there.
+        if not self.elastic:
+            self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
@@ -64,14 +95,31 @@ class HorovodBackend(Backend):
         # optimizer with zero gradients, which applies AdamW's weight decay once and bumps
         # Adam's step count: a silent divergence from the other backends. A fresh optimizer
         # has empty state on every rank, so there is nothing to broadcast then.
-        has_state = torch.tensor([1.0 if optimizer.state_dict()["state"] else 0.0])
-        if hvd.allreduce(has_state, op=hvd.Max, name="unified_dist.has_optimizer_state").item() > 0:
-            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        if not self.elastic:
+            has_state = torch.tensor([1.0 if optimizer.state_dict()["state"] else 0.0])
+            if hvd.allreduce(has_state, op=hvd.Max, name="unified_dist.has_optimizer_state").item() > 0:
+                hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         named = list(model.named_parameters()) if model is not None else None
         return hvd.DistributedOptimizer(
             optimizer, named_parameters=named, op=hvd.Average,
             backward_passes_per_step=self.config.gradient_accumulation_steps)
 
+    # ------------------------------------------------------------------ elastic
+    def _elastic_state(self, state: Any) -> Any:
+        if state.backend_state is None:
+            state.backend_state = _make_horovod_state(self, state)
+        return state.backend_state
+
+    def elastic_commit(self, state: Any) -> None:
+        state.save_checkpoint()
+        self._elastic_state(state).commit()  # in memory; raises HostsUpdatedInterrupt on host changes
+
+    def elastic_run(self, fn: Any, state: Any, *args: Any, **kwargs: Any) -> Any:
+        inner = self._elastic_state(state)
+        runner = self.hvd.elastic.run(lambda _inner, *a, **k: fn(state, *a, **k))
+        return runner(inner, *args, **kwargs)
+
+    # ------------------------------------------------------------------ collectives
     def _wait(self, handle: Any) -> Any:
         """Horovod has no per-collective timeout: poll the async handle against our deadline."""
         timeout = self.config.timeout.total_seconds()
