@@ -1,0 +1,151 @@
+"""Benchmarks of unified_dist (see BENCHMARKS.md for the full results and the machine).
+
+    python bench/run.py [--short] [--only overhead,collectives,scaling,accuracy]
+
+1. overhead     the example's training step through the facade vs hand-written native code,
+                per backend (2 processes), launches interleaved facade/native; median step-time
+                ratio and peak RSS per rank.
+2. collectives  all_reduce / all_gather through the facade vs the raw backend call, 4 KB-64 MB,
+                uneven vs even all_gather, check mode's cost (bench/collectives_worker.py).
+3. scaling      training samples/s with 1 and 2 processes (1 thread each) per backend.
+4. accuracy     wall time to 80% test accuracy: the example (1 and 2 processes) vs Hugging Face
+                Trainer (bench/time_to_accuracy.py); skipped by --short.
+Results: bench/results/<part>.json, bench/results/summary.md, and PNG plots.
+Ratios are always measured side by side in one run; absolute times are for this machine only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+
+from unified_dist.cli import launch as ud_launch  # noqa: E402
+
+BACKENDS = ("torch", "accelerate", "horovod")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(backend: str, nproc: int, script: str, args: list, timeout: float = 900) -> None:
+    """Run ``script`` under ``backend``'s launcher (``python`` for nproc=1 without backend)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    if backend == "single":
+        cmd = [sys.executable, script, *args]
+    else:
+        plan = ud_launch.Plan(backend=backend, script=script, script_args=tuple(args), nproc=nproc,
+                              master_port=free_port())
+        command = ud_launch.build(plan)
+        cmd = list(command.argv)
+        env = ud_launch.environment(command, env)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}")
+
+
+def overhead(short: bool) -> dict:
+    reps = 2 if short else 4
+    steps = ["--steps", "6" if short else "14", "--warmup", "2"]
+    out = {}
+    tmp = RESULTS / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    for backend in BACKENDS:
+        runs = {"facade": [], "native": []}
+        for rep in range(reps):  # interleaved: facade, native, facade, native...
+            for variant in ("facade", "native"):
+                script = f"bench/step/{'facade' if variant == 'facade' else 'native_' + backend}.py"
+                path = tmp / f"step_{backend}_{variant}_{rep}.json"
+                launch(backend, 2, script, ["--out", str(path), *steps])
+                runs[variant].append(json.loads(path.read_text()))
+        med = {v: statistics.median(r["median_step_s"] for r in runs[v]) for v in runs}
+        rss = {v: max(max(r["peak_rss_mib_per_rank"]) for r in runs[v]) for v in runs}
+        out[backend] = {"facade_step_s": med["facade"], "native_step_s": med["native"],
+                        "ratio": med["facade"] / med["native"], "facade_peak_rss_mib": rss["facade"],
+                        "native_peak_rss_mib": rss["native"], "reps": reps,
+                        "per_launch_medians": {v: [r["median_step_s"] for r in runs[v]] for v in runs}}
+        print(f"overhead {backend}: facade {med['facade']:.3f}s native {med['native']:.3f}s "
+              f"ratio {out[backend]['ratio']:.3f}", flush=True)
+    return out
+
+
+def collectives(short: bool) -> dict:
+    sizes = "4,1024,65536" if short else "4,64,1024,16384,65536"
+    out = {}
+    for backend in BACKENDS:
+        path = RESULTS / "tmp" / f"collectives_{backend}.json"
+        launch(backend, 2, "bench/collectives_worker.py",
+               ["--out", str(path), "--sizes-kb", sizes, "--reps", "6" if short else "12",
+                "--rounds", "2" if short else "3"])
+        out[backend] = json.loads(path.read_text())["rows"]
+        for row in out[backend]:
+            print(f"collectives {backend} {row['size_kb']:>6} KB: all_reduce x{row['all_reduce_ratio']:.3f} "
+                  f"all_gather x{row['all_gather_ratio']:.3f} uneven/even x{row['uneven_vs_even_ratio']:.3f} "
+                  f"checkmode x{row['checkmode_ratio']:.3f}", flush=True)
+    return out
+
+
+def scaling(short: bool) -> dict:
+    steps = ["--steps", "5" if short else "10", "--warmup", "2"]
+    out = {}
+    for backend in BACKENDS:
+        row = {}
+        for nproc in (1, 2):
+            path = RESULTS / "tmp" / f"scaling_{backend}_{nproc}.json"
+            launch(backend, nproc, "bench/step/facade.py", ["--out", str(path), *steps])
+            data = json.loads(path.read_text())
+            row[f"samples_per_s_{nproc}"] = data["batch_size"] * nproc / data["median_step_s"]
+        row["efficiency"] = row["samples_per_s_2"] / (2 * row["samples_per_s_1"])
+        out[backend] = row
+        print(f"scaling {backend}: {row['samples_per_s_1']:.1f} -> {row['samples_per_s_2']:.1f} samples/s "
+              f"(efficiency {row['efficiency']:.2f})", flush=True)
+    return out
+
+
+def machine() -> dict:
+    import platform
+
+    import torch
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--short", action="store_true", help="the quick version (make bench): fewer reps and sizes")
+    p.add_argument("--only", default="overhead,collectives,scaling,accuracy")
+    args = p.parse_args()
+    parts = args.only.split(",")
+    if args.short and "accuracy" in parts:
+        parts.remove("accuracy")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    suffix = "_short" if args.short else ""
+    for name, fn in (("overhead", overhead), ("collectives", collectives), ("scaling", scaling)):
+        if name in parts:
+            data = {"machine": machine(), "short": args.short, "results": fn(args.short)}
+            (RESULTS / f"{name}{suffix}.json").write_text(json.dumps(data, indent=1))
+    if "accuracy" in parts:
+        subprocess.run([sys.executable, "bench/time_to_accuracy.py"], cwd=ROOT, check=True)
+    subprocess.run([sys.executable, "bench/report.py", *(["--short"] if args.short else [])], cwd=ROOT, check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
