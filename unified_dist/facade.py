@@ -118,8 +118,10 @@ def shutdown() -> None:
 
 
 def _shutdown_at_exit() -> None:
-    with contextlib.suppress(Exception):
-        shutdown()
+    """At interpreter exit: free DDP reducers (no communication: other ranks may be gone or failing)."""
+    if _session is not None:
+        with contextlib.suppress(Exception):
+            _session.backend.release_ddp()
 
 
 # ---------------------------------------------------------------------- identity

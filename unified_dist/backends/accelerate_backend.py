@@ -58,14 +58,15 @@ class AccelerateBackend(Backend):
     def shutdown(self) -> None:
         from accelerate.state import AcceleratorState, GradientState
 
-        self.accelerator.end_training()
+        self.accelerator.end_training()  # waits for every process
+        self.release_ddp()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self.accelerator.prepare_model(model)
+        return self.track_ddp(self.accelerator.prepare_model(model))
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ContextManager, List, Optional
@@ -38,6 +40,26 @@ class Backend(ABC):
     def __init__(self, detection: Detection, config: Config) -> None:
         self.detection = detection
         self.config = config
+        self._ddp_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+    def track_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Remember a DDP wrapper so :meth:`release_ddp` can free it before the group goes."""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            self._ddp_models.add(model)
+        return model
+
+    def release_ddp(self) -> None:
+        """Free every tracked DDP reducer (the wrappers cannot train afterwards).
+
+        A reducer that outlives its process group, or lives into interpreter shutdown, lets
+        gloo's threads race the exit: "terminate called without an active exception" (SIGABRT)
+        in about one torchrun job in five on this machine. Freeing reducers first prevents it.
+        """
+        for model in list(self._ddp_models):
+            if hasattr(model, "reducer"):
+                del model.reducer
+        self._ddp_models = weakref.WeakSet()
+        gc.collect()
 
     # ----------------------------------------------------------------- identity
     @property

@@ -49,15 +49,18 @@ class TorchBackend(Backend):
         return dist.get_world_size()
 
     def shutdown(self) -> None:
-        if self._owns_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.barrier()  # nobody is still reducing when the reducers go
+            self.release_ddp()
+            if self._owns_group:
+                dist.destroy_process_group()
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device)
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (e.g. an evaluation-only model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        return self.track_ddp(torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids))
 
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
