@@ -9,9 +9,15 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
-.PHONY: setup test demo bench clean
+.PHONY: setup system-deps test demo bench clean
 
-setup: $(STAMP)
+setup: system-deps $(STAMP)
+
+# tests/multinode needs network namespaces (iproute2) and sshd (horovodrun reaches the second
+# test host over ssh). Installed only as root with apt; otherwise those tests skip with the reason.
+system-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && { ! command -v ip >/dev/null || [ ! -x /usr/sbin/sshd ]; }; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 openssh-server; fi
 
 $(STAMP): requirements-ci.txt requirements-offline-data.txt setup.cfg tools/build_horovod.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

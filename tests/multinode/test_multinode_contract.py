@@ -1,0 +1,93 @@
+"""The facade's contract across two hosts (network namespaces), under every multi-node launch line.
+
+Two nodes x one process each. Each (launch, suite) runs tests/workers/contract_worker.py's
+``core`` or ``accum`` checks once, through tests/multinode/node_worker.py which also records the
+host each rank ran on; every check must be "ok" on both ranks, and the ranks must have run on
+different hosts. Launches:
+
+- torchrun, static master (``--master_addr/--master_port``) and c10d rendezvous (``--rdzv_endpoint``)
+- accelerate launch ``--num_machines 2 --machine_rank R --main_process_ip ...``
+- horovodrun ``-H 192.0.2.1:1,192.0.2.2:1 --gloo``, once on the first host, ssh to the second
+- ``unified-dist launch --nnodes 2 ...`` for torch, accelerate and horovod
+
+A launch whose checks all passed on both ranks but one of whose processes then died of torch's
+exit-time abort (multinode.EXIT_ABORT) is launched once more, with a warning; any other failure fails.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Dict, Tuple
+
+import pytest
+
+from multinode import LAUNCHES, MODULE_OF, JobResult, launch_commands, run_tolerating_exit_abort
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
+import contract_worker  # noqa: E402  (the check names; the checks run in the launched processes)
+
+WORKER = "tests/multinode/node_worker.py"
+TIMEOUT = 180  # seconds per launch, both nodes together; then every process group is killed
+SUITES = ("core", "accum")
+_runs: Dict[Tuple[str, str], Tuple[JobResult, Path]] = {}
+
+
+def complete(out: Path, suite: str) -> bool:
+    """Both ranks recorded every check of ``suite``, all "ok"."""
+    names = {fn.__name__ for fn in contract_worker.CHECKS[suite]}
+    for rank in (0, 1):
+        path = out / f"{suite}_rank{rank}.json"
+        if not path.exists():
+            return False
+        results = json.loads(path.read_text())["results"]
+        if set(results) != names or any(v != "ok" for v in results.values()):
+            return False
+    return True
+
+
+def run_once(name: str, suite: str, hosts, ssh) -> Tuple[JobResult, Path]:
+    if (name, suite) not in _runs:
+        outs = {attempt: hosts.workdir / f"{name}-{suite}-{attempt}" for attempt in (1, 2)}
+
+        def commands(attempt: int):
+            outs[attempt].mkdir()
+            return launch_commands(name, hosts, WORKER, ["--suite", suite, "--out", str(outs[attempt])], ssh)
+
+        result = run_tolerating_exit_abort(hosts, f"{name}-{suite}", commands,
+                                           lambda attempt: complete(outs[attempt], suite), TIMEOUT)
+        print(f"{name} {suite}: {result.seconds:.1f}s")
+        _runs[(name, suite)] = (result, outs[2] if outs[2].exists() else outs[1])
+    return _runs[(name, suite)]
+
+
+CASES = [(name, suite) for name in LAUNCHES for suite in SUITES]
+
+
+@pytest.mark.parametrize("name,suite", CASES, ids=[f"{n}-{s}" for n, s in CASES])
+def test_contract_on_two_hosts(name, suite, hosts, request):
+    backend, pinned = LAUNCHES[name]
+    if importlib.util.find_spec(MODULE_OF[backend]) is None:
+        pytest.skip(f"{MODULE_OF[backend]} is not installed")
+    ssh = request.getfixturevalue("ssh_hosts") if backend == "horovod" else None
+    result, out = run_once(name, suite, hosts, ssh)
+    result.check()
+    expected_checks = {fn.__name__ for fn in contract_worker.CHECKS[suite]}
+    ran_on = {}
+    for rank in (0, 1):
+        path = out / f"{suite}_rank{rank}.json"
+        assert path.exists(), f"rank {rank} wrote no results\n{result.output()}"
+        data = json.loads(path.read_text())
+        identity = data["identity"]
+        assert (identity["backend"], identity["world_size"], identity["rank"]) == (backend, 2, rank), identity
+        assert set(data["results"]) == expected_checks, sorted(data["results"])
+        failed = {check: text for check, text in data["results"].items() if text != "ok"}
+        assert not failed, f"rank {rank}: " + "\n".join(f"{c}: {t}" for c, t in failed.items())
+        where = json.loads((out / f"where_{suite}_rank{rank}.json").read_text())
+        assert hosts.nic in where["interfaces"], where
+        ran_on[rank] = where["hostname"]
+    if pinned:
+        assert [ran_on[0], ran_on[1]] == list(hosts.names), ran_on
+    else:
+        assert sorted(ran_on.values()) == sorted(hosts.names), ran_on
