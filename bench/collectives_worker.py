@@ -94,6 +94,7 @@ def main():
     if ud.is_main():
         with open(args.out, "w") as f:
             json.dump({"backend": backend, "world_size": ud.world_size(), "rows": rows}, f, indent=1)
+    ud.shutdown()
 
 
 if __name__ == "__main__":

@@ -135,7 +135,7 @@ def main() -> int:
     parts = args.only.split(",")
     if args.short and "accuracy" in parts:
         parts.remove("accuracy")
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
     suffix = "_short" if args.short else ""
     for name, fn in (("overhead", overhead), ("collectives", collectives), ("scaling", scaling)):
         if name in parts:

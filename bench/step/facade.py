@@ -23,3 +23,4 @@ def step(batch):
 median, times = run_steps(step, batches, args.warmup)
 report(args, "facade", ud.backend_name(), ud.rank(), ud.world_size(), median, times,
        lambda v: [float(x) for x in ud.all_gather(torch.tensor([v]))])
+ud.shutdown()

