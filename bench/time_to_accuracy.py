@@ -38,7 +38,7 @@ def curve_from_metrics(path: Path):
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if rec.get("type") == "eval" and rec.get("split") == "test":
-            curve.append((rec["elapsed_s"], rec["accuracy"]))
+            curve.append((rec["time_s"], rec["accuracy"]))
     return curve
 
 

@@ -147,7 +147,10 @@ class PreparedDataLoader:
         kwargs: Dict[str, Any] = dict(
             num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
             timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context, generator=loader.generator,
+            multiprocessing_context=loader.multiprocessing_context,
+            # Starting an iterator draws a worker seed from `generator`; a private one keeps the
+            # global RNG (dropout) untouched, so a resumed run draws the same numbers.
+            generator=loader.generator if loader.generator is not None else torch.Generator().manual_seed(seed),
             persistent_workers=loader.persistent_workers)
         if loader.num_workers > 0:
             kwargs["prefetch_factor"] = loader.prefetch_factor

