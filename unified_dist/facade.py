@@ -34,6 +34,7 @@ class _Session:
     sync: GradientSync
     loaders: LoaderStack
     optimizers: List[PreparedOptimizer] = field(default_factory=list)
+    prepared_from: dict = field(default_factory=dict)  # id(user's optimizer) -> PreparedOptimizer
     check_finite: bool = True
 
 
@@ -186,28 +187,41 @@ def prepare(*objs: Any) -> Any:
     session = _current()
     backend = session.backend
     models = [o for o in objs if isinstance(o, torch.nn.Module)]
-    out = []
-    for obj in objs:
+    out: List[Any] = [None] * len(objs)
+    # schedulers last, so they can be pointed at the optimizer prepared in the same call
+    order = sorted(range(len(objs)), key=lambda i: _is_scheduler(objs[i]))
+    for i in order:
+        obj = objs[i]
         if isinstance(obj, torch.nn.Module):
-            out.append(backend.prepare_model(obj))
+            out[i] = backend.prepare_model(obj)
         elif isinstance(obj, PreparedOptimizer):
-            out.append(obj)
+            out[i] = obj
         elif isinstance(obj, torch.optim.Optimizer):
             inner = backend.prepare_optimizer(obj, models[0] if len(models) == 1 else None)
             prepared = PreparedOptimizer(inner, session.sync, backend.make_grad_scaler())
             session.optimizers.append(prepared)
-            out.append(prepared)
+            session.prepared_from[id(obj)] = prepared
+            out[i] = prepared
         elif isinstance(obj, torch.utils.data.DataLoader):
-            out.append(PreparedDataLoader(obj, lambda: (backend.rank, backend.world_size), backend.device,
-                                          _seed, session.loaders))
-        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
-                hasattr(obj, "step") and hasattr(obj, "state_dict") and hasattr(obj, "optimizer")):
-            out.append(PreparedScheduler(obj, session.sync))
+            out[i] = PreparedDataLoader(obj, lambda: (backend.rank, backend.world_size), backend.device,
+                                        _seed, session.loaders)
+        elif _is_scheduler(obj):
+            # The scheduler must drive the optimizer that steps: Horovod's DistributedOptimizer is
+            # a new object, and load_state_dict() replaces param_groups, so a scheduler left on
+            # the original optimizer would stop changing the learning rate after a resume.
+            if id(obj.optimizer) in session.prepared_from:
+                obj.optimizer = session.prepared_from[id(obj.optimizer)]
+            out[i] = PreparedScheduler(obj, session.sync)
         else:
             raise UnifiedDistError(
                 f"prepare() got a {type(obj).__name__}; it accepts torch.nn.Module, torch.optim.Optimizer, "
                 "LR schedulers and torch.utils.data.DataLoader")
     return out[0] if len(out) == 1 else tuple(out)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        hasattr(obj, "step") and hasattr(obj, "state_dict") and hasattr(obj, "optimizer"))
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -252,6 +252,22 @@ def accumulation_steps_only_every_kth_microstep():
     assert stepped[0] is False and stepped[1] is True, stepped
 
 
+@check("core")
+def scheduler_drives_the_prepared_optimizer_after_load_state_dict():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    model, sched, opt = ud.prepare(model, sched, opt)  # scheduler given before its optimizer
+    opt.load_state_dict(opt.state_dict())  # replaces param_groups, as resuming does
+    for _ in range(2):
+        with ud.accumulate(model):
+            ud.backward(model(torch.ones(2, 5)).sum())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    assert opt.param_groups[0]["lr"] == 0.25, opt.param_groups[0]["lr"]
+
+
 # ----------------------------------------------------------------- loaders
 @check("core")
 def train_loader_shards_disjoint_cover_and_reshuffle():
