@@ -95,7 +95,8 @@ def load_local(paths: Sequence[str], cache_dir: str):
                         "files or a Hub dataset name to --dataset")
     formats = {file_format(p) for p in paths}
     if None in formats or len(formats) != 1:
-        raise DataError(f"--dataset files must all be .csv/.tsv, .json/.jsonl or .parquet (one kind), got {list(paths)}")
+        raise DataError("--dataset files must all be .csv/.tsv, .json/.jsonl or .parquet (one kind), "
+                        f"got {list(paths)}")
     fmt = formats.pop()
     kwargs = {"delimiter": "\t"} if fmt == "csv" and all(".tsv" in p.lower() for p in paths) else {}
     try:

