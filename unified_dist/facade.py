@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import os
 import random
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional
@@ -97,6 +98,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     _session = _Session(instance, detection, GradientSync(instance, loaders), loaders,
                         check_finite=os.environ.get("UNIFIED_DIST_CHECK_FINITE", "1") != "0")
     atexit.register(_shutdown_at_exit)
+    if sys.excepthook is not _note_failure:
+        sys.excepthook = _note_failure
 
 
 def _current() -> _Session:
@@ -118,9 +121,22 @@ def shutdown() -> None:
         session.backend.shutdown()
 
 
+_failed = False
+
+
+def _note_failure(exc_type: Any, exc: Any, tb: Any, _previous: Any = sys.excepthook) -> None:
+    global _failed
+    _failed = True
+    _previous(exc_type, exc, tb)
+
+
 def _shutdown_at_exit() -> None:
-    """At interpreter exit: free DDP reducers (no communication: other ranks may be gone or failing)."""
-    if _session is not None:
+    """At a clean interpreter exit, free DDP reducers (no communication).
+
+    Skipped after an uncaught exception: a reducer with a collective still pending on a lost
+    peer cannot be freed, and the launcher must see this process end.
+    """
+    if _session is not None and not _failed:
         with contextlib.suppress(Exception):
             _session.backend.release_ddp()
 
