@@ -105,6 +105,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         """Step only if this micro-step synchronised gradients; returns ``None`` otherwise."""
         if not self._sync.sync_gradients:
             return None
+        self._opt_called = True  # what torch's LR schedulers check before warning
         skip = self.optimizer.skip_synchronize() if self._synchronized else contextlib.nullcontext()
         self._synchronized = False
         self.steps_taken += 1
@@ -114,6 +115,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
             result = self.scaler.step(self.optimizer)
             self.scaler.update()
             return result
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # counted above, as torch's wrapper does
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients only on synchronising micro-steps (they accumulate in between)."""
