@@ -25,8 +25,12 @@ def uninterrupted(tmp_path_factory):
     return result(out)[0]
 
 
-def test_torchrun_restarts_and_resumes_exactly(tmp_path, uninterrupted):
-    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node", "2", "--max-restarts", "2",
+# static rendezvous keeps one agent store across restarts (stale gloo addresses: see
+# unified_dist/backends/process_group.py); c10d rendezvous makes a new one per attempt
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_torchrun_restarts_and_resumes_exactly(tmp_path, uninterrupted, rendezvous):
+    where = ["--standalone"] if rendezvous == "c10d" else ["--master_port", str(free_port())]
+    cmd = [str(BIN / "torchrun"), *where, "--nproc_per_node", "2", "--max-restarts", "2",
            WORKER, "--out", str(tmp_path), "--kill-at", "10"]
     run(cmd, timeout=180).check()
     final, entries = result(tmp_path)

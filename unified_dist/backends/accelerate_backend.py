@@ -6,6 +6,7 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from .base import Backend, Config
+from .process_group import join_default_group
 from ..detection import Detection
 from ..errors import BackendNotInstalled
 
@@ -29,6 +30,8 @@ class AccelerateBackend(Backend):
             raise BackendNotInstalled(
                 f"backend 'accelerate' needs the accelerate package ({exc}); install it with "
                 "`pip install unified_dist[accelerate]` or `make setup`") from None
+        # A torchrun restart needs a per-attempt store; Accelerate then reuses the joined group.
+        join_default_group(config.timeout, always=False)
         self.accelerator = Accelerator(
             # Without cpu=True, Accelerate ignores a multi-process launch on a GPU-less machine
             # (DistributedType.NO, each process alone); with it, it uses gloo (MULTI_CPU).

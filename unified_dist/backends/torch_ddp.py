@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend, Config
+from .process_group import join_default_group
 from ..detection import Detection
 
 # torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
@@ -31,10 +32,7 @@ class TorchBackend(Backend):
             os.environ.setdefault("WORLD_SIZE", str(detection.world_size))
             if torch.cuda.is_available():
                 torch.cuda.set_device(self.device)
-            dist.init_process_group(
-                backend="nccl" if torch.cuda.is_available() else "gloo",
-                timeout=config.timeout,
-            )
+            join_default_group(config.timeout, always=True)
 
     @property
     def rank(self) -> int:

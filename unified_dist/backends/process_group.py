@@ -1,0 +1,62 @@
+"""Joining torch's default process group safely after a torchelastic restart.
+
+torchrun's *static* rendezvous (``--master_port`` without ``--rdzv_backend c10d``; also what
+``accelerate launch --main_process_port`` uses on one machine) keeps one agent TCPStore for
+every ``--max-restarts`` attempt, and torch's ``env://`` handler adds no per-attempt prefix
+when it reuses the agent store. A restarted rank can then read the dead attempt's gloo
+addresses and fail with ``Gloo connectFullMesh failed ... Connection refused``, over and over
+until the restarts run out. On a restart we therefore join through a store whose keys are
+prefixed with the attempt number; the first attempt and non-elastic launches use torch's
+own ``env://`` path unchanged.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def restart_count(environ=os.environ) -> int:
+    """The torchelastic attempt number of this process (0 on the first attempt or off torchrun)."""
+    try:
+        return int(environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    except ValueError:
+        return 0
+
+
+def needs_attempt_store(environ=os.environ) -> bool:
+    """True when this is a restarted worker that shares the agent's store with earlier attempts."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart_count(environ) > 0
+
+
+def attempt_store(timeout: datetime.timedelta, environ=os.environ) -> dist.Store:
+    """A client of the agent's TCPStore whose keys are private to this restart attempt."""
+    store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]),
+                          int(environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"unified_dist/attempt_{restart_count(environ)}", store)
+
+
+def join_default_group(timeout: datetime.timedelta, *, always: bool) -> bool:
+    """Initialise the default process group (nccl on GPU, gloo on CPU) from the launcher's env.
+
+    With ``always=False`` it only acts where torch's own path would be unsafe (a restarted
+    worker, see the module doc) and otherwise leaves initialisation to the caller (Accelerate).
+    Returns whether it initialised the group.
+    """
+    if dist.is_initialized():
+        return False
+    safe_store = needs_attempt_store()
+    if not (always or safe_store):
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if safe_store:
+        dist.init_process_group(backend=backend, timeout=timeout, store=attempt_store(timeout),
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    return True
