@@ -114,39 +114,12 @@ def all_gather(backend: Backend, x: Any, what: str = "all_gather") -> Any:
 
 
 def _gather_one(backend: Backend, t: torch.Tensor) -> torch.Tensor:
-    work = _private_copy(backend, t)
+    work = t.detach().to(backend.device).contiguous()  # gathering copies it; the input stays untouched
     if work.dim() == 0:
         work = work.reshape(1)
     if backend.world_size == 1:
-        return work
-    shapes = _exchange_shapes(backend, work)
-    trailing = {s[1:] for s in shapes}
-    if len(trailing) != 1:
-        per_rank = ", ".join(f"rank {r}: {tuple(s)}" for r, s in enumerate(shapes))
-        raise CollectiveError(
-            f"all_gather needs the same shape on every rank except dim 0, got {per_rank}; "
-            "pad or reshape before gathering")
-    sizes = [s[0] for s in shapes]
-    longest = max(sizes)
-    if min(sizes) == longest:
-        return backend.all_gather_equal(work).reshape((-1,) + tuple(work.shape[1:]))
-    if work.shape[0] < longest:
-        pad = work.new_zeros((longest - work.shape[0],) + tuple(work.shape[1:]))
-        work = torch.cat([work, pad])
-    parts = backend.all_gather_equal(work)
-    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
-
-
-def _exchange_shapes(backend: Backend, t: torch.Tensor) -> List[tuple]:
-    """Every rank's shape of ``t`` (one small all_gather; ranks may differ in ndim)."""
-    max_dims = 8
-    if t.dim() > max_dims:
-        raise CollectiveError(f"all_gather supports up to {max_dims} dimensions, got shape {tuple(t.shape)}")
-    encoded = torch.full((max_dims + 1,), -1, dtype=torch.int64, device=backend.device)
-    encoded[0] = t.dim()
-    encoded[1:t.dim() + 1] = torch.tensor(t.shape, dtype=torch.int64)
-    rows = backend.all_gather_equal(encoded).tolist()
-    return [tuple(row[1:row[0] + 1]) for row in rows]
+        return work.clone()
+    return torch.cat(backend.all_gather_parts(work))
 
 
 def broadcast(backend: Backend, obj: Any, src: int = 0) -> Any:
@@ -168,10 +141,4 @@ def all_gather_object(backend: Backend, obj: Any) -> List[Any]:
         if backend.world_size == 1:
             return [pickle.loads(pickle.dumps(obj))]
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(backend.device)
-        sizes = [int(n) for n in _gather_one(backend, torch.tensor([payload.numel()], device=backend.device))]
-        data = _gather_one(backend, payload).cpu()
-        out, offset = [], 0
-        for n in sizes:
-            out.append(pickle.loads(data[offset:offset + n].numpy().tobytes()))
-            offset += n
-        return out
+        return [pickle.loads(part.cpu().numpy().tobytes()) for part in backend.all_gather_parts(payload)]

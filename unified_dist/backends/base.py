@@ -151,6 +151,20 @@ class Backend(ABC):
     def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (same shape on all ranks) stacked on a new dim 0, in rank order."""
 
+    def all_gather_parts(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        """Every rank's ``tensor`` (at least 1-d; dim 0 may differ) in rank order.
+
+        Default: :class:`~unified_dist.uneven_gather.UnevenGather` over :meth:`all_gather_equal`
+        (one round trip while sizes repeat). Mismatched trailing dims or dtypes raise the same
+        ``CollectiveError`` on every rank.
+        """
+        gatherer = self.__dict__.get("_uneven_gather")
+        if gatherer is None:
+            from ..uneven_gather import UnevenGather
+
+            gatherer = self._uneven_gather = UnevenGather(self.all_gather_equal)
+        return gatherer.parts(tensor)
+
     @abstractmethod
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Rank ``src``'s ``tensor`` (a private copy, may be modified) on every rank."""

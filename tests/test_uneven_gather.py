@@ -1,0 +1,82 @@
+"""UnevenGather's protocol, with W simulated ranks as threads sharing an equal-size gather."""
+import threading
+
+import pytest
+import torch
+
+from unified_dist.errors import CollectiveError
+from unified_dist.uneven_gather import UnevenGather
+
+
+class FakeGroup:
+    """all_gather_equal for `world` threads: every rank's row, stacked in rank order; counts calls."""
+
+    def __init__(self, world):
+        self.world, self.rows, self.calls = world, [None] * world, 0
+        self.barrier = threading.Barrier(world)
+
+    def gather_equal(self, rank):
+        def gather(row):
+            self.rows[rank] = row.clone()
+            self.barrier.wait()
+            sizes = {r.shape for r in self.rows}
+            assert len(sizes) == 1, f"ranks sent different row sizes {sizes}: a real group would hang"
+            out = torch.stack(self.rows)
+            if rank == 0:
+                self.calls += 1
+            self.barrier.wait()
+            return out
+        return gather
+
+
+def run_ranks(world, per_rank_calls):
+    """per_rank_calls(rank) -> list of tensors to gather in order; returns results[rank][i] and the group."""
+    group = FakeGroup(world)
+    results, errors = [None] * world, [None] * world
+
+    def body(rank):
+        gatherer = UnevenGather(group.gather_equal(rank))
+        try:
+            results[rank] = [gatherer(t) for t in per_rank_calls(rank)]
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors[rank] = exc
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return results, errors, group
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_results_match_concatenation_and_repeats_take_one_round(world):
+    def calls(rank):
+        even = torch.full((4, 3), float(rank))
+        uneven = torch.arange(10 * (rank + 1), dtype=torch.float64).reshape(-1, 1) + 100 * rank  # > 64 bytes
+        return [even, even, even, uneven, uneven, torch.zeros((0 if rank == 0 else 2, 3)),
+                torch.tensor([rank % 2 == 0]), torch.full((2,), rank, dtype=torch.complex128)]
+    results, errors, group = run_ranks(world, calls)
+    assert errors == [None] * world, errors
+    expected = [torch.cat([calls(r)[i] for r in range(world)]) for i in range(8)]
+    for rank in range(world):
+        for got, want in zip(results[rank], expected):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    # first call: headers only, then the data; the 2 repeats: one each; uneven growth: two; the rest fit
+    assert group.calls == 2 + 1 + 1 + 2 + 1 + 1 + 1 + 1, group.calls
+
+
+def test_shrinking_sizes_fit_in_one_round():
+    results, errors, group = run_ranks(2, lambda rank: [torch.ones(64), torch.ones(8), torch.ones(8)])
+    assert errors == [None, None] and group.calls == 2 + 1 + 1
+
+
+@pytest.mark.parametrize("second, message", [
+    (lambda r: torch.zeros(2, 3 + r), "rank 0: (2, 3), rank 1: (2, 4)"),
+    (lambda r: torch.zeros(2, dtype=torch.float32 if r == 0 else torch.int64), "rank 0: (2,) float32, rank 1: (2,) int64"),
+])
+def test_mismatch_raises_the_same_one_line_error_on_every_rank(second, message):
+    results, errors, _ = run_ranks(2, lambda rank: [torch.ones(3), second(rank)])
+    assert all(isinstance(e, CollectiveError) for e in errors), errors
+    assert {str(e) for e in errors} == {str(errors[0])} and message in str(errors[0]) and "\n" not in str(errors[0])

@@ -1,0 +1,92 @@
+"""all_gather where dim 0 may differ between ranks, in one round trip when sizes repeat.
+
+Fixed-size gathers (gloo, NCCL) need every rank's size up front, and exchanging shapes
+first costs a second round trip: at small sizes that doubles the latency of every gather.
+Instead each rank sends one byte row ``[header | payload | padding]`` of a *capacity* that
+all ranks agree on without talking: it starts at 0 and, after every gather, becomes the
+largest payload just seen (rounded up). Every rank computes it from the same gathered
+headers, so the capacities never diverge. When a payload fits (the steady state: training
+and evaluation gather the same sizes again and again) one gather is all it takes; when one
+does not, the headers tell every rank the sizes and a second gather at the new capacity
+follows, which is what a shape exchange would have cost anyway.
+
+The header carries each rank's shape and dtype, so mismatched trailing dims or dtypes raise
+the same :class:`CollectiveError` on every rank instead of corrupting data or hanging.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Tuple
+
+import torch
+
+from .errors import CollectiveError
+
+MAX_DIMS = 8
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_HEADER_WORDS = 12  # ndim, 8 dims, dtype index, payload bytes, spare: 96 bytes keeps 16-byte alignment
+_HEADER_BYTES = _HEADER_WORDS * 8
+_ALIGN = 64
+
+GatherEqual = Callable[[torch.Tensor], torch.Tensor]  # (n,) uint8 on every rank -> (world, n), rank order
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class UnevenGather:
+    """Stateful gatherer for one process group; call it in the same order on every rank."""
+
+    def __init__(self, gather_equal: GatherEqual) -> None:
+        self._gather_equal = gather_equal
+        self.capacity = 0  # payload bytes per rank in the next first-try gather (same on all ranks)
+
+    def parts(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        """Every rank's ``tensor`` (at least 1-d, contiguous, on the group's device), in rank order."""
+        if tensor.dim() > MAX_DIMS:
+            raise CollectiveError(f"all_gather supports up to {MAX_DIMS} dimensions, got shape {tuple(tensor.shape)}")
+        if tensor.dtype not in _DTYPES:
+            raise CollectiveError(f"all_gather does not support dtype {tensor.dtype}; cast to one of the usual dtypes")
+        payload = tensor.reshape(-1).view(torch.uint8)
+        header = torch.full((_HEADER_WORDS,), -1, dtype=torch.int64)
+        header[0] = tensor.dim()
+        header[1:tensor.dim() + 1] = torch.tensor(tensor.shape, dtype=torch.int64)
+        header[MAX_DIMS + 1] = _DTYPES.index(tensor.dtype)
+        header[MAX_DIMS + 2] = payload.numel()
+
+        capacity = self.capacity
+        row = torch.empty(_HEADER_BYTES + capacity, dtype=torch.uint8, device=tensor.device)
+        row[:_HEADER_BYTES] = header.view(torch.uint8).to(tensor.device)
+        fits = payload.numel() <= capacity
+        if fits:
+            row[_HEADER_BYTES:_HEADER_BYTES + payload.numel()] = payload
+        rows = self._gather_equal(row)
+        headers = rows[:, :_HEADER_BYTES].cpu().contiguous().view(torch.int64).tolist()
+        shapes, dtype, sizes = _check(headers)
+        needed = max(sizes)
+        self.capacity = _round_up(needed)
+        if needed > capacity:  # someone's payload did not fit: everyone resends at the new capacity
+            row = torch.zeros(self.capacity, dtype=torch.uint8, device=tensor.device)
+            row[:payload.numel()] = payload
+            rows, offset = self._gather_equal(row), 0
+        else:
+            offset = _HEADER_BYTES
+        return [rows[r, offset:offset + n].view(dtype).view(shape)
+                for r, (shape, n) in enumerate(zip(shapes, sizes))]
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along dim 0 in rank order (a new tensor)."""
+        return torch.cat(self.parts(tensor))
+
+
+def _check(headers: List[List[int]]) -> Tuple[List[tuple], torch.dtype, List[int]]:
+    """Shapes, the common dtype and payload sizes from every rank's header; mismatch -> error."""
+    shapes = [tuple(h[1:h[0] + 1]) for h in headers]
+    dtypes = [_DTYPES[h[MAX_DIMS + 1]] for h in headers]
+    if len({s[1:] for s in shapes}) != 1 or len(set(dtypes)) != 1:
+        per_rank = ", ".join(f"rank {r}: {s}" + ("" if len(set(dtypes)) == 1 else f" {str(d).replace('torch.', '')}")
+                             for r, (s, d) in enumerate(zip(shapes, dtypes)))
+        raise CollectiveError(f"all_gather needs the same shape on every rank except dim 0, and the same dtype, "
+                              f"got {per_rank}; pad, reshape or cast before gathering")
+    return shapes, dtypes[0], [h[MAX_DIMS + 2] for h in headers]
