@@ -1,6 +1,6 @@
 """Collective throughput: the facade vs the raw backend call, interleaved, inside one launch.
 
-    <launcher> bench/collectives_worker.py --out FILE [--sizes-kb 4,64,...] [--reps N]
+    <launcher> bench/collectives_worker.py --out FILE [--sizes-kb 4,64,...] [--rounds N] [--block-s S]
 
 Raw calls are what a competent user writes for the same contract (a new result, input kept):
 torch: ``t.clone()`` + ``dist.all_reduce``; accelerate: ``accelerate.utils.reduce``;
@@ -44,22 +44,37 @@ def raw_ops(backend):
     return (lambda t: t.clone()), (lambda t: t.clone())
 
 
-def timed(fn, reps):
+def block_time(fn, reps):
+    """(wall seconds, caller-thread CPU seconds) per call over ``reps`` back-to-back calls.
+
+    Wall time is the slowest rank's block, started after a barrier: timing single calls on one
+    rank would measure its skew against the other rank as much as the collective. On this
+    2-core VM loopback latency is bimodal (about 0.2 ms or 1.5-2.5 ms per small collective, by
+    phases), so wall ratios are medians over many interleaved blocks and come with their spread.
+    The calling thread's CPU time does not include waiting for the peer or gloo's own threads:
+    it isolates what the facade adds (Python, copies) from the network's noise.
+    """
     ud.barrier()
-    samples = []
+    start, cpu = time.perf_counter(), time.thread_time()
     for _ in range(reps):
-        start = time.perf_counter()
         fn()
-        samples.append(time.perf_counter() - start)
-    return samples
+    cpu, elapsed = time.thread_time() - cpu, time.perf_counter() - start
+    wall = ud.all_reduce(torch.tensor([elapsed], dtype=torch.float64), "max").item()
+    return wall / reps, cpu / reps
+
+
+def reps_for(fn, target_s):
+    """Calls per block so that a block lasts about ``target_s`` (the same number on every rank)."""
+    one = ud.all_reduce(torch.tensor([block_time(fn, 3)[0]]), "max").item()
+    return max(3, min(2000, int(target_s / max(one, 1e-7))))
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--sizes-kb", default="4,64,1024,16384,65536")
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of facade/raw")
+    p.add_argument("--rounds", type=int, default=15, help="interleaved rounds; each times one block per variant")
+    p.add_argument("--block-s", type=float, default=0.03, help="target seconds per timed block")
     args = p.parse_args()
     ud.init()
     backend = ud.backend_name()
@@ -69,28 +84,43 @@ def main():
     for kb in [int(s) for s in args.sizes_kb.split(",")]:
         n = kb * 1024 // 4
         t = torch.randn(n)
-        reps = max(3, args.reps if kb <= 1024 else args.reps // 2)
         for _ in range(2):  # warm-up
             ud.all_reduce(t, "sum"), raw_reduce(t), ud.all_gather(t), raw_gather(t)
-        series = {k: [] for k in ("facade_all_reduce", "raw_all_reduce", "facade_all_gather", "raw_all_gather",
-                                  "uneven_all_gather", "checkmode_all_reduce")}
         uneven = torch.randn(n + (n // 4 if ud.rank() == 0 else -(n // 4)))  # same total bytes as even
-        for _ in range(args.rounds):  # interleave so drift hits every variant alike
-            series["facade_all_reduce"] += timed(lambda: ud.all_reduce(t, "sum"), reps)
-            series["raw_all_reduce"] += timed(lambda: raw_reduce(t), reps)
-            series["facade_all_gather"] += timed(lambda: ud.all_gather(t), reps)
-            series["raw_all_gather"] += timed(lambda: raw_gather(t), reps)
-            series["uneven_all_gather"] += timed(lambda: ud.all_gather(uneven), reps)
-            series["checkmode_all_reduce"] += timed(
-                lambda: (checkmode.verify(session_backend, checkmode.signature("all_reduce", t, op="sum")),
-                         ud.all_reduce(t, "sum")), reps)
-        med = {k: statistics.median(v) for k, v in series.items()}
-        rows.append({"size_kb": kb, **{f"{k}_s": v for k, v in med.items()},
-                     "all_reduce_ratio": med["facade_all_reduce"] / med["raw_all_reduce"],
-                     "all_gather_ratio": med["facade_all_gather"] / med["raw_all_gather"],
-                     "uneven_vs_even_ratio": med["uneven_all_gather"] / med["facade_all_gather"],
-                     "checkmode_ratio": med["checkmode_all_reduce"] / med["facade_all_reduce"],
-                     "all_reduce_GBps": kb * 1024 / med["facade_all_reduce"] / 1e9})
+        variants = {
+            "facade_all_reduce": lambda: ud.all_reduce(t, "sum"),
+            "raw_all_reduce": lambda: raw_reduce(t),
+            "facade_all_gather": lambda: ud.all_gather(t),
+            "raw_all_gather": lambda: raw_gather(t),
+            "uneven_all_gather": lambda: ud.all_gather(uneven),
+            "checkmode_all_reduce": lambda: (checkmode.verify(session_backend, checkmode.signature("all_reduce", t, op="sum")),
+                                             ud.all_reduce(t, "sum")),
+        }
+        reps = {k: reps_for(fn, args.block_s) for k, fn in variants.items()}
+        series = {k: [] for k in variants}
+        names = list(variants)
+        for round_ in range(args.rounds):  # interleaved, rotating the order so drift hits every variant alike
+            for k in names[round_ % len(names):] + names[:round_ % len(names)]:
+                series[k].append(block_time(variants[k], reps[k]))
+        wall = {k: statistics.median(w for w, _ in v) for k, v in series.items()}
+        cpu = {k: statistics.median(c for _, c in v) for k, v in series.items()}
+
+        def spread(a, b):  # quartiles of the per-round ratios a/b (blocks timed next to each other)
+            q = statistics.quantiles([x[0] / y[0] for x, y in zip(series[a], series[b])], n=4)
+            return [q[0], q[2]]
+
+        rows.append({"size_kb": kb, "reps_per_block": reps, "rounds": args.rounds,
+                     **{f"{k}_s": v for k, v in wall.items()},
+                     **{f"{k}_cpu_us": v * 1e6 for k, v in cpu.items()},
+                     "all_reduce_ratio": wall["facade_all_reduce"] / wall["raw_all_reduce"],
+                     "all_reduce_ratio_iqr": spread("facade_all_reduce", "raw_all_reduce"),
+                     "all_gather_ratio": wall["facade_all_gather"] / wall["raw_all_gather"],
+                     "all_gather_ratio_iqr": spread("facade_all_gather", "raw_all_gather"),
+                     "uneven_vs_even_ratio": wall["uneven_all_gather"] / wall["facade_all_gather"],
+                     "checkmode_ratio": wall["checkmode_all_reduce"] / wall["facade_all_reduce"],
+                     "all_reduce_cpu_overhead_us": (cpu["facade_all_reduce"] - cpu["raw_all_reduce"]) * 1e6,
+                     "all_gather_cpu_overhead_us": (cpu["facade_all_gather"] - cpu["raw_all_gather"]) * 1e6,
+                     "all_reduce_GBps": kb * 1024 / wall["facade_all_reduce"] / 1e9})
     if ud.is_main():
         with open(args.out, "w") as f:
             json.dump({"backend": backend, "world_size": ud.world_size(), "rows": rows}, f, indent=1)

@@ -48,11 +48,22 @@ def overhead_section(data, suffix, lines):
 def collectives_section(data, suffix, lines):
     res = data["results"]
     lines += ["## Collectives: facade vs raw backend call (2 processes)", "",
-              "| backend | size KB | all_reduce ratio | all_gather ratio | uneven/even gather | check mode cost | all_reduce GB/s |",
-              "|---|---|---|---|---|---|---|"]
+              "Wall ratios: medians of interleaved blocks (quartiles of the per-round ratio in brackets). "
+              "CPU: the calling thread's CPU time per call, facade minus raw (what the facade adds).", "",
+              "| backend | size KB | all_reduce ratio | all_gather ratio | facade CPU +µs/call (reduce, gather) "
+              "| uneven/even gather | check mode cost | all_reduce GB/s |",
+              "|---|---|---|---|---|---|---|---|"]
+
+    def iqr(r, key):
+        q = r.get(key)
+        return f" [{q[0]:.2f}-{q[1]:.2f}]" if q else ""
+
     for b, rows in res.items():
         for r in rows:
-            lines.append(f"| {b} | {r['size_kb']} | {r['all_reduce_ratio']:.3f} | {r['all_gather_ratio']:.3f} | "
+            cpu = (f"{r['all_reduce_cpu_overhead_us']:+.0f}, {r['all_gather_cpu_overhead_us']:+.0f}"
+                   if "all_reduce_cpu_overhead_us" in r else "")
+            lines.append(f"| {b} | {r['size_kb']} | {r['all_reduce_ratio']:.3f}{iqr(r, 'all_reduce_ratio_iqr')} | "
+                         f"{r['all_gather_ratio']:.3f}{iqr(r, 'all_gather_ratio_iqr')} | {cpu} | "
                          f"{r['uneven_vs_even_ratio']:.3f} | {r['checkmode_ratio']:.3f} | {r['all_reduce_GBps']:.2f} |")
     lines.append("")
     fig, ax = plt.subplots(figsize=(6.5, 4))

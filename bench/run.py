@@ -90,13 +90,14 @@ def collectives(short: bool) -> dict:
     for backend in BACKENDS:
         path = RESULTS / "tmp" / f"collectives_{backend}.json"
         launch(backend, 2, "bench/collectives_worker.py",
-               ["--out", str(path), "--sizes-kb", sizes, "--reps", "6" if short else "12",
-                "--rounds", "2" if short else "3"])
+               ["--out", str(path), "--sizes-kb", sizes, "--rounds", "5" if short else "15",
+                "--block-s", "0.02" if short else "0.03"])
         out[backend] = json.loads(path.read_text())["rows"]
         for row in out[backend]:
             print(f"collectives {backend} {row['size_kb']:>6} KB: all_reduce x{row['all_reduce_ratio']:.3f} "
                   f"all_gather x{row['all_gather_ratio']:.3f} uneven/even x{row['uneven_vs_even_ratio']:.3f} "
-                  f"checkmode x{row['checkmode_ratio']:.3f}", flush=True)
+                  f"checkmode x{row['checkmode_ratio']:.3f} | facade CPU {row['all_reduce_cpu_overhead_us']:+.0f} / "
+                  f"{row['all_gather_cpu_overhead_us']:+.0f} us per call", flush=True)
     return out
 
 

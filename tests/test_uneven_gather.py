@@ -13,7 +13,7 @@ class FakeGroup:
 
     def __init__(self, world):
         self.world, self.rows, self.calls = world, [None] * world, 0
-        self.barrier = threading.Barrier(world)
+        self.barrier = threading.Barrier(world, timeout=10)  # a rank left waiting fails instead of hanging
 
     def gather_equal(self, rank):
         def gather(row):
@@ -40,13 +40,12 @@ def run_ranks(world, per_rank_calls):
             results[rank] = [gatherer(t) for t in per_rank_calls(rank)]
         except Exception as exc:  # noqa: BLE001 - reported below
             errors[rank] = exc
-            group.barrier.abort()
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(10)
+        t.join(30)
     return results, errors, group
 
 
@@ -80,3 +79,22 @@ def test_mismatch_raises_the_same_one_line_error_on_every_rank(second, message):
     results, errors, _ = run_ranks(2, lambda rank: [torch.ones(3), second(rank)])
     assert all(isinstance(e, CollectiveError) for e in errors), errors
     assert {str(e) for e in errors} == {str(errors[0])} and message in str(errors[0]) and "\n" not in str(errors[0])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_large_payloads_gather_the_tensors_themselves(world, monkeypatch):
+    import unified_dist.uneven_gather as ug
+
+    monkeypatch.setattr(ug, "INLINE_LIMIT", 256)
+    def calls(rank):
+        return [torch.full((40, 2), float(rank)), torch.full((40, 2), float(rank)),
+                torch.arange(60 + 20 * rank, dtype=torch.float32).reshape(-1, 2), torch.ones(3, 2)]
+    results, errors, group = run_ranks(world, calls)
+    assert errors == [None] * world, errors
+    for i in range(4):
+        want = torch.cat([calls(r)[i] for r in range(world)])
+        assert all(torch.equal(results[rank][i], want) for rank in range(world)), i
+    # over 256 bytes: a header round + a direct gather each time; capacity 0 after them, so 2 for the last
+    assert group.calls == 2 + 2 + 2 + 2, group.calls
+    even = results[0][0]
+    assert even._base is not None, "an even large gather is returned as a view of the gathered tensor"

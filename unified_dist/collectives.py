@@ -119,7 +119,7 @@ def _gather_one(backend: Backend, t: torch.Tensor) -> torch.Tensor:
         work = work.reshape(1)
     if backend.world_size == 1:
         return work.clone()
-    return torch.cat(backend.all_gather_parts(work))
+    return backend.all_gather_uneven(work)
 
 
 def broadcast(backend: Backend, obj: Any, src: int = 0) -> Any:

@@ -7,15 +7,20 @@ all ranks agree on without talking: it starts at 0 and, after every gather, beco
 largest payload just seen (rounded up). Every rank computes it from the same gathered
 headers, so the capacities never diverge. When a payload fits (the steady state: training
 and evaluation gather the same sizes again and again) one gather is all it takes; when one
-does not, the headers tell every rank the sizes and a second gather at the new capacity
-follows, which is what a shape exchange would have cost anyway.
+does not, the headers tell every rank the sizes and a second gather follows, which is what a
+shape exchange would have cost anyway.
+
+Past :data:`INLINE_LIMIT` bytes, copying the payload into the row costs more than a round
+trip, so the capacity drops to 0: the first gather carries headers only and the second
+gathers the tensors themselves (padded along dim 0 when ranks differ); an even gather is then
+returned as a view of what the backend gathered, with no copy at all.
 
 The header carries each rank's shape and dtype, so mismatched trailing dims or dtypes raise
 the same :class:`CollectiveError` on every rank instead of corrupting data or hanging.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -27,8 +32,10 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _HEADER_WORDS = 12  # ndim, 8 dims, dtype index, payload bytes, spare: 96 bytes keeps 16-byte alignment
 _HEADER_BYTES = _HEADER_WORDS * 8
 _ALIGN = 64
+INLINE_LIMIT = 2 << 20
+"""Largest payload (bytes) sent inline with the header; larger ones take the two-gather path."""
 
-GatherEqual = Callable[[torch.Tensor], torch.Tensor]  # (n,) uint8 on every rank -> (world, n), rank order
+GatherEqual = Callable[[torch.Tensor], torch.Tensor]  # same-shape tensor on every rank -> (world, ...), rank order
 
 
 def _round_up(n: int) -> int:
@@ -44,6 +51,15 @@ class UnevenGather:
 
     def parts(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         """Every rank's ``tensor`` (at least 1-d, contiguous, on the group's device), in rank order."""
+        return self._gather(tensor)[0]
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along dim 0 in rank order (a new tensor)."""
+        parts, joined = self._gather(tensor)
+        return joined if joined is not None else torch.cat(parts)
+
+    def _gather(self, tensor: torch.Tensor) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
+        """(per-rank parts, their concatenation when it came for free, else None)."""
         if tensor.dim() > MAX_DIMS:
             raise CollectiveError(f"all_gather supports up to {MAX_DIMS} dimensions, got shape {tuple(tensor.shape)}")
         if tensor.dtype not in _DTYPES:
@@ -58,26 +74,30 @@ class UnevenGather:
         capacity = self.capacity
         row = torch.empty(_HEADER_BYTES + capacity, dtype=torch.uint8, device=tensor.device)
         row[:_HEADER_BYTES] = header.view(torch.uint8).to(tensor.device)
-        fits = payload.numel() <= capacity
-        if fits:
+        if payload.numel() <= capacity:
             row[_HEADER_BYTES:_HEADER_BYTES + payload.numel()] = payload
         rows = self._gather_equal(row)
         headers = rows[:, :_HEADER_BYTES].cpu().contiguous().view(torch.int64).tolist()
         shapes, dtype, sizes = _check(headers)
         needed = max(sizes)
-        self.capacity = _round_up(needed)
-        if needed > capacity:  # someone's payload did not fit: everyone resends at the new capacity
+        self.capacity = _round_up(needed) if needed <= INLINE_LIMIT else 0
+        if needed <= capacity:  # everyone's payload came inline
+            return [rows[r, _HEADER_BYTES:_HEADER_BYTES + n].view(dtype).view(shape)
+                    for r, (shape, n) in enumerate(zip(shapes, sizes))], None
+        if needed <= INLINE_LIMIT:  # resend inline at the new capacity
             row = torch.zeros(self.capacity, dtype=torch.uint8, device=tensor.device)
             row[:payload.numel()] = payload
-            rows, offset = self._gather_equal(row), 0
-        else:
-            offset = _HEADER_BYTES
-        return [rows[r, offset:offset + n].view(dtype).view(shape)
-                for r, (shape, n) in enumerate(zip(shapes, sizes))]
-
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``tensor`` concatenated along dim 0 in rank order (a new tensor)."""
-        return torch.cat(self.parts(tensor))
+            rows = self._gather_equal(row)
+            return [rows[r, :n].view(dtype).view(shape) for r, (shape, n) in enumerate(zip(shapes, sizes))], None
+        # large: gather the tensors themselves, padded along dim 0 to the longest
+        lengths = [shape[0] for shape in shapes]
+        longest = max(lengths)
+        if tensor.shape[0] < longest:
+            tensor = torch.cat([tensor, tensor.new_zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]))])
+        stacked = self._gather_equal(tensor)  # (world, longest, *trailing)
+        parts = [stacked[r, :n] for r, n in enumerate(lengths)]
+        even = min(lengths) == longest
+        return parts, stacked.reshape((-1,) + tuple(tensor.shape[1:])) if even else None
 
 
 def _check(headers: List[List[int]]) -> Tuple[List[tuple], torch.dtype, List[int]]:

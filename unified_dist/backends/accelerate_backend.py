@@ -94,15 +94,13 @@ class AccelerateBackend(Backend):
         return None  # AcceleratedOptimizer owns the scaler
 
     def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        if op == "sum":
-            from accelerate.utils import reduce
-
-            return reduce(tensor, reduction="sum")
         if self.world_size == 1:
             return tensor
-        # accelerate has no max/min reduction; under it torch.distributed holds the group.
-        torch.distributed.all_reduce(
-            tensor, op=torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.MIN)
+        # accelerate.utils.reduce would clone the (already private) tensor once more and has no
+        # max/min; Accelerate's group is torch.distributed's default group, so reduce in place there.
+        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+               "min": torch.distributed.ReduceOp.MIN}
+        torch.distributed.all_reduce(tensor, op=ops[op])
         return tensor
 
     def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:

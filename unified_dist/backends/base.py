@@ -154,16 +154,22 @@ class Backend(ABC):
     def all_gather_parts(self, tensor: torch.Tensor) -> List[torch.Tensor]:
         """Every rank's ``tensor`` (at least 1-d; dim 0 may differ) in rank order.
 
-        Default: :class:`~unified_dist.uneven_gather.UnevenGather` over :meth:`all_gather_equal`
-        (one round trip while sizes repeat). Mismatched trailing dims or dtypes raise the same
-        ``CollectiveError`` on every rank.
+        Mismatched trailing dims or dtypes raise the same ``CollectiveError`` on every rank.
         """
+        return self._uneven().parts(tensor)
+
+    def all_gather_uneven(self, tensor: torch.Tensor) -> torch.Tensor:
+        """:meth:`all_gather_parts` concatenated along dim 0 (without a copy where it can)."""
+        return self._uneven()(tensor)
+
+    def _uneven(self) -> Any:
+        """The group's :class:`~unified_dist.uneven_gather.UnevenGather` over :meth:`all_gather_equal`."""
         gatherer = self.__dict__.get("_uneven_gather")
         if gatherer is None:
             from ..uneven_gather import UnevenGather
 
             gatherer = self._uneven_gather = UnevenGather(self.all_gather_equal)
-        return gatherer.parts(tensor)
+        return gatherer
 
     @abstractmethod
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
