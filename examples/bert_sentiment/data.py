@@ -249,3 +249,59 @@ def tokenize(ds, tokenizer, max_length: int, cache_dir: str, name: str):
 
     return ds.map(encode, batched=True, remove_columns=["text"], cache_file_name=path,
                   load_from_cache_file=True, desc=f"tokenising {name}")
+
+
+# --------------------------------------------------------------------------- batching by length
+def token_lengths(ds) -> List[int]:
+    """Tokens per example of a tokenised split."""
+    return [len(ids) for ids in ds["input_ids"]]
+
+
+def longest_first(ds):
+    """``ds`` reordered by decreasing token count, for evaluation.
+
+    Dynamic padding pads each batch to its longest example; neighbours of similar length waste
+    almost nothing, and metrics over the whole split do not depend on its order.
+    """
+    lengths = np.asarray(token_lengths(ds))
+    return ds.select(np.argsort(-lengths, kind="stable").tolist())
+
+
+class LengthGroupedOrder:
+    """A shuffled training order whose consecutive ``global_batch`` examples have similar lengths.
+
+    transformers' ``get_length_grouped_indices`` (what ``Trainer(group_by_length=True)`` uses:
+    shuffle, cut into mega-batches of up to 50 batches, sort each by length), then the whole
+    batches shuffled, with a generator
+    seeded by ``seed + epoch``: every rank and every world size computes the same order, and a
+    resumed run the same order again. Give it the *global* batch (per process x processes x
+    accumulation): the order is then the same for 1 x B, 2 x B/2 and 1 x B/2 with accumulation 2,
+    and unified_dist cuts it into the per-rank batches. Used as a DataLoader ``sampler``;
+    ``ud.prepare`` calls :meth:`set_epoch` before each epoch.
+    """
+
+    def __init__(self, lengths: Sequence[int], global_batch: int, seed: int) -> None:
+        self.lengths = list(lengths)
+        self.global_batch = global_batch
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __iter__(self):
+        import torch
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        grouped = get_length_grouped_indices(self.lengths, self.global_batch, generator=generator)
+        # Each mega-batch comes sorted longest-first; visiting its batches in that order would make
+        # every few dozen steps a long-to-short curriculum. Shuffle whole batches instead (a short
+        # last batch stays last, so the global batches still start every `global_batch` positions).
+        full = len(grouped) // self.global_batch
+        batches = [grouped[i * self.global_batch:(i + 1) * self.global_batch] for i in range(full)]
+        order = [i for b in torch.randperm(full, generator=generator).tolist() for i in batches[b]]
+        return iter(order + grouped[full * self.global_batch:])

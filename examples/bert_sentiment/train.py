@@ -102,6 +102,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="default: what the launcher says (accelerate launch --mixed_precision), else no")
     g.add_argument("--seed", type=int, default=0, help="seed of initialisation, dropout and shuffling")
     g.add_argument("--no-dropout", action="store_true", help="set every dropout probability to 0 (parity tests)")
+    g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="batch training examples of similar length together (less padding, same data per "
+                        "epoch; see BENCHMARKS.md); evaluation always runs longest-first")
     g.add_argument("--threads", type=int, default=0,
                    help="torch threads per process (0 = the CPUs this process may use / processes)")
 
@@ -323,8 +326,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
              f"validation {len(val_ds)}, test {len(test_ds)} (labels 0=negative, 1=positive)")
 
     collator = DataCollatorWithPadding(tokenizer)
-    train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.batch_size, shuffle=True,
-                                               collate_fn=collator)
+    val_ds, test_ds = sentiment_data.longest_first(val_ds), sentiment_data.longest_first(test_ds)
+    if args.group_by_length:
+        order = sentiment_data.LengthGroupedOrder(sentiment_data.token_lengths(train_ds), global_batch, args.seed)
+        train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.batch_size, sampler=order,
+                                                   collate_fn=collator)
+    else:
+        train_loader = torch.utils.data.DataLoader(train_ds, batch_size=args.batch_size, shuffle=True,
+                                                   collate_fn=collator)
     val_loader = torch.utils.data.DataLoader(val_ds, batch_size=args.eval_batch_size, collate_fn=collator)
     test_loader = torch.utils.data.DataLoader(test_ds, batch_size=args.eval_batch_size, collate_fn=collator)
     optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.lr)
