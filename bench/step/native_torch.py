@@ -1,35 +1,39 @@
 """Plain DDP under torchrun, as a competent user writes it."""
-import os
-
 import torch
 import torch.distributed as dist
 
 from common import model_and_batches, parse_args, report, run_steps
 
-args = parse_args()
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-model, batches = model_and_batches(args, rank, world)
-model = torch.nn.parallel.DistributedDataParallel(model)
-optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
+
+def init():
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
 
 
-def step(batch):
-    loss = model(**batch).loss
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad()
+def make_step(model):
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
 
-
-median, times = run_steps(step, batches, args.warmup)
+    def step(batch):
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    return step
 
 
 def gather(v):
-    out = [None] * world
+    out = [None] * dist.get_world_size()
     dist.all_gather_object(out, v)
     return out
 
 
-report(args, "native", "torch", rank, world, median, times, gather)
-dist.destroy_process_group()
+if __name__ == "__main__":
+    args = parse_args()
+    rank, world = init()
+    model, batches = model_and_batches(args, rank, world)
+    median, times = run_steps(make_step(model), batches, args.warmup)
+    report(args, "native", "torch", rank, world, median, times, gather)
+    dist.destroy_process_group()
