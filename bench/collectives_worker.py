@@ -1,6 +1,6 @@
 """Collective throughput: the facade vs the raw backend call, interleaved, inside one launch.
 
-    <launcher> bench/collectives_worker.py --out FILE [--sizes-kb 4,64,...] [--rounds N] [--block-s S]
+    <launcher> bench/collectives_worker.py --out FILE [--sizes-kb 4,64,...] [--rounds N]
 
 Raw calls are what a competent user writes for the same contract (a new result, input kept):
 torch: ``t.clone()`` + ``dist.all_reduce``; accelerate: ``accelerate.utils.reduce``;
@@ -63,10 +63,9 @@ def block_time(fn, reps):
     return wall / reps, cpu / reps
 
 
-def reps_for(fn, target_s):
-    """Calls per block so that a block lasts about ``target_s`` (the same number on every rank)."""
-    one = ud.all_reduce(torch.tensor([block_time(fn, 3)[0]]), "max").item()
-    return max(3, min(2000, int(target_s / max(one, 1e-7))))
+def reps_for(kb):
+    """Calls per timed block: the same for every variant of a size, so their blocks compare."""
+    return 50 if kb <= 64 else 20 if kb <= 1024 else 4 if kb <= 16384 else 2
 
 
 def main():
@@ -74,7 +73,6 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--sizes-kb", default="4,64,1024,16384,65536")
     p.add_argument("--rounds", type=int, default=15, help="interleaved rounds; each times one block per variant")
-    p.add_argument("--block-s", type=float, default=0.03, help="target seconds per timed block")
     args = p.parse_args()
     ud.init()
     backend = ud.backend_name()
@@ -96,7 +94,7 @@ def main():
             "checkmode_all_reduce": lambda: (checkmode.verify(session_backend, checkmode.signature("all_reduce", t, op="sum")),
                                              ud.all_reduce(t, "sum")),
         }
-        reps = {k: reps_for(fn, args.block_s) for k, fn in variants.items()}
+        reps = {k: reps_for(kb) for k in variants}
         series = {k: [] for k in variants}
         names = list(variants)
         for round_ in range(args.rounds):  # interleaved, rotating the order so drift hits every variant alike

