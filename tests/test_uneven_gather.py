@@ -12,7 +12,7 @@ class FakeGroup:
     """all_gather_equal for `world` threads: every rank's row, stacked in rank order; counts calls."""
 
     def __init__(self, world):
-        self.world, self.rows, self.calls = world, [None] * world, 0
+        self.world, self.rows, self.calls, self.broadcasts = world, [None] * world, 0, 0
         self.barrier = threading.Barrier(world, timeout=10)  # a rank left waiting fails instead of hanging
 
     def gather_equal(self, rank):
@@ -28,6 +28,17 @@ class FakeGroup:
             return out
         return gather
 
+    def broadcast(self, rank):
+        def bcast(tensor, src):
+            self.rows[rank] = tensor.clone()
+            self.barrier.wait()
+            out = self.rows[src].clone()
+            if rank == 0:
+                self.broadcasts += 1
+            self.barrier.wait()
+            return out  # not in place, like some backends
+        return bcast
+
 
 def run_ranks(world, per_rank_calls):
     """per_rank_calls(rank) -> list of tensors to gather in order; returns results[rank][i] and the group."""
@@ -35,7 +46,7 @@ def run_ranks(world, per_rank_calls):
     results, errors = [None] * world, [None] * world
 
     def body(rank):
-        gatherer = UnevenGather(group.gather_equal(rank))
+        gatherer = UnevenGather(group.gather_equal(rank), group.broadcast(rank), rank)
         try:
             results[rank] = [gatherer(t) for t in per_rank_calls(rank)]
         except Exception as exc:  # noqa: BLE001 - reported below
@@ -94,7 +105,19 @@ def test_large_payloads_gather_the_tensors_themselves(world, monkeypatch):
     for i in range(4):
         want = torch.cat([calls(r)[i] for r in range(world)])
         assert all(torch.equal(results[rank][i], want) for rank in range(world)), i
-    # over 256 bytes: a header round + a direct gather each time; capacity 0 after them, so 2 for the last
-    assert group.calls == 2 + 2 + 2 + 2, group.calls
+    # over 256 bytes: a header round + a direct gather (even) or one broadcast per rank (uneven);
+    # capacity 0 after them, so 2 gathers for the last
+    assert group.calls == 2 + 2 + 1 + 2 and group.broadcasts == world, (group.calls, group.broadcasts)
     even = results[0][0]
     assert even._base is not None, "an even large gather is returned as a view of the gathered tensor"
+
+
+def test_large_uneven_pads_past_the_broadcast_limit(monkeypatch):
+    import unified_dist.uneven_gather as ug
+
+    monkeypatch.setattr(ug, "INLINE_LIMIT", 64)
+    monkeypatch.setattr(ug, "MAX_BROADCAST_RANKS", 2)
+    results, errors, group = run_ranks(3, lambda rank: [torch.arange(40 * (rank + 1), dtype=torch.float32)])
+    assert errors == [None] * 3, errors
+    want = torch.cat([torch.arange(40 * (r + 1), dtype=torch.float32) for r in range(3)])
+    assert all(torch.equal(results[r][0], want) for r in range(3)) and group.broadcasts == 0 and group.calls == 2

@@ -11,9 +11,11 @@ does not, the headers tell every rank the sizes and a second gather follows, whi
 shape exchange would have cost anyway.
 
 Past :data:`INLINE_LIMIT` bytes, copying the payload into the row costs more than a round
-trip, so the capacity drops to 0: the first gather carries headers only and the second
-gathers the tensors themselves (padded along dim 0 when ranks differ); an even gather is then
-returned as a view of what the backend gathered, with no copy at all.
+trip, so the capacity drops to 0: the first gather carries headers only, then the tensors
+themselves move. Even ones in one gather, returned as a view of what the backend gathered (no
+copy at all); uneven ones by one broadcast per rank straight into their slice of the result
+(exact bytes, no padding, no concatenation), or, past :data:`MAX_BROADCAST_RANKS` ranks, by a
+gather padded along dim 0.
 
 The header carries each rank's shape and dtype, so mismatched trailing dims or dtypes raise
 the same :class:`CollectiveError` on every rank instead of corrupting data or hanging.
@@ -34,8 +36,11 @@ _HEADER_BYTES = _HEADER_WORDS * 8
 _ALIGN = 64
 INLINE_LIMIT = 2 << 20
 """Largest payload (bytes) sent inline with the header; larger ones take the two-gather path."""
+MAX_BROADCAST_RANKS = 8
+"""Up to this many ranks, a large uneven gather is one broadcast per rank instead of a padded gather."""
 
 GatherEqual = Callable[[torch.Tensor], torch.Tensor]  # same-shape tensor on every rank -> (world, ...), rank order
+Broadcast = Callable[[torch.Tensor, int], torch.Tensor]  # (tensor, src) -> src's tensor, may be in place
 
 
 def _round_up(n: int) -> int:
@@ -45,8 +50,10 @@ def _round_up(n: int) -> int:
 class UnevenGather:
     """Stateful gatherer for one process group; call it in the same order on every rank."""
 
-    def __init__(self, gather_equal: GatherEqual) -> None:
+    def __init__(self, gather_equal: GatherEqual, broadcast: Optional[Broadcast] = None, rank: int = 0) -> None:
         self._gather_equal = gather_equal
+        self._broadcast = broadcast
+        self._rank = rank
         self.capacity = 0  # payload bytes per rank in the next first-try gather (same on all ranks)
 
     def parts(self, tensor: torch.Tensor) -> List[torch.Tensor]:
@@ -66,9 +73,7 @@ class UnevenGather:
             raise CollectiveError(f"all_gather does not support dtype {tensor.dtype}; cast to one of the usual dtypes")
         payload = tensor.reshape(-1).view(torch.uint8)
         nbytes = payload.numel()
-        dims = list(tensor.shape)
-        header = torch.tensor([len(dims), *dims, *[-1] * (MAX_DIMS - len(dims)), _DTYPES.index(tensor.dtype),
-                               nbytes, -1], dtype=torch.int64).view(torch.uint8)
+        header = _header(tensor, nbytes)
 
         capacity = self.capacity
         inline = nbytes <= capacity
@@ -90,15 +95,46 @@ class UnevenGather:
             row[:payload.numel()] = payload
             rows = self._gather_equal(row)
             return [rows[r, :n].view(dtype).view(shape) for r, (shape, n) in enumerate(zip(shapes, sizes))], None
-        # large: gather the tensors themselves, padded along dim 0 to the longest
+        # large: move the tensors themselves
         lengths = [shape[0] for shape in shapes]
         longest = max(lengths)
+        if min(lengths) != longest and self._broadcast is not None and len(lengths) <= MAX_BROADCAST_RANKS:
+            out = tensor.new_empty((sum(lengths),) + tuple(tensor.shape[1:]))
+            parts, offset = [], 0
+            for src, n in enumerate(lengths):
+                part = out[offset:offset + n]
+                if src == self._rank:
+                    part.copy_(tensor)
+                if n:
+                    moved = self._broadcast(part, src)
+                    if moved.data_ptr() != part.data_ptr():
+                        part.copy_(moved)
+                parts.append(part)
+                offset += n
+            return parts, out
         if tensor.shape[0] < longest:
             tensor = torch.cat([tensor, tensor.new_zeros((longest - tensor.shape[0],) + tuple(tensor.shape[1:]))])
         stacked = self._gather_equal(tensor)  # (world, longest, *trailing)
         parts = [stacked[r, :n] for r, n in enumerate(lengths)]
         even = min(lengths) == longest
         return parts, stacked.reshape((-1,) + tuple(tensor.shape[1:])) if even else None
+
+
+def _header(tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """This rank's header as bytes: ndim, dims (padded with -1), dtype index, payload bytes."""
+    dims = list(tensor.shape)
+    return torch.tensor([len(dims), *dims, *[-1] * (MAX_DIMS - len(dims)), _DTYPES.index(tensor.dtype), nbytes, -1],
+                        dtype=torch.int64).view(torch.uint8)
+
+
+def shape_mismatch_error(gather_equal: GatherEqual, tensor: torch.Tensor) -> CollectiveError:
+    """After a gather failed on mismatched shapes: the error naming every rank's shape (all ranks call it)."""
+    rows = gather_equal(_header(tensor, tensor.numel() * tensor.element_size()).to(tensor.device))
+    try:
+        _check(rows.cpu().contiguous().view(torch.int64).tolist())
+    except CollectiveError as exc:
+        return exc
+    return CollectiveError(f"all_gather failed on rank shapes that look compatible ({tuple(tensor.shape)} here)")
 
 
 def _check(headers: List[List[int]]) -> Tuple[List[tuple], torch.dtype, List[int]]:

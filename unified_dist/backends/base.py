@@ -163,12 +163,12 @@ class Backend(ABC):
         return self._uneven()(tensor)
 
     def _uneven(self) -> Any:
-        """The group's :class:`~unified_dist.uneven_gather.UnevenGather` over :meth:`all_gather_equal`."""
+        """The group's :class:`~unified_dist.uneven_gather.UnevenGather` over :meth:`all_gather_equal` and :meth:`broadcast_`."""
         gatherer = self.__dict__.get("_uneven_gather")
         if gatherer is None:
             from ..uneven_gather import UnevenGather
 
-            gatherer = self._uneven_gather = UnevenGather(self.all_gather_equal)
+            gatherer = self._uneven_gather = UnevenGather(self.all_gather_equal, self.broadcast_, self.rank)
         return gatherer
 
     @abstractmethod

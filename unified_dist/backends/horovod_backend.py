@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -138,6 +138,24 @@ class HorovodBackend(Backend):
 
     def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
         return self._wait(self.hvd.allgather_async(tensor.unsqueeze(0)))  # concatenates on dim 0
+
+    def all_gather_uneven(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Horovod's allgather takes a different dim 0 per rank natively (its coordinator exchanges
+        # the sizes while negotiating, not in a round trip of ours) and keeps no state between
+        # calls, which an elastic job whose membership changes needs.
+        try:
+            return self._wait(self.hvd.allgather_async(tensor))
+        except Exception as exc:
+            if "mismatch" not in str(exc).lower():
+                raise
+        from ..uneven_gather import shape_mismatch_error
+
+        # every rank got horovod's error: exchange fixed-size headers for the one-line message
+        raise shape_mismatch_error(self.all_gather_equal, tensor)
+
+    def all_gather_parts(self, tensor: torch.Tensor) -> List[torch.Tensor]:
+        lengths = self.all_gather_equal(torch.tensor([tensor.shape[0]], dtype=torch.int64)).reshape(-1).tolist()
+        return list(torch.split(self.all_gather_uneven(tensor), lengths))
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         return self._wait(self.hvd.broadcast_async_(tensor, root_rank=src))
