@@ -123,13 +123,18 @@ class HorovodBackend(Backend):
     def _wait(self, handle: Any) -> Any:
         """Horovod has no per-collective timeout: poll the async handle against our deadline."""
         timeout = self.config.timeout.total_seconds()
-        deadline = time.monotonic() + timeout
-        delay = 5e-5
+        start = time.monotonic()
+        deadline = start + timeout
+        delay = 0.0
         while not self.hvd.poll(handle):
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"timed out after {timeout:.0f}s waiting for the other ranks")
+            # yield-spin first, as hvd.synchronize does (small collectives finish within a
+            # few horovod cycles), then back off so a long wait does not burn a core
+            if now - start > 0.005:
+                delay = min(max(delay * 2, 5e-5), 1e-3)
             time.sleep(delay)
-            delay = min(delay * 2, 1e-3)  # never coarser than hvd.synchronize (1 ms sleeps)
         return self.hvd.synchronize(handle)
 
     def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
