@@ -6,7 +6,7 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from .base import Backend, Config
-from .process_group import join_default_group
+from .process_group import gather_stacked, join_default_group
 from ..detection import Detection
 from ..errors import BackendNotInstalled
 
@@ -104,10 +104,8 @@ class AccelerateBackend(Backend):
         return tensor
 
     def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
-        from accelerate.utils import gather
-
-        rows = tensor.unsqueeze(0)  # accelerate concatenates on dim 0
-        return rows if self.world_size == 1 else gather(rows)
+        # accelerate.utils.gather on gloo is a list all_gather + cat; one buffer saves the copy
+        return tensor.unsqueeze(0) if self.world_size == 1 else gather_stacked(tensor, self.world_size)
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         from accelerate.utils import broadcast

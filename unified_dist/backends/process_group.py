@@ -1,4 +1,7 @@
-"""Joining torch's default process group safely after a torchelastic restart.
+"""torch.distributed plumbing shared by the torch and accelerate backends.
+
+Gathering into one buffer (:func:`gather_stacked`), and joining the default process group
+safely after a torchelastic restart (:func:`join_default_group`):
 
 torchrun's *static* rendezvous (``--master_port`` without ``--rdzv_backend c10d``; also what
 ``accelerate launch --main_process_port`` uses on one machine) keeps one agent TCPStore for
@@ -17,6 +20,22 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+
+# torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def gather_stacked(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """Every rank's ``tensor`` (same shape everywhere) stacked on a new dim 0, in one collective.
+
+    Gathers into one contiguous buffer (gloo wants the concatenated layout), so a caller that
+    wants the concatenation along dim 0 gets it as a view, without the ``cat`` of a list gather.
+    """
+    rows = tensor.reshape((1,) + tuple(tensor.shape)) if tensor.dim() == 0 else tensor
+    out = rows.new_empty((world_size * rows.shape[0],) + tuple(rows.shape[1:]))
+    _gather_into(out, rows.contiguous())
+    return out.view((world_size,) + tuple(tensor.shape))
 
 
 def restart_count(environ=os.environ) -> int:

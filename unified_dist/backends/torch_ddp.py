@@ -8,11 +8,9 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend, Config
-from .process_group import join_default_group
+from .process_group import gather_stacked, join_default_group
 from ..detection import Detection
 
-# torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -70,10 +68,7 @@ class TorchBackend(Backend):
         return tensor
 
     def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
-        rows = tensor.reshape((1,) + tuple(tensor.shape)) if tensor.dim() == 0 else tensor
-        out = rows.new_empty((self.world_size * rows.shape[0],) + tuple(rows.shape[1:]))
-        _gather_into(out, rows)  # gloo wants the concatenated layout
-        return out.view((self.world_size,) + tuple(tensor.shape))
+        return gather_stacked(tensor, self.world_size)
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         dist.broadcast(tensor, src=src)
