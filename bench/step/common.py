@@ -73,3 +73,18 @@ def report(args, variant, backend, rank, world, median, times, gather):
             json.dump({"variant": variant, "backend": backend, "world_size": world, "median_step_s": median,
                        "step_times_s": times, "peak_rss_mib_per_rank": all_rss,
                        "batch_size": args.batch_size, "max_length": args.max_length}, f)
+
+
+def main(variant, backend, init, make_step, gather, finish=None):
+    """One standalone launch of a step variant: join the group, time the steps, write the report.
+
+    ``init() -> (rank, world)``; ``backend`` is a name, or a callable giving it after ``init``;
+    ``make_step(model) -> step(batch)``; ``gather(value) -> [value of every rank]``.
+    """
+    args = parse_args()
+    rank, world = init()
+    model, batches = model_and_batches(args, rank, world)
+    median, times = run_steps(make_step(model), batches, args.warmup)
+    report(args, variant, backend() if callable(backend) else backend, rank, world, median, times, gather)
+    if finish is not None:
+        finish()

@@ -2,7 +2,7 @@
 import torch
 
 import unified_dist as ud
-from common import model_and_batches, parse_args, report, run_steps
+from common import main
 
 
 def make_step(model):
@@ -23,10 +23,10 @@ def gather(v):
     return [float(x) for x in ud.all_gather(torch.tensor([v]))]
 
 
-if __name__ == "__main__":
-    args = parse_args()
+def init():
     ud.init()
-    model, batches = model_and_batches(args, ud.rank(), ud.world_size())
-    median, times = run_steps(make_step(model), batches, args.warmup)
-    report(args, "facade", ud.backend_name(), ud.rank(), ud.world_size(), median, times, gather)
-    ud.shutdown()
+    return ud.rank(), ud.world_size()
+
+
+if __name__ == "__main__":
+    main("facade", ud.backend_name, init, make_step, gather, finish=ud.shutdown)

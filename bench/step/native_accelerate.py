@@ -3,7 +3,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from common import model_and_batches, parse_args, report, run_steps
+from common import main
 
 accelerator = None
 
@@ -33,9 +33,4 @@ def gather(v):
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    rank, world = init()
-    model, batches = model_and_batches(args, rank, world)
-    median, times = run_steps(make_step(model), batches, args.warmup)
-    report(args, "native", "accelerate", rank, world, median, times, gather)
-    accelerator.end_training()
+    main("native", "accelerate", init, make_step, gather, finish=lambda: accelerator.end_training())

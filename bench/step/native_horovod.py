@@ -2,7 +2,7 @@
 import horovod.torch as hvd
 import torch
 
-from common import model_and_batches, parse_args, report, run_steps
+from common import main
 
 
 def init():
@@ -10,11 +10,12 @@ def init():
     return hvd.rank(), hvd.size()
 
 
-def make_step(model, prefix=""):
+def make_step(model):
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    # names of its own, so it can train beside the facade's optimizer in one job (paired.py)
     optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=[(prefix + n, p) for n, p in model.named_parameters()])
+        optimizer, named_parameters=[("native." + n, p) for n, p in model.named_parameters()])
 
     def step(batch):
         loss = model(**batch).loss
@@ -32,8 +33,4 @@ def gather(v):
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    rank, world = init()
-    model, batches = model_and_batches(args, rank, world)
-    median, times = run_steps(make_step(model), batches, args.warmup)
-    report(args, "native", "horovod", rank, world, median, times, gather)
+    main("native", "horovod", init, make_step, gather)

@@ -2,7 +2,7 @@
 import torch
 import torch.distributed as dist
 
-from common import model_and_batches, parse_args, report, run_steps
+from common import main
 
 
 def init():
@@ -31,9 +31,4 @@ def gather(v):
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    rank, world = init()
-    model, batches = model_and_batches(args, rank, world)
-    median, times = run_steps(make_step(model), batches, args.warmup)
-    report(args, "native", "torch", rank, world, median, times, gather)
-    dist.destroy_process_group()
+    main("native", "torch", init, make_step, gather, finish=dist.destroy_process_group)

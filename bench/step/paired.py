@@ -14,6 +14,8 @@ import json
 import statistics
 import time
 
+import torch
+
 import unified_dist as ud
 from common import model_and_batches, parse_args
 
@@ -25,8 +27,7 @@ native = importlib.import_module(f"native_{ud.backend_name()}")
 rank, world = native.init()  # joins the group unified_dist already joined
 model, batches = model_and_batches(args, rank, world)
 twin = copy.deepcopy(model)
-steps = {"facade": facade.make_step(model),
-         "native": native.make_step(twin, "native.") if ud.backend_name() == "horovod" else native.make_step(twin)}
+steps = {"facade": facade.make_step(model), "native": native.make_step(twin)}
 times = {"facade": [], "native": []}
 for i, batch in enumerate(batches):
     order = ("facade", "native") if i % 2 == 0 else ("native", "facade")
@@ -36,7 +37,7 @@ for i, batch in enumerate(batches):
         steps[name](batch)
         elapsed = time.perf_counter() - start
         if i >= args.warmup:
-            times[name].append(ud.all_reduce(__import__("torch").tensor([elapsed]), "max").item())
+            times[name].append(ud.all_reduce(torch.tensor([elapsed]), "max").item())
 ratios = [f / n for f, n in zip(times["facade"], times["native"])]
 if ud.is_main():
     with open(args.out, "w") as f:
