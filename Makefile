@@ -14,10 +14,15 @@ export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 setup: system-deps $(STAMP)
 
 # tests/multinode needs network namespaces (iproute2) and sshd (horovodrun reaches the second
-# test host over ssh). Installed only as root with apt; otherwise those tests skip with the reason.
+# test host over ssh); the srun and mpirun tests need a real SLURM (tools/slurm_cluster.sh starts a
+# one-node cluster) and Open MPI. Installed only as root with apt; otherwise those tests skip with
+# the reason (and fail under CI=true).
+SYSTEM_PACKAGES := iproute2 openssh-server slurmd slurmctld slurm-client openmpi-bin
 system-deps:
-	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && { ! command -v ip >/dev/null || [ ! -x /usr/sbin/sshd ]; }; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 openssh-server; fi
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { ! command -v ip >/dev/null || [ ! -x /usr/sbin/sshd ] || [ ! -x /usr/sbin/slurmd ] || [ ! -x /usr/sbin/slurmctld ] || \
+	    ! command -v srun >/dev/null || ! command -v mpirun >/dev/null; }; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); fi
 
 $(STAMP): requirements-ci.txt requirements-offline-data.txt setup.cfg tools/build_horovod.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -29,16 +29,9 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 
 from unified_dist.cli import launch as ud_launch  # noqa: E402
+from unified_dist.net import free_port  # noqa: E402
 
 BACKENDS = ("torch", "accelerate", "horovod")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(backend: str, nproc: int, script: str, args: list, timeout: float = 900, result: Path = None) -> bool:

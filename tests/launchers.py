@@ -1,30 +1,29 @@
-"""Run a script under a real launcher (python, torchrun, accelerate launch, horovodrun) for tests.
+"""Run a script under a real launcher (python, torchrun, accelerate launch, horovodrun, srun,
+mpirun, the legacy torch.distributed.launch) for tests.
 
 Every launch gets its own free port where the launcher takes one, OMP_NUM_THREADS=1, the
 venv's ``bin/`` first on PATH (horovodrun starts ``python`` by name), and a timeout after
-which the whole process group is killed, so a hang fails the test instead of blocking CI.
+which every process of its session is killed, so a hang fails the test instead of blocking CI.
+srun needs a running cluster: pass ``env={"SLURM_CONF": ...}`` from the ``slurm_cluster`` fixture.
 """
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from unified_dist.detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
+from unified_dist.net import free_port  # noqa: F401  (tests import it from here)
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 LAUNCHERS = ("python", "torchrun", "accelerate", "horovodrun")
-BACKEND_OF = {"python": "single", "torchrun": "torch", "accelerate": "accelerate", "horovodrun": "horovod"}
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+BACKEND_OF = {"python": "single", "torchrun": "torch", "accelerate": "accelerate", "horovodrun": "horovod",
+              "srun": "torch", "mpirun": "torch", "legacy": "torch"}
+LAUNCHER_NAME = {"legacy": "torchrun"}  # what ud.launcher() reports, where it differs from the key
 
 
 def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2) -> List[str]:
@@ -41,13 +40,19 @@ def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2
     if launcher == "horovodrun":
         return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo",
                 "python", script, *args]
+    if launcher == "srun":  # a time limit (minutes) as a backstop: slurmctld ends the step itself
+        return ["srun", "-n", str(nproc), "--time", "10", "--kill-on-bad-exit=1", py, script, *args]
+    if launcher == "mpirun":
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nproc), py, script, *args]
+    if launcher == "legacy":
+        return [py, "-m", "torch.distributed.launch", "--nproc_per_node", str(nproc),
+                "--master_port", str(free_port()), script, *args]
     raise ValueError(f"unknown launcher {launcher}")
 
 
 def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HOROVOD_", "ACCELERATE_", "TORCHELASTIC_", "UNIFIED_DIST_"))
-           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+           if not k.startswith(LAUNCHER_VARIABLE_PREFIXES) and k not in TORCH_VARIABLES}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
                PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
@@ -77,12 +82,24 @@ def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
         out, _ = proc.communicate(timeout=timeout)
         return Result(list(cmd), proc.returncode, out, False)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc.pid)
         out, _ = proc.communicate()
         return Result(list(cmd), -9, out, True)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_session(proc.pid)
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (a launcher may move its workers to their own groups)."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                p.kill()
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
 
 
 def launch(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2, timeout: float = 180,

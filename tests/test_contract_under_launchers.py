@@ -1,4 +1,5 @@
-"""The facade's contract, checked inside real launchers: python, torchrun, accelerate launch, horovodrun.
+"""The facade's contract, checked inside real launchers: python, torchrun, accelerate launch, horovodrun,
+and a real srun (one-node SLURM made by tools/slurm_cluster.sh) and Open MPI's mpirun.
 
 Each (launcher, suite) pair is launched once with 2 processes (1 for plain python); every
 check in tests/workers/contract_worker.py becomes one test item here, asserted on every rank.
@@ -12,13 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from launchers import BACKEND_OF, LAUNCHERS, ROOT, launch
+from launchers import BACKEND_OF, BIN, LAUNCHERS, ROOT, launch, run
 
 sys.path.insert(0, str(ROOT / "tests" / "workers"))
 import contract_worker  # noqa: E402  (the check list; the checks run in the launched processes)
 
 WORKER = "tests/workers/contract_worker.py"
 NPROC = {"python": 1, "torchrun": 2, "accelerate": 2, "horovodrun": 2}
+# In this suite's launches the worker starts the launcher's own stack before the facade
+# (dist.init_process_group / Accelerate's PartialState / hvd.init): the facade must adopt it.
+ADOPTING_SUITE = "bf16"
 _cache: dict = {}
 
 
@@ -28,13 +32,17 @@ def shared_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("contract")
 
 
-def _run(launcher: str, suite: str, out: Path) -> dict:
+def _run(launcher: str, suite: str, out: Path, env=None) -> dict:
+    """Launch the worker once per (launcher, suite); every check's test item reads the same results."""
     key = (launcher, suite)
     if key not in _cache:
-        result = launch(launcher, WORKER, ["--suite", suite, "--out", str(out)], nproc=NPROC[launcher],
-                        timeout=240)
+        nproc = NPROC.get(launcher, 2)
+        args = ["--suite", suite, "--out", str(out)]
+        if suite == ADOPTING_SUITE and launcher != "python":
+            args.append("--adopt")
+        result = launch(launcher, WORKER, args, nproc=nproc, timeout=240, env=env)
         ranks = {}
-        for r in range(NPROC[launcher]):
+        for r in range(nproc):
             path = out / f"{suite}_rank{r}.json"
             if path.exists():
                 ranks[r] = json.loads(path.read_text())
@@ -74,3 +82,51 @@ def test_every_checkpoint_loaded_by_every_other_backend(shared_dir):
     for key in ("weight", "bias"):
         assert torch.allclose(theirs["model"][key], mine["model"][key], atol=1e-6)
     assert os.path.exists(shared_dir / "ckpt_torch.pt")
+
+
+# srun and mpirun start processes that carry SLURM's or MPI's variables and no torch ones:
+# the core suite (collectives, gradient averaging against one process, loaders, checkpoints
+# from the other backends' runs above) runs once under each, with 2 processes.
+HPC_CASES = [(launcher, fn.__name__) for launcher in ("srun", "mpirun") for fn in contract_worker.CHECKS["core"]]
+_HPC_FIXTURE = {"srun": "slurm_cluster", "mpirun": "mpirun_available"}
+
+
+@pytest.mark.parametrize("launcher,check", HPC_CASES, ids=["-".join(c) for c in HPC_CASES])
+def test_contract_under_srun_and_mpirun(launcher, check, shared_dir, request):
+    env = request.getfixturevalue(_HPC_FIXTURE[launcher]) or {}
+    result, ranks = _run(launcher, "core", shared_dir, env)
+    result.check()
+    assert sorted(ranks) == [0, 1], f"missing rank results:\n{result.output[-3000:]}"
+    for r, data in ranks.items():
+        assert data["identity"] == {"backend": "torch", "launcher": launcher, "world_size": 2, "rank": r}
+        assert data["results"][check] == "ok", f"rank {r}: {data['results'][check]}"
+
+
+@pytest.mark.parametrize("launcher", [l for l in LAUNCHERS if l != "python"])
+def test_a_stack_started_before_the_facade_is_adopted_and_left_running(launcher, shared_dir):
+    result, ranks = _run(launcher, ADOPTING_SUITE, shared_dir)
+    result.check()
+    assert sorted(ranks) == [0, 1], result.output[-3000:]
+    for r, data in ranks.items():
+        assert data["identity"] == {"backend": BACKEND_OF[launcher], "launcher": launcher, "world_size": 2, "rank": r}
+        assert data["results"]["native_stack_survives_shutdown"] == "ok", data["results"]
+
+
+SPAWN_CHECKS = [fn.__name__ for fn in contract_worker.CHECKS["core"]] + ["native_stack_survives_shutdown"]
+_spawned: dict = {}
+
+
+@pytest.mark.parametrize("check", SPAWN_CHECKS)
+def test_contract_in_mp_spawn_workers_that_joined_a_tcp_group_themselves(check, tmp_path_factory):
+    """No launcher variables at all: mp.spawn workers call init_process_group("gloo", "tcp://...")."""
+    if not _spawned:
+        out = tmp_path_factory.mktemp("spawned")
+        _spawned["result"] = run([str(BIN / "python"), WORKER, "--suite", "core", "--out", str(out), "--spawn", "2"],
+                                 timeout=240)
+        _spawned["ranks"] = {r: json.loads((out / f"core_rank{r}.json").read_text())
+                             for r in range(2) if (out / f"core_rank{r}.json").exists()}
+    _spawned["result"].check()
+    assert sorted(_spawned["ranks"]) == [0, 1], _spawned["result"].output[-3000:]
+    for r, data in _spawned["ranks"].items():
+        assert data["identity"] == {"backend": "torch", "launcher": "existing", "world_size": 2, "rank": r}
+        assert data["results"][check] == "ok", f"rank {r}: {data['results'][check]}"

@@ -9,12 +9,14 @@
             optimizer.step()
             optimizer.zero_grad()
 
-The same script runs under python, torchrun, accelerate launch and horovodrun.
+The same script runs under python, torchrun, accelerate launch, horovodrun, srun and mpirun,
+in a process that already joined a group, or started from Python with ``ud.launch(fn)``.
 """
 from .checkmode import CollectiveMismatch
 from .elastic import ElasticState, elastic_run
+from .spawn import launch
 from .errors import (BackendNotInstalled, CheckpointError, CollectiveError, CollectiveTimeout, LaunchError,
-                     NonFiniteLoss, PeerLost, PrecisionError, UnifiedDistError)
+                     NonFiniteLoss, PeerLost, PrecisionError, UnifiedDistError, WorkerFailed)
 from .facade import (accumulate, all_gather, all_gather_object, all_reduce, autocast, backend_name, backward, barrier,
                      broadcast, clip_grad_norm_, device, gather_for_metrics, gradient_accumulation_steps,
                      init, is_local_main, is_main, latest_checkpoint, launcher, load, local_rank, main_process_first,
@@ -30,5 +32,5 @@ __all__ = [
     "seed_everything", "rng_states", "restore_rng_states", "all_reduce", "all_gather", "all_gather_object", "gather_for_metrics", "broadcast", "barrier",
     "print", "main_process_first", "ElasticState", "elastic_run", "save", "save_checkpoint", "latest_checkpoint", "load",
     "UnifiedDistError", "BackendNotInstalled", "CollectiveError", "CollectiveMismatch", "CollectiveTimeout",
-    "PeerLost", "LaunchError", "NonFiniteLoss", "PrecisionError", "CheckpointError",
+    "PeerLost", "LaunchError", "NonFiniteLoss", "PrecisionError", "CheckpointError", "WorkerFailed", "launch",
 ]

@@ -35,3 +35,13 @@ class LaunchError(UnifiedDistError, ValueError):
 
 class NonFiniteLoss(UnifiedDistError, FloatingPointError):
     """A rank's loss is NaN or infinite; every rank stops at the same step."""
+
+
+class WorkerFailed(UnifiedDistError):
+    """A worker started by ``ud.launch`` raised; ``rank`` says which (``None``: it died without
+    raising) and ``remote_traceback`` holds its traceback text."""
+
+    def __init__(self, message: str, rank: "int | None" = None, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback

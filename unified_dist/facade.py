@@ -17,7 +17,7 @@ from typing import Any, Iterator, List, Optional
 
 import torch
 
-from . import checkpoint, collectives, rng
+from . import checkpoint, collectives, live, rng
 from .backends import Backend, Config, backend_class
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
@@ -82,7 +82,7 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
                 "init() was already called with gradient_accumulation_steps="
                 f"{current.config.gradient_accumulation_steps}; call ud.init(...) before any other ud function")
         return
-    detection = detect(os.environ, backend)
+    detection = detect(os.environ, backend, live.probe())
     if detection.problems:
         raise LaunchError(detection.problems[0])
     for message in detection.warnings:
@@ -148,7 +148,8 @@ def backend_name() -> str:
 
 
 def launcher() -> str:
-    """What started this process: ``"python"``, ``"torchrun"``, ``"accelerate"`` or ``"horovodrun"``."""
+    """What started this process: ``"python"``, ``"torchrun"``, ``"accelerate"``, ``"horovodrun"``,
+    ``"srun"``, ``"mpirun"``, ``"ud.launch"``, or ``"existing"`` (a group the code had joined itself)."""
     return _current().detection.launcher
 
 

@@ -59,19 +59,12 @@ def command_for(spec: RunSpec, script: str, args: Sequence[str]) -> Tuple[List[s
     if spec.backend == "python":
         return [sys.executable, script, *args], dict(os.environ)
     from .cli import launch
+    from .net import free_port
 
     plan = launch.Plan(backend=spec.backend, script=script, script_args=tuple(args), nproc=spec.nproc,
-                       master_port=_free_port())
+                       master_port=free_port())
     command = launch.build(plan)
     return list(command.argv), launch.environment(command)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_metrics(directory: str) -> Tuple[Dict[int, float], List[dict]]:

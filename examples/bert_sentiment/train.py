@@ -126,6 +126,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "still spanning --epochs/--max-steps (for resume tests)")
     g.add_argument("--log-every", type=int, default=10, help="log the mean train loss every this many optimizer steps")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    # the legacy `python -m torch.distributed.launch` passes --local-rank=N (older torch: --local_rank);
+    # unified_dist reads the rank from the environment, so it is accepted and ignored
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     positive = ["epochs", "batch_size", "eval_batch_size", "grad_accum", "max_length", "log_every"]

@@ -16,7 +16,7 @@ from typing import Dict, List
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/launchers.py
-from launchers import BACKEND_OF, ROOT, launch  # noqa: E402
+from launchers import BACKEND_OF, LAUNCHER_NAME, ROOT, launch  # noqa: E402
 
 SCRIPT = str(ROOT / "examples" / "bert_sentiment" / "train.py")
 TIMEOUT = 240  # seconds per launch; the whole process group is killed after it
@@ -89,6 +89,32 @@ def test_launch_train_eval_checkpoint_resume(name: str, tmp_path: Path) -> None:
     assert new_train == [4, 5]
     assert (out / "checkpoints" / "step-0000005.pt").is_file()
     RESUMED[name], OUTPUTS[name] = rows2[len(rows):], out
+
+
+# srun (a real one-node SLURM), Open MPI's mpirun and the legacy torch.distributed.launch (which
+# passes --local-rank=N): one launch each, whose losses test_losses_agree_across_launchers compares
+# (under mpirun through Accelerate: the variables unified_dist exports for srun/mpirun drive it too)
+OTHER_LAUNCHES = {"srun": "slurm_cluster", "mpirun": "mpirun_available", "legacy": None}
+OTHER_BACKEND = {"mpirun": "accelerate"}
+
+
+@pytest.mark.parametrize("launcher", list(OTHER_LAUNCHES))
+def test_srun_mpirun_and_legacy_launch_train(launcher: str, tmp_path: Path, request) -> None:
+    fixture = OTHER_LAUNCHES[launcher]
+    env = dict((request.getfixturevalue(fixture) or {}) if fixture else {})
+    backend = OTHER_BACKEND.get(launcher, "torch")
+    if launcher in OTHER_BACKEND:
+        env["UNIFIED_DIST_BACKEND"] = backend
+    out = tmp_path / "run"
+    args = [*TINY, "--batch-size", "8", "--max-steps", "3", "--output-dir", str(out)]
+    result = launch(launcher, SCRIPT, args, nproc=2, timeout=TIMEOUT, env=env).check()
+    assert "x 2 process(es) x" in result.output and "= 16 examples per optimizer step" in result.output
+    rows = read_metrics(out)
+    assert {(r["launcher"], r["backend"], r["world_size"]) for r in rows} == \
+        {(LAUNCHER_NAME.get(launcher, launcher), backend, 2)}
+    assert [r["step"] for r in rows if r["type"] == "train"] == [1, 2, 3]
+    assert all(r["eval_examples"] == LIMIT_EVAL for r in rows if r["type"] == "eval")
+    RUNS[launcher] = rows
 
 
 def test_resume_under_another_world_size(tmp_path: Path) -> None:

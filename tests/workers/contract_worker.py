@@ -1,6 +1,7 @@
 """Checks of the facade's contract, run inside every rank under a real launcher.
 
-    <launcher> tests/workers/contract_worker.py --suite core|accum|bf16 --out DIR
+    <launcher> tests/workers/contract_worker.py --suite core|accum|bf16 --out DIR [--adopt]
+    python tests/workers/contract_worker.py --suite core --out DIR --spawn 2
 
 Each check raises AssertionError on failure; results go to DIR/<suite>_rank<R>.json as
 {check: "ok" | "FAIL: ..."} plus the detected identity. Checks call collectives in the same
@@ -388,27 +389,75 @@ def bf16_autocast_trains_on_cpu():
     assert torch.equal(weights[0], weights[-1]), "ranks diverged"
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--suite", choices=["core", "accum", "bf16"], required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    ud.init(gradient_accumulation_steps=2 if args.suite == "accum" else 1,
-            mixed_precision="bf16" if args.suite == "bf16" else None)
+def _start_native_stack(init_method=None, rank=None, world_size=None):
+    """What user code does before it imports the facade: start the launcher's own stack itself."""
+    if init_method:  # an mp.spawn worker with its own rendezvous and no launcher variables at all
+        torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    elif os.environ.get("HOROVOD_RANK"):
+        import horovod.torch as hvd
+        hvd.init()
+    elif os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        from accelerate import PartialState
+        PartialState(cpu=True)
+    elif os.environ.get("RANK"):
+        torch.distributed.init_process_group("gloo")
+
+
+def _native_stack_alive():
+    if os.environ.get("HOROVOD_RANK"):
+        import horovod.torch as hvd
+        return hvd.is_initialized()
+    if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+        from accelerate.state import PartialState
+        return bool(PartialState._shared_state) and torch.distributed.is_initialized()
+    return torch.distributed.is_initialized()
+
+
+def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=None):
+    """Run ``suite``'s checks; with ``adopt``, inside a stack this process started before the facade."""
+    if adopt:
+        _start_native_stack(init_method, rank, world_size)
+    ud.init(gradient_accumulation_steps=2 if suite == "accum" else 1,
+            mixed_precision="bf16" if suite == "bf16" else None)
     results = {}
-    for fn in CHECKS[args.suite]:
+    for fn in CHECKS[suite]:
         try:
-            fn(args.out) if fn.__code__.co_argcount else fn()
+            fn(out) if fn.__code__.co_argcount else fn()
             results[fn.__name__] = "ok"
         except Exception as exc:  # recorded for pytest to report per check
             results[fn.__name__] = "FAIL: " + "".join(traceback.format_exception_only(type(exc), exc)).strip() \
                 + "\n" + traceback.format_exc()[-1500:]
     identity = {"backend": ud.backend_name(), "launcher": ud.launcher(), "world_size": ud.world_size(),
                 "rank": ud.rank()}
-    with open(os.path.join(args.out, f"{args.suite}_rank{ud.rank()}.json"), "w") as f:
-        json.dump({"identity": identity, "results": results}, f)
     ud.barrier()
     ud.shutdown()
+    if adopt:  # the facade used the running stack and must leave it running
+        results["native_stack_survives_shutdown"] = "ok" if _native_stack_alive() else "FAIL: torn down by ud.shutdown()"
+    with open(os.path.join(out, f"{suite}_rank{identity['rank']}.json"), "w") as f:
+        json.dump({"identity": identity, "results": results}, f)
+
+
+def _spawned(rank, world_size, port, suite, out):
+    run_suite(suite, out, adopt=True, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    torch.distributed.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--suite", choices=["core", "accum", "bf16"], required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--adopt", action="store_true",
+                        help="start the launcher's own stack (dist.init_process_group, Accelerate's "
+                             "PartialState, hvd.init) before the facade, which must use it")
+    parser.add_argument("--spawn", type=int, default=0, metavar="N",
+                        help="plain python: mp.spawn N workers that each init_process_group(tcp://...)")
+    args = parser.parse_args()
+    if args.spawn:
+        from unified_dist.net import free_port
+
+        torch.multiprocessing.spawn(_spawned, args=(args.spawn, free_port(), args.suite, args.out), nprocs=args.spawn)
+    else:
+        run_suite(args.suite, args.out, adopt=args.adopt)
 
 
 if __name__ == "__main__":

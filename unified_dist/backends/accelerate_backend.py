@@ -6,7 +6,7 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from .base import Backend, Config
-from .process_group import gather_stacked, join_default_group
+from .process_group import export_rendezvous, gather_stacked, join_default_group
 from ..detection import Detection
 from ..errors import BackendNotInstalled
 
@@ -30,8 +30,15 @@ class AccelerateBackend(Backend):
             raise BackendNotInstalled(
                 f"backend 'accelerate' needs the accelerate package ({exc}); install it with "
                 "`pip install unified_dist[accelerate]` or `make setup`") from None
-        # A torchrun restart needs a per-attempt store; Accelerate then reuses the joined group.
-        join_default_group(config.timeout, always=False)
+        from accelerate.state import PartialState
+
+        # What this process had already started stays running at shutdown (see unified_dist.live).
+        self._owns_group = not torch.distributed.is_initialized()
+        self._owns_state = not PartialState._shared_state
+        if self._owns_group:
+            export_rendezvous(detection)  # srun/mpirun: Accelerate reads torch's env:// variables
+            # A torchrun restart needs a per-attempt store; Accelerate then reuses the joined group.
+            join_default_group(config.timeout, always=False)
         self.accelerator = Accelerator(
             # Without cpu=True, Accelerate ignores a multi-process launch on a GPU-less machine
             # (DistributedType.NO, each process alone); with it, it uses gloo (MULTI_CPU).
@@ -61,12 +68,13 @@ class AccelerateBackend(Backend):
     def shutdown(self) -> None:
         from accelerate.state import AcceleratorState, GradientState
 
-        self.accelerator.end_training()  # waits for every process
+        self.accelerator.wait_for_everyone()  # nobody is still reducing when the reducers go
         self.release_ddp()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        AcceleratorState._reset_state(reset_partial_state=True)
-        GradientState._reset_state()
+        if self._owns_group:
+            self.accelerator.end_training()  # destroys the process group
+        if self._owns_state:
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.track_ddp(self.accelerator.prepare_model(model))

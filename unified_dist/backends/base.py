@@ -80,8 +80,13 @@ class Backend(ABC):
     @property
     def device(self) -> torch.device:
         """The device this process computes on: its local GPU if there is one, else the CPU."""
+        return self.device_for(self.local_rank)
+
+    @staticmethod
+    def device_for(local_rank: int) -> torch.device:
+        """The device of the process with ``local_rank`` on its machine (GPU ``local_rank % count``, or CPU)."""
         if torch.cuda.is_available():
-            return torch.device("cuda", self.local_rank % torch.cuda.device_count())
+            return torch.device("cuda", local_rank % torch.cuda.device_count())
         return torch.device("cpu")
 
     def shutdown(self) -> None:

@@ -56,6 +56,7 @@ class HorovodBackend(Backend):
         self.hvd = _import_horovod()
         seconds = max(1, int(config.timeout.total_seconds()))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
+        self._owns_horovod = not self.hvd.is_initialized()  # a user's own hvd.init() stays running
         self.hvd.init()
         if torch.cuda.is_available():
             torch.cuda.set_device(self.device)
@@ -73,7 +74,8 @@ class HorovodBackend(Backend):
         return self.hvd.size()
 
     def shutdown(self) -> None:
-        self.hvd.shutdown()
+        if self._owns_horovod:
+            self.hvd.shutdown()
 
     @property
     def elastic(self) -> bool:

@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Optional
+import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..detection import Detection
 
 import torch
 import torch.distributed as dist
@@ -36,6 +40,30 @@ def gather_stacked(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
     out = rows.new_empty((world_size * rows.shape[0],) + tuple(rows.shape[1:]))
     _gather_into(out, rows.contiguous())
     return out.view((world_size,) + tuple(tensor.shape))
+
+
+def export_rendezvous(detection: "Detection") -> None:
+    """Give torch's ``env://`` the identity and rendezvous the launcher did not export itself.
+
+    srun and mpirun set their own variables, not torch's; a plain process sets none. Values the
+    environment already has (torchrun's, or a user's ``MASTER_ADDR``) are kept.
+    """
+    values = {"RANK": detection.rank, "WORLD_SIZE": detection.world_size, "LOCAL_RANK": detection.local_rank or 0,
+              # single-node default: rendezvous on loopback, never on a public interface
+              "MASTER_ADDR": detection.master_addr or "127.0.0.1", "MASTER_PORT": detection.master_port or 29500}
+    for key, value in values.items():
+        os.environ.setdefault(key, str(value))
+
+
+def local_rank_from_hosts() -> int:
+    """This rank's index among the ranks on its host, from one gather of host names.
+
+    For a group the process joined itself (``init_process_group`` in an ``mp.spawn`` worker),
+    where no launcher said which ranks share a machine.
+    """
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts[:dist.get_rank()].count(hosts[dist.get_rank()])
 
 
 def restart_count(environ=os.environ) -> int:

@@ -1,21 +1,22 @@
 """torch.distributed + DistributedDataParallel, as started by ``torchrun``."""
 from __future__ import annotations
 
-import os
 from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
 
 from .base import Backend, Config
-from .process_group import gather_stacked, join_default_group
+from .process_group import export_rendezvous, gather_stacked, join_default_group, local_rank_from_hosts
 from ..detection import Detection
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 class TorchBackend(Backend):
-    """Joins the default process group (nccl on GPU, gloo on CPU) from torchrun's variables."""
+    """Joins the default process group (nccl on GPU, gloo on CPU) from the launcher's variables
+    (torchrun's, or those detection derived for srun and mpirun), or adopts the group the
+    process already joined itself, which it then never destroys."""
 
     name = "torch"
 
@@ -23,14 +24,11 @@ class TorchBackend(Backend):
         super().__init__(detection, config)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
-            # Single-node default: rendezvous on loopback, never on a public interface.
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-            os.environ.setdefault("RANK", str(detection.rank))
-            os.environ.setdefault("WORLD_SIZE", str(detection.world_size))
+            export_rendezvous(detection)
             if torch.cuda.is_available():
-                torch.cuda.set_device(self.device)
+                torch.cuda.set_device(self.device_for(detection.local_rank or 0))
             join_default_group(config.timeout, always=True)
+        self._local_rank = detection.local_rank if detection.local_rank is not None else local_rank_from_hosts()
 
     @property
     def rank(self) -> int:
@@ -38,7 +36,7 @@ class TorchBackend(Backend):
 
     @property
     def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", self.detection.local_rank))
+        return self._local_rank
 
     @property
     def world_size(self) -> int:

@@ -141,6 +141,7 @@ def detection(environ: Mapping[str, str], cuda: bool) -> Dict[str, Any]:
         precision = f"error: {exc}"
     return {"backend": found.backend, "launcher": found.launcher, "reason": found.reason,
             "world_size": found.world_size, "rank": found.rank, "local_rank": found.local_rank,
+            "rendezvous": f"{found.master_addr}:{found.master_port}" if found.master_addr else None,
             "mixed_precision": precision, "warnings": list(found.warnings),
             "problems": list(getattr(found, "problems", ()))}  # contradictions init() refuses to start on
 
@@ -215,6 +216,8 @@ def render(report: Dict[str, Any]) -> str:
         rows.append(f"  {'launcher':<14}{found['launcher']}")
         rows.append(f"  {'reason':<14}{found['reason']}")
         rows.append(f"  {'rank':<14}{found['rank']} of world size {found['world_size']}")
+        if found["rendezvous"]:
+            rows.append(f"  {'rendezvous':<14}{found['rendezvous']} (derived for {found['launcher']}; MASTER_ADDR/MASTER_PORT override)")
         rows.append(f"  {'precision':<14}{found['mixed_precision']}")
         rows += [f"  {'problem':<14}{p}" for p in found["problems"]]
         rows += [f"  {'warning':<14}{w}" for w in found["warnings"]]

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,13 +23,13 @@ from typing import Dict, List, Optional, Sequence
 
 from . import launch
 from .errors import UsageError
+from ..detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
+from ..net import free_port
 
 WORKER = Path(__file__).with_name("selftest_worker.py")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT_S = 240.0
 _LIBRARY = {"torch": "torch", "accelerate": "accelerate", "horovod": "horovod"}
-_LAUNCHER_VARIABLES = ("HOROVOD_", "ACCELERATE_", "TORCHELASTIC_", "UNIFIED_DIST_")
-_TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass
@@ -77,16 +76,10 @@ def choose_backends(requested: Optional[Sequence[str]]) -> List[str]:
     return chosen
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _clean_environment(timeout: float) -> Dict[str, str]:
     """This environment minus launcher and unified_dist variables (we may be inside a job), plus test settings."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_VARIABLES) and k not in _TORCH_VARIABLES}
+           if not k.startswith(LAUNCHER_VARIABLE_PREFIXES) and k not in TORCH_VARIABLES}
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     # A collective stuck for half the launch's budget gives up with a clear error before the kill.

@@ -1,0 +1,11 @@
+"""Small network helpers shared by the launch paths, the command line, tests and benchmarks."""
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on the loopback address that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

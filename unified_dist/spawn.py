@@ -1,0 +1,159 @@
+"""``ud.launch``: start local worker processes from Python, the way ``mp.spawn``,
+Accelerate's ``notebook_launcher`` and ``horovod.run`` do, on any of the three stacks.
+
+The function and its arguments travel to the workers with cloudpickle, so a function typed
+into a notebook or a ``python -c`` session works as well as one imported from a module, and
+every worker is a fresh ``spawn``-ed interpreter (no ``fork`` of a parent that may already hold
+threads, OpenMP pools or a CUDA context). Each worker gets the identity a launcher would give
+it (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and a loopback rendezvous on torch and Accelerate,
+``horovod.run``'s own on Horovod) plus ``UNIFIED_DIST_BACKEND``, so ``ud.init()`` inside the
+function joins the right stack; launcher variables inherited from the caller's own job are
+removed first. Rank 0's return value comes back through a file; a worker's exception is
+written as text before the worker exits non-zero, which makes each stack's launcher stop the
+others, and the caller re-raises it as :class:`WorkerFailed` with that rank's traceback.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .detection import ENV_BACKEND, ENV_LAUNCHER, LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
+from .errors import UnifiedDistError, WorkerFailed
+
+LAUNCH_BACKENDS = ("torch", "accelerate", "horovod")
+
+
+def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2, backend: str = "torch") -> Any:
+    """Run ``fn(*args)`` in ``nproc`` new local processes on ``backend``; return rank 0's result.
+
+    ``backend`` is ``"torch"`` (torch.multiprocessing, gloo on CPU), ``"accelerate"`` or
+    ``"horovod"`` (``horovod.run`` with Gloo). Inside ``fn``, ``ud.init()`` (or any ``ud``
+    function) joins that stack with ``ud.launcher() == "ud.launch"``; the facade is shut down
+    when ``fn`` returns. ``fn``, ``args`` and the result must be picklable by cloudpickle.
+    An exception in any worker raises :class:`WorkerFailed` here, naming the rank whose error
+    came first and carrying its traceback text; the other workers are stopped.
+    """
+    if backend not in LAUNCH_BACKENDS:
+        raise UnifiedDistError(f"launch(backend={backend!r}): choose one of {', '.join(LAUNCH_BACKENDS)}")
+    if not isinstance(nproc, int) or nproc < 1:
+        raise UnifiedDistError(f"launch(nproc={nproc!r}): the number of processes must be an integer >= 1")
+    import cloudpickle
+
+    payload = cloudpickle.dumps((fn, args))
+    workdir = Path(tempfile.mkdtemp(prefix="unified_dist_launch_"))
+    try:
+        launcher_error: Optional[Exception] = None
+        try:
+            _START[backend](payload, nproc, backend, str(workdir))
+        except Exception as exc:  # the stack's own report; the workers' error files say more
+            launcher_error = exc
+        failure = _failure(workdir, launcher_error)
+        if failure is not None:
+            raise failure from RemoteTraceback(failure.remote_traceback)
+        with open(workdir / "result.pkl", "rb") as f:
+            return pickle.load(f)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+class RemoteTraceback(Exception):
+    """The failed worker's traceback, shown as the cause of :class:`WorkerFailed` (as concurrent.futures does)."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0]) if self.args else ""
+
+
+def _start_torch(payload: bytes, nproc: int, backend: str, workdir: str) -> None:
+    import torch.multiprocessing as mp
+
+    from .net import free_port
+
+    env = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    mp.start_processes(_torch_worker, args=(payload, backend, workdir, env), nprocs=nproc, join=True,
+                       start_method="spawn")
+
+
+def _torch_worker(local_rank: int, payload: bytes, backend: str, workdir: str, env: Dict[str, str]) -> None:
+    _run_worker(payload, backend, workdir, dict(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank)))
+
+
+def _start_horovod(payload: bytes, nproc: int, backend: str, workdir: str) -> None:
+    try:
+        import horovod
+    except ImportError as exc:
+        raise UnifiedDistError(f"launch(backend='horovod') needs horovod ({exc}); build it with `make setup`") from None
+    horovod.run(_run_worker, args=(payload, backend, workdir, {}), num_proc=nproc, hosts=f"localhost:{nproc}",
+                use_gloo=True)
+
+
+_START = {"torch": _start_torch, "accelerate": _start_torch, "horovod": _start_horovod}
+
+
+def _run_worker(payload: bytes, backend: str, workdir: str, env: Dict[str, str]) -> None:
+    """Inside a worker: take a launcher's identity, run the function, report its outcome."""
+    import cloudpickle
+
+    for key in [k for k in os.environ if _inherited(k, backend)]:
+        del os.environ[key]
+    os.environ.update(env)
+    os.environ.update({ENV_BACKEND: backend, ENV_LAUNCHER: "ud.launch"})
+    from . import facade
+
+    rank = int(os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or 0)
+    try:
+        fn, args = cloudpickle.loads(payload)
+        result = fn(*args)
+        if rank == 0:
+            _write_atomic(Path(workdir) / "result.pkl", cloudpickle.dumps(result))
+        facade.shutdown()
+    except BaseException as exc:
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        summary = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
+        _write_atomic(Path(workdir) / f"error-{rank}.pkl", pickle.dumps((summary, text, isinstance(exc, _SECONDARY))))
+        raise
+
+
+def _inherited(key: str, backend: str) -> bool:
+    """A launcher variable of the caller's own job: not horovod.run's identity, not a unified_dist setting."""
+    if key in (ENV_BACKEND, ENV_LAUNCHER):
+        return True
+    if key.startswith("UNIFIED_DIST_") or (backend == "horovod" and key.startswith("HOROVOD_")):
+        return False
+    return key.startswith(LAUNCHER_VARIABLE_PREFIXES) or key in TORCH_VARIABLES
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _failure(workdir: Path, launcher_error: Optional[BaseException]) -> Optional[WorkerFailed]:
+    """The :class:`WorkerFailed` for the errors the workers wrote, root cause first."""
+    errors: List[Tuple[bool, float, int, str, str]] = []
+    for path in workdir.glob("error-*.pkl"):
+        summary, text, secondary = pickle.loads(path.read_bytes())
+        errors.append((secondary, path.stat().st_mtime, int(path.stem.split("-")[1]), summary, text))
+    if not errors:
+        if launcher_error is None:
+            return None
+        first = str(launcher_error).strip().splitlines()
+        return WorkerFailed(f"a worker died without raising ({first[0] if first else type(launcher_error).__name__})",
+                            rank=None, remote_traceback=str(launcher_error))
+    _, _, rank, summary, text = min(errors)  # a real error before a peer's reaction to it
+    return WorkerFailed(f"rank {rank} raised {summary}", rank=rank, remote_traceback=text)
+
+
+def _secondary_errors() -> tuple:
+    """Errors that a worker raises *because* another one failed (so they are not the root cause)."""
+    from .errors import CollectiveTimeout, PeerLost
+
+    return (PeerLost, CollectiveTimeout, KeyboardInterrupt, SystemExit)
+
+
+_SECONDARY = _secondary_errors()
