@@ -78,3 +78,32 @@ def test_launch_reports_a_worker_that_died_without_raising(tmp_path):
     failure = spawn._failure(tmp_path, RuntimeError("process 1 terminated with signal SIGKILL\nmore"))
     assert failure.rank is None and "SIGKILL" in str(failure) and "\n" not in str(failure)
     assert spawn._failure(tmp_path, None) is None
+
+
+@pytest.fixture
+def accelerate_reset():
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def test_a_users_accelerator_is_adopted_with_its_precision(clean_env, accelerate_reset):
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+
+    Accelerator(cpu=True, mixed_precision="bf16")
+    ud.init()
+    assert (ud.backend_name(), ud.launcher(), ud.world_size(), ud.mixed_precision()) == ("accelerate", "existing", 1, "bf16")
+    ud.shutdown()
+    assert PartialState._shared_state, "ud.shutdown() reset an Accelerate state it did not create"
+
+
+def test_asking_a_running_accelerator_for_another_precision_is_one_line(clean_env, accelerate_reset):
+    from accelerate import Accelerator
+
+    Accelerator(cpu=True)
+    with pytest.raises(ud.UnifiedDistError, match="already runs in this process and Accelerate cannot change it") as info:
+        ud.init(mixed_precision="bf16")
+    assert "\n" not in str(info.value)

@@ -1,6 +1,7 @@
 """Hugging Face Accelerate, as started by ``accelerate launch``."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, ContextManager, Optional
 
 import torch
@@ -8,7 +9,29 @@ import torch
 from .base import Backend, Config
 from .process_group import export_rendezvous, gather_stacked, join_default_group
 from ..detection import Detection
-from ..errors import BackendNotInstalled
+from ..errors import BackendNotInstalled, UnifiedDistError
+
+
+def _running_precision(config: Config) -> Config:
+    """``config`` with the mixed precision of an ``Accelerator`` the user already created, if any.
+
+    Accelerate cannot change it once set; the running stack's choice is kept, and only an
+    explicit, different request (anything but the default ``"no"``) is an error.
+    """
+    from accelerate.state import AcceleratorState
+
+    if not AcceleratorState._shared_state:
+        return config
+    running = AcceleratorState().mixed_precision
+    running = str(getattr(running, "value", running))
+    if running == config.mixed_precision:
+        return config
+    if config.mixed_precision != "no":
+        raise UnifiedDistError(
+            f"an Accelerator with mixed_precision={running!r} already runs in this process and Accelerate cannot "
+            f"change it to {config.mixed_precision!r}; create it with mixed_precision={config.mixed_precision!r} "
+            "or leave ud.init(mixed_precision=...) unset")
+    return replace(config, mixed_precision=running)
 
 
 class AccelerateBackend(Backend):
@@ -39,6 +62,7 @@ class AccelerateBackend(Backend):
             export_rendezvous(detection)  # srun/mpirun: Accelerate reads torch's env:// variables
             # A torchrun restart needs a per-attempt store; Accelerate then reuses the joined group.
             join_default_group(config.timeout, always=False)
+        self.config = config = _running_precision(config)
         self.accelerator = Accelerator(
             # Without cpu=True, Accelerate ignores a multi-process launch on a GPU-less machine
             # (DistributedType.NO, each process alone); with it, it uses gloo (MULTI_CPU).
