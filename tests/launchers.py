@@ -60,6 +60,18 @@ def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     return env
 
 
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def unavailable(reason: str) -> None:
+    """Skip for a missing system tool, except under CI=true, where `make setup` installs it: fail."""
+    import pytest
+
+    if IN_CI:
+        pytest.fail(f"{reason} (CI=true: `make setup` installs it as root; a skip would hide the gap)")
+    pytest.skip(reason)
+
+
 @dataclass
 class Result:
     cmd: List[str]

@@ -67,6 +67,7 @@ def test_contract(launcher, suite, check, shared_dir):
         assert data["results"][check] == "ok", f"rank {r}: {data['results'][check]}"
 
 
+@pytest.mark.horovod
 def test_every_checkpoint_loaded_by_every_other_backend(shared_dir):
     """Runs above wrote ckpt_<backend>.pt in launcher order; the last one must have loaded all others,
     and this plain process loads the last one's."""

@@ -181,8 +181,11 @@ def _choose(name: str, env: Mapping[str, str], live: Optional[Live], why: str) -
 
 
 def _found(env: Mapping[str, str], live: Optional[Live]) -> Detection:
-    if live is not None:
-        return _adopted(env, live)
+    return _from_launcher(env) if live is None else _adopted(env, live)
+
+
+def _from_launcher(env: Mapping[str, str]) -> Detection:
+    """Sources 4-10 of the module doc, in that order."""
     for source in (_horovodrun, _accelerate, _torchrun, _own_mpi, _slurm, _pmi):
         found = source(env)
         if found is not None:
@@ -191,17 +194,14 @@ def _found(env: Mapping[str, str], live: Optional[Live]) -> Detection:
 
 
 def _adopted(env: Mapping[str, str], live: Live) -> Detection:
+    """The running stack as it is; the environment only names the launcher that started us."""
     backend = live.stack
     if backend == "torch" and any(env.get(k) for k in _ACCELERATE_KEYS):
         backend = "accelerate"  # accelerate launch's workers: Accelerate adopts the same group
-    launcher = (_horovodrun(env) or _accelerate(env) or _torchrun(env) or _any_mpi_or_slurm(env) or _nothing(env)).launcher
+    launcher = _from_launcher(env).launcher
     return Detection(backend, launcher if launcher != "python" else "existing",
                      f"{live.stack} is already initialised in this process ({live.world_size} process(es)): using it",
                      world_size=live.world_size, rank=live.rank, local_rank=live.local_rank, adopt=True)
-
-
-def _any_mpi_or_slurm(env: Mapping[str, str]) -> Optional[Detection]:
-    return _own_mpi(env) or _slurm(env) or _pmi(env)
 
 
 def _torch_style(env: Mapping[str, str], backend: str, launcher: str, reason: str) -> Detection:

@@ -61,3 +61,14 @@ def test_half_configured_launch_is_reported_as_a_problem(cli):
     assert report["detection"]["backend"] == "single"
     assert any("RANK set but WORLD_SIZE missing" in p for p in report["detection"]["problems"])
     assert any(p.startswith("detection: RANK set") and "start with torchrun" in p for p in report["problems"])
+
+
+def test_srun_task_is_reported_with_its_derived_rendezvous(cli):
+    env = {"SLURM_JOB_ID": "77", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+           "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "vm"}
+    report = json.loads(cli("env", "--json", env=env).stdout)
+    found = report["detection"]
+    assert (found["backend"], found["launcher"], found["world_size"], found["rank"]) == ("torch", "srun", 2, 1)
+    assert found["rendezvous"].startswith("127.0.0.1:") and not found["problems"]
+    text = cli("env", env=env).stdout
+    assert "  launcher      srun" in text and "  rendezvous    127.0.0.1:" in text

@@ -117,11 +117,12 @@ def test_srun_mpirun_and_legacy_launch_train(launcher: str, tmp_path: Path, requ
     RUNS[launcher] = rows
 
 
+@pytest.mark.horovod
 def test_resume_under_another_world_size(tmp_path: Path) -> None:
     """horovodrun -np 4 (batch 4 each) continues torchrun's 2-process checkpoint (batch 8 each) exactly."""
     needs("horovodrun")
     if "torchrun" not in OUTPUTS:
-        pytest.skip("needs the torchrun launch of the test above (run the whole file)")
+        pytest.fail("needs the torchrun launch of the test above (run the whole file)")
     checkpoint = OUTPUTS["torchrun"] / "checkpoints" / "step-0000003.pt"
     out = tmp_path / "run"
     args = [*TINY, "--batch-size", "4", "--max-steps", "5", "--resume", str(checkpoint), "--output-dir", str(out)]
@@ -139,7 +140,7 @@ def test_resume_under_another_world_size(tmp_path: Path) -> None:
 def test_losses_agree_across_launchers() -> None:
     """Same global batch, same data order, no dropout: every launcher logs the same losses."""
     if len(RUNS) < 2:
-        pytest.skip("needs at least two launches from the test above (run the whole file)")
+        pytest.fail("needs at least two launches from the test above (run the whole file)")
     reference_name, reference = next(iter(RUNS.items()))
     ref_losses = [r["loss"] for r in reference if r["type"] == "train"]
     ref_acc = [r["accuracy"] for r in reference if r["type"] == "eval"]
@@ -155,7 +156,7 @@ def test_checkpoint_contents_and_final_model() -> None:
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     if "python" not in OUTPUTS:
-        pytest.skip("needs the python launch of the test above (run the whole file)")
+        pytest.fail("needs the python launch of the test above (run the whole file)")
     out = OUTPUTS["python"]
     ck = torch.load(out / "checkpoints" / "step-0000003.pt", weights_only=True)
     assert {"model", "optimizer", "scheduler", "loader", "step", "epoch", "args"} <= set(ck)

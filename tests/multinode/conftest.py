@@ -25,6 +25,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from multinode import NETNS_SCRIPT, Hosts, kill_group, cannot_make_namespaces, start_sshd  # noqa: E402
 
+from launchers import unavailable  # noqa: E402
+
 _NAME = re.compile(r"^ud-h[12]-(\d+)-[0-9a-f]{4}$")
 
 
@@ -57,7 +59,7 @@ def hosts(tmp_path_factory):
     reason = cannot_make_namespaces()
     if reason:
         print(f"\nmulti-node tests skipped: {reason}", file=sys.stderr)
-        pytest.skip(f"cannot make network namespaces: {reason}")
+        unavailable(f"cannot make network namespaces: {reason}")
     _remove_stale_namespaces()
     suffix = f"{os.getpid()}-{secrets.token_hex(2)}"
     h = Hosts(suffix, tmp_path_factory.mktemp("multinode"))
@@ -79,7 +81,7 @@ def ssh_hosts(hosts):
         reason = ("openssh-server/openssh-client missing (horovodrun reaches hosts over ssh): "
                   "apt-get install -y openssh-server")
         print(f"\nmulti-node horovod tests skipped: {reason}", file=sys.stderr)
-        pytest.skip(reason)
+        unavailable(reason)
     directory = Path(tempfile.mkdtemp(prefix="ud-ssh-"))
     setup = None
     try:

@@ -16,6 +16,7 @@ import copy
 import glob
 import json
 import os
+import time
 import traceback
 
 import torch
@@ -136,12 +137,24 @@ def broadcast_tensor_and_object():
 
 
 @check("core")
-def barrier_and_main_first():
-    order = []
-    with ud.main_process_first():
-        order.append(ud.rank())
+def barrier_and_main_first(out_dir):
+    """Rank 0 finishes its block before any other rank enters its own (their order is free)."""
+    log = os.path.join(out_dir, f"main_first_{ud.backend_name()}.log")  # launches run one after another
+    if ud.is_main() and os.path.exists(log):
+        os.remove(log)
     ud.barrier()
-    assert order == [ud.rank()]
+    with ud.main_process_first():
+        with open(log, "a") as f:
+            f.write(f"enter {ud.rank()}\n")
+            f.flush()
+            time.sleep(0.2)  # a rank that did not wait would enter inside this window
+            f.write(f"leave {ud.rank()}\n")
+    ud.barrier()
+    with open(log) as f:
+        lines = f.read().split()
+    events = list(zip(lines[::2], map(int, lines[1::2])))
+    assert events[:2] == [("enter", 0), ("leave", 0)], events
+    assert sorted(r for e, r in events if e == "enter") == list(range(ud.world_size())), events
 
 
 @check("core")
