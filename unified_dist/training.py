@@ -47,12 +47,13 @@ class PreparedOptimizer(torch.optim.Optimizer):
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, sync: GradientSync,
+    def __init__(self, optimizer: torch.optim.Optimizer, sync: GradientSync, backend: Backend,
                  scaler: Optional[Any] = None) -> None:
         self.optimizer = optimizer
         self._sync = sync
+        self._backend = backend
         self.scaler = scaler
-        self._synchronized = False
+        self._finalized = False
         self.steps_taken = 0
 
     # passthrough of what torch and schedulers read
@@ -93,23 +94,22 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def synchronize(self) -> None:
-        """Finish this step's gradient averaging now (Horovod: before reading or clipping grads)."""
-        if hasattr(self.optimizer, "synchronize") and hasattr(self.optimizer, "skip_synchronize"):
-            if not self._synchronized:
-                self.optimizer.synchronize()
-                self._synchronized = True
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
+        """Make this step's gradients final now: averaged and unscaled (before reading or clipping them).
+
+        Once per optimizer step; the backend does it its library's way (:meth:`Backend.finalize_gradients`).
+        """
+        if not self._finalized:
+            self._backend.finalize_gradients(self.optimizer, self.scaler)
+            self._finalized = True
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Step only if this micro-step synchronised gradients; returns ``None`` otherwise."""
         if not self._sync.sync_gradients:
             return None
         self._opt_called = True  # what torch's LR schedulers check before warning
-        skip = self.optimizer.skip_synchronize() if self._synchronized else contextlib.nullcontext()
-        self._synchronized = False
+        finalized, self._finalized = self._finalized, False
         self.steps_taken += 1
-        with skip:
+        with self._backend.step_context(self.optimizer, finalized):
             if self.scaler is None:
                 return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
             result = self.scaler.step(self.optimizer)
@@ -122,6 +122,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         """Zero gradients only on synchronising micro-steps (they accumulate in between)."""
         if not self._sync.sync_gradients:
             return
+        self._finalized = False  # a step the user skipped must not leave the next one unfinalized
         if set_to_none:
             self.optimizer.zero_grad()  # horovod's zero_grad() takes no argument; default is set_to_none
             return

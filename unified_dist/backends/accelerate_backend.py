@@ -125,6 +125,11 @@ class AccelerateBackend(Backend):
     def make_grad_scaler(self) -> Optional[Any]:
         return None  # AcceleratedOptimizer owns the scaler
 
+    def finalize_gradients(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
+        # fp16: the gradients are still multiplied by Accelerate's loss scale (its own GradScaler);
+        # unscale them through Accelerate, which its optimizer's step() then knows about
+        self.accelerator.unscale_gradients(optimizer)
+
     def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         if self.world_size == 1:
             return tensor

@@ -114,6 +114,16 @@ class Backend(ABC):
         loss = loss / self.config.gradient_accumulation_steps
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
+    def finalize_gradients(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
+        """Make the gradients ``optimizer`` will apply final (averaged across ranks, unscaled from
+        fp16 loss scaling), so the user can read or clip them; called at most once per step."""
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+
+    def step_context(self, optimizer: torch.optim.Optimizer, finalized: bool) -> ContextManager:
+        """Context around ``optimizer.step()``; ``finalized``: :meth:`finalize_gradients` ran this step."""
+        return contextlib.nullcontext()
+
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
         """Context in which backward passes accumulate locally without communicating."""
         return contextlib.nullcontext()

@@ -106,6 +106,14 @@ class HorovodBackend(Backend):
             optimizer, named_parameters=named, op=hvd.Average,
             backward_passes_per_step=self.config.gradient_accumulation_steps)
 
+    def finalize_gradients(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
+        optimizer.synchronize()  # DistributedOptimizer averages asynchronously, hooked on backward
+        super().finalize_gradients(optimizer, scaler)
+
+    def step_context(self, optimizer: torch.optim.Optimizer, finalized: bool) -> Any:
+        # after synchronize(), step() must not wait for (or start) the averaging again
+        return optimizer.skip_synchronize() if finalized else super().step_context(optimizer, finalized)
+
     # ------------------------------------------------------------------ elastic
     def _elastic_state(self, state: Any) -> Any:
         if state.backend_state is None:

@@ -1,0 +1,125 @@
+"""Gradients are final (averaged, unscaled) before the user clips them, on every backend's own terms.
+
+fp16 cannot run on this CPU machine, so the loss scalers here are fakes that multiply and divide
+by a known factor; the backends are the real classes with their library objects replaced.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from unified_dist.backends.accelerate_backend import AccelerateBackend
+from unified_dist.backends.base import Config
+from unified_dist.backends.horovod_backend import HorovodBackend
+from unified_dist.backends.single import SingleProcessBackend
+from unified_dist.data import LoaderStack
+from unified_dist.detection import Detection
+from unified_dist.training import GradientSync, PreparedOptimizer
+
+SCALE = 1024.0
+
+
+class FakeScaler:
+    """torch.amp.GradScaler's interface: unscale_ divides the gradients once per step."""
+
+    def __init__(self):
+        self.calls = []
+
+    def unscale_(self, optimizer):
+        self.calls.append("unscale_")
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad.div_(SCALE)
+
+    def step(self, optimizer):
+        self.calls.append("step")
+        return optimizer.step()
+
+    def update(self):
+        self.calls.append("update")
+
+
+def _scaled_gradient_setup(backend):
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.tensor([3.0, 4.0, 0.0]) * SCALE  # true gradient norm 5, scaled by SCALE
+    inner = torch.optim.SGD([param], lr=1.0)
+    sync = GradientSync(backend, LoaderStack())
+    return param, inner, sync
+
+
+def _clip_like_the_facade(prepared, param):
+    prepared.synchronize()
+    return torch.nn.utils.clip_grad_norm_([param], max_norm=1.0).item()
+
+
+def test_own_scaler_unscales_once_per_step_before_clipping():
+    backend = SingleProcessBackend(Detection("single", "python", "test"), Config())
+    param, inner, sync = _scaled_gradient_setup(backend)
+    scaler = FakeScaler()
+    prepared = PreparedOptimizer(inner, sync, backend, scaler)
+    assert _clip_like_the_facade(prepared, param) == 5.0  # the norm of the true gradient
+    prepared.synchronize()  # a second clip in the same step must not unscale again
+    prepared.step()
+    assert scaler.calls == ["unscale_", "step", "update"]
+    param.grad = torch.tensor([0.0, 6.0, 8.0]) * SCALE
+    assert _clip_like_the_facade(prepared, param) == 10.0  # the next step is unscaled again
+    assert scaler.calls.count("unscale_") == 2
+
+
+class FakeAccelerator:
+    """Accelerate owns the fp16 scaler: clipping must go through accelerator.unscale_gradients."""
+
+    def __init__(self):
+        self.scaler = FakeScaler()
+
+    def unscale_gradients(self, optimizer=None):
+        self.scaler.unscale_(optimizer)
+
+
+def test_accelerate_backend_unscales_through_accelerate_before_clipping():
+    backend = AccelerateBackend.__new__(AccelerateBackend)  # its Accelerator replaced by the fake
+    backend.config, backend.accelerator = Config(mixed_precision="fp16"), FakeAccelerator()
+    assert backend.make_grad_scaler() is None  # the facade has no scaler of its own here
+    param, inner, sync = _scaled_gradient_setup(backend)
+    prepared = PreparedOptimizer(inner, sync, backend, None)
+    assert _clip_like_the_facade(prepared, param) == 5.0
+    prepared.synchronize()
+    assert backend.accelerator.scaler.calls == ["unscale_"]
+
+
+class FakeDistributedOptimizer(torch.optim.SGD):
+    """horovod.torch.DistributedOptimizer's synchronize()/skip_synchronize() protocol."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=1.0)
+        self.events = []
+
+    def synchronize(self):
+        self.events.append("synchronize")
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        self.events.append("skip")
+        yield
+
+    def step(self, closure=None):
+        self.events.append("step")
+        return super().step(closure)
+
+
+def test_horovod_backend_averages_then_unscales_and_step_skips_a_second_wait():
+    backend = HorovodBackend.__new__(HorovodBackend)  # no hvd needed: the optimizer is the fake
+    backend.config = Config(mixed_precision="fp16")
+    param = torch.nn.Parameter(torch.zeros(3))
+    param.grad = torch.tensor([3.0, 4.0, 0.0]) * SCALE
+    inner = FakeDistributedOptimizer([param])
+    scaler = FakeScaler()
+    prepared = PreparedOptimizer(inner, GradientSync(backend, LoaderStack()), backend, scaler)
+    assert _clip_like_the_facade(prepared, param) == 5.0
+    prepared.step()
+    assert inner.events == ["synchronize", "skip", "step"] and scaler.calls[0] == "unscale_"
+    prepared.zero_grad()
+    param.grad = torch.ones(3)
+    prepared.step()  # no clip this time: horovod's own step() waits for the averaging itself
+    assert inner.events[-1] == "step" and inner.events.count("skip") == 1
