@@ -27,16 +27,20 @@ def test_union_of_step_is_the_single_process_batch(n, global_batch, world):
     per_rank = rank_batches(n, global_batch // world, world)
     assert all(len(r) == len(single) for r in per_rank), "ranks must take the same number of steps"
     for step, expected in enumerate(single):
-        union = [i for r in range(world) for i in per_rank[r][step]]
         m = len(expected)
-        assert union[:m] == expected  # concatenated in rank order == single-process order
-        assert len(union) - m < world  # padding only to even out the last step
-        assert len({len(per_rank[r][step]) for r in range(world)}) == 1
+        real = [per_rank[r][step] if r < m else [] for r in range(world)]  # ranks past m hold only padding
+        union = [i for batch in real for i in batch]
+        assert union == expected  # concatenated in rank order == single-process order, no sample twice
+        sizes = [len(per_rank[r][step]) for r in range(world)]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)  # as even as it goes
+        assert all(per_rank[r][step] == [expected[0]] for r in range(m, world))  # one padding row each
 
 
-def test_padding_comes_from_the_start_of_the_epoch():
-    batches = rank_batches(5, 2, 2, shuffle=False)  # global batch 4: [0..3], then [4] + padding [0]
-    assert batches == [[[0, 1], [4]], [[2, 3], [0]]]
+def test_ragged_last_batch_is_split_unevenly_without_repeats():
+    assert rank_batches(7, 2, 2, shuffle=False) == [[[0, 1], [4, 5]], [[2, 3], [6]]]
+    # fewer samples than ranks: the last rank's one row is padding (the batch's first sample)
+    assert rank_batches(5, 2, 2, shuffle=False) == [[[0, 1], [4]], [[2, 3], [4]]]
+    assert [b[-1] for b in rank_batches(8, 2, 3, shuffle=False)] == [[6], [7], [6]]
 
 
 def test_drop_last_drops_the_incomplete_global_batch():

@@ -12,16 +12,19 @@ consecutive positions; rank ``r`` takes the ``r``-th contiguous slice of each. H
   single-process batch ``s`` with batch size ``B``, or ``world_size`` consecutive micro-batches
   of a single process accumulating gradients;
 * ``all_gather`` of per-rank results (concatenated in rank order) is in global order;
-* a last global batch of ``m < B`` samples (``drop_last=False``) gives every rank
-  ``ceil(m / world_size)`` samples, padding with samples from the start of the epoch; the
-  padding is at the end of the gathered rows, which is how ``gather_for_metrics`` drops it.
+* a last global batch of ``m < B`` samples (``drop_last=False``) is split as evenly as it goes,
+  still contiguously: the first ``m % world_size`` ranks take one sample more. No sample is
+  repeated, so no gradient counts one twice: ``ud.backward`` weights each rank's mean loss by
+  its share of the step's real samples (see :mod:`unified_dist.training`). Only when
+  ``m < world_size`` do the last ranks get one padding sample each (the batch's first), which
+  ``ud.backward`` weights by zero and which sits at the end of the gathered rows, where
+  ``gather_for_metrics`` drops it.
 
 Progress is counted in global samples, so a loader's ``state_dict`` resumes mid-epoch under
 another world size as long as the global batch is the same.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -41,6 +44,12 @@ def plan_global_batches(num_samples: int, global_batch: int, start: int, drop_la
         sizes.append(m)
         pos += m
     return sizes
+
+
+def shard(m: int, world_size: int, rank: int) -> Tuple[int, int]:
+    """(count, offset) of ``rank``'s contiguous slice of a global batch of ``m`` samples."""
+    base, extra = divmod(m, world_size)
+    return base + (1 if rank < extra else 0), rank * base + min(rank, extra)
 
 
 class ShardedBatchSampler:
@@ -66,9 +75,8 @@ class ShardedBatchSampler:
         n = len(order)
         pos = self.start
         for m in plan_global_batches(n, self.global_batch, self.start, self.drop_last):
-            per_rank = math.ceil(m / self.world_size)
-            first = pos + self.rank * per_rank
-            yield [order[p] if p < n else order[(p - n) % n] for p in range(first, first + per_rank)]
+            count, offset = shard(m, self.world_size, self.rank)
+            yield [order[p] for p in range(pos + offset, pos + offset + count)] if count else [order[pos]]
             pos += m
 
     def __len__(self) -> int:
@@ -80,8 +88,9 @@ class BatchInfo:
     """What the loader knows about the batch it just yielded."""
 
     real: int  # samples in this global batch that are not padding
-    padded: int  # rows an all_gather of per-sample results has (per-rank size * world size)
+    padded: int  # rows an all_gather of per-sample results has (real, plus one per rank without any)
     is_last: bool  # the epoch's last batch
+    mine: int = 0  # this rank's real samples in it (0: its one row is padding)
 
 
 class LoaderStack:
@@ -161,6 +170,12 @@ class PreparedDataLoader:
         self._consumed = 0
         self._in_pass = False
         self.batch_info: Optional[BatchInfo] = None
+        self._sizes: List[int] = []
+        self._index = 0
+
+    def window_samples(self, micro_batches: int) -> int:
+        """Real samples in the current batch and the next ``micro_batches - 1`` of this epoch."""
+        return sum(self._sizes[self._index:self._index + micro_batches])
 
     def _order(self, epoch: int) -> Sequence[int]:
         if self.shuffle:
@@ -194,14 +209,15 @@ class PreparedDataLoader:
         self.batch_sampler.epoch, self.batch_sampler.start = self._epoch, start
         sizes = plan_global_batches(self._num_samples, self.batch_sampler.global_batch, start,
                                     self.batch_sampler.drop_last)
-        world = self.batch_sampler.world_size
-        self._consumed, self._in_pass = start, True
+        rank, world = self.batch_sampler.rank, self.batch_sampler.world_size
+        self._consumed, self._in_pass, self._sizes = start, True, sizes
         self._stack.push(self)
         completed = False
         try:
             for i, (m, batch) in enumerate(zip(sizes, self._loader)):
-                self.batch_info = BatchInfo(real=m, padded=math.ceil(m / world) * world,
-                                            is_last=i == len(sizes) - 1)
+                self._index = i
+                self.batch_info = BatchInfo(real=m, padded=max(m, world), is_last=i == len(sizes) - 1,
+                                            mine=shard(m, world, rank)[0])
                 self._consumed += m
                 yield _move(batch, self.device)
             completed = True

@@ -248,14 +248,17 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 # ---------------------------------------------------------------------- training
 def backward(loss: torch.Tensor) -> None:
-    """Backpropagate ``loss`` (divided by the accumulation steps; scaled for fp16 if needed)."""
+    """Backpropagate ``loss``, the mean over this rank's micro-batch, weighted so that the optimizer
+    step applies the gradient of the mean loss over all its real samples: ``1/k`` with
+    ``gradient_accumulation_steps=k`` and full batches; a ragged last batch or a short last
+    accumulation window by what it really holds (scaled for fp16 if needed)."""
     if not isinstance(loss, torch.Tensor):
         raise UnifiedDistError(f"backward() expects the loss tensor, got {type(loss).__name__}")
     session = _current()
     if session.check_finite:
         _stop_on_non_finite(session, loss)
     scaler = session.optimizers[-1].scaler if session.optimizers else None
-    session.backend.backward(loss, scaler)
+    session.backend.backward(loss, scaler, session.sync.loss_weight())
 
 
 def _stop_on_non_finite(session: _Session, loss: torch.Tensor) -> None:

@@ -3,12 +3,22 @@
 One meaning everywhere: with ``gradient_accumulation_steps=k``, inside ``ud.accumulate(model)``
 only every k-th backward pass (and the last batch of a prepared loader) synchronises
 gradients; the prepared optimizer steps and zeroes gradients only then, and the prepared
-scheduler steps once per optimizer step. ``ud.backward`` divides the loss by k, so k
-micro-batches of b samples give the gradient of one batch of k*b samples.
+scheduler steps once per optimizer step.
+
+Exactness. An optimizer step must apply the gradient of the mean loss over every real sample
+it saw, as one process would on the concatenated batch. Each rank's loss is the mean over its
+own micro-batch, and the backends average gradients over ranks, so ``ud.backward`` multiplies
+the loss by ``world_size * mine / step_samples`` (:meth:`GradientSync.loss_weight`): ``mine`` is
+this rank's real samples in the micro-batch, ``step_samples`` the real samples of every rank and
+micro-batch of the optimizer step. With full batches that is ``1/k``; a ragged last batch (its
+samples split unevenly, see :mod:`unified_dist.data`) and a last accumulation window with fewer
+than ``k`` micro-batches are weighted by what they really hold; a padding row weighs zero.
+Without a prepared loader the weight is ``1/k``.
 """
 from __future__ import annotations
 
 import contextlib
+from fractions import Fraction
 from typing import Any, Iterator, List, Optional
 
 import torch
@@ -26,18 +36,34 @@ class GradientSync:
         self.steps = backend.config.gradient_accumulation_steps
         self.micro_step = 0
         self.sync_gradients = True
+        self._window_samples: Optional[int] = None  # real samples of the current accumulation window
 
     @contextlib.contextmanager
     def accumulate(self, model: torch.nn.Module) -> Iterator[None]:
-        self.micro_step += 1
         loader = self.loaders.current
-        end_of_epoch = loader is not None and loader.batch_info is not None and loader.batch_info.is_last
-        self.sync_gradients = self.micro_step % self.steps == 0 or end_of_epoch
+        info = loader.batch_info if loader is not None else None
+        if self.micro_step == 0:  # a window starts: it ends after k micro-batches or with the epoch
+            self._window_samples = loader.window_samples(self.steps) if info is not None else None
+        self.micro_step += 1
+        self.sync_gradients = self.micro_step % self.steps == 0 or (info is not None and info.is_last)
         if self.sync_gradients:
             self.micro_step = 0
         self.backend.set_sync_gradients(self.sync_gradients)
-        with (contextlib.nullcontext() if self.sync_gradients else self.backend.no_sync(model)):
-            yield
+        try:
+            with (contextlib.nullcontext() if self.sync_gradients else self.backend.no_sync(model)):
+                yield
+        finally:
+            if self.sync_gradients:
+                self._window_samples = None
+
+    def loss_weight(self) -> Fraction:
+        """What ``ud.backward`` multiplies this micro-batch's mean loss by (see the module doc)."""
+        loader = self.loaders.current
+        info = loader.batch_info if loader is not None else None
+        if info is None:
+            return Fraction(1, self.steps)
+        step_samples = self._window_samples or info.real * self.steps
+        return Fraction(self.backend.world_size * info.mine, step_samples)
 
 
 class PreparedOptimizer(torch.optim.Optimizer):

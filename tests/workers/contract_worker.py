@@ -248,6 +248,56 @@ def accumulation_matches_single_process_adamw_2_steps():
     _same_params(model, ref, atol=1e-5)
 
 
+def _reference_windows(x, y, window, lr):
+    """Plain single-process SGD: one step per ``window`` consecutive samples, the last window short."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for start in range(0, len(x), window):
+        torch.nn.functional.mse_loss(model(x[start:start + window]), y[start:start + window]).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def _ragged_runs_match(layouts, lr=0.5):
+    """For each (per-rank batch, dataset size): the facade's epoch == the single-process reference."""
+    w, k = ud.world_size(), ud.gradient_accumulation_steps()
+    for b, n in layouts:
+        x, y = _data(n)
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=b)
+        model, opt, loader = ud.prepare(model, opt, loader)
+        steps = 0
+        for xb, yb in loader:
+            with ud.accumulate(model):
+                ud.backward(torch.nn.functional.mse_loss(model(xb), yb))
+                steps += ud.sync_gradients()
+                opt.step()
+                opt.zero_grad()
+        ref = _reference_windows(x, y, b * w * k, lr)
+        assert steps == -(-n // (b * w * k)), (b, n, steps)
+        _same_params(ud.unwrap(model), ref)
+
+
+@check("core")
+def ragged_last_batch_matches_single_process():
+    """Dataset sizes that do not divide by batch x world: the last step uses each real sample once."""
+    w = ud.world_size()
+    _ragged_runs_match([(3, 3 * w * 2 + 1),        # last global batch of 1 (other ranks: padding, weight 0)
+                        (4, 4 * w * 2 + w + 1),    # last global batch split unevenly (some ranks 1 more)
+                        (2, 2 * w * 3 + 2 * w - 1)])  # every rank but the last has a full last batch
+
+
+@check("accum")
+def short_last_accumulation_window_matches_single_process():
+    """An epoch ending with fewer than k micro-batches averages over what the window really had."""
+    w = ud.world_size()
+    _ragged_runs_match([(2, 2 * w * 5),            # 5 micro-batches: the last window has 1 of 2
+                        (2, 2 * w * 5 + 1),        # ... and that one is ragged too
+                        (3, 3 * w * 3 + w + 1)])   # last window: one full micro-batch + one ragged
+
+
 @check("accum")
 def accumulation_steps_only_every_kth_microstep():
     model = _model()
@@ -296,10 +346,11 @@ def train_loader_shards_disjoint_cover_and_reshuffle():
             mine.extend(idx.tolist())
             gathered.append(ud.gather_for_metrics(idx))
         epochs.append((mine, torch.cat(gathered).tolist()))
-    lengths = ud.all_gather(torch.tensor([len(epochs[0][0])]))
     for mine, everything in epochs:
         assert sorted(everything) == list(range(n)), everything
-    assert len(set(lengths.tolist())) == 1, f"ranks got different numbers of samples: {lengths}"
+        # no sample twice in training either: the ragged last batch is split, not padded (n > world)
+        every_rank = [i for theirs in ud.all_gather_object(mine) for i in theirs]
+        assert sorted(every_rank) == list(range(n)), f"samples repeated or lost across ranks: {every_rank}"
     assert epochs[0][1] != epochs[1][1], "same order in two epochs"
     # world-size invariant: the gathered order is the single-process permutation of seed+epoch
     for epoch, (_, everything) in enumerate(epochs):

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from fractions import Fraction
 from typing import Any, ContextManager, Optional
 
 import torch
 
-from .base import Backend, Config
+from .base import Backend, Config, weighted
 from .process_group import export_rendezvous, gather_stacked, join_default_group
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
@@ -59,7 +60,8 @@ class AccelerateBackend(Backend):
         self._owns_group = not torch.distributed.is_initialized()
         self._owns_state = not PartialState._shared_state
         if self._owns_group:
-            export_rendezvous(detection)  # srun/mpirun: Accelerate reads torch's env:// variables
+            if detection.master_addr is not None:  # srun/mpirun: Accelerate reads torch's env:// variables
+                export_rendezvous(detection)
             # A torchrun restart needs a per-attempt store; Accelerate then reuses the joined group.
             join_default_group(config.timeout, always=False)
         self.config = config = _running_precision(config)
@@ -110,8 +112,9 @@ class AccelerateBackend(Backend):
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return super().unwrap(self.accelerator.unwrap_model(model))
 
-    def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None) -> None:
-        self.accelerator.backward(loss)  # divides by gradient_accumulation_steps itself
+    def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None, weight: Fraction = Fraction(1)) -> None:
+        # Accelerate divides by gradient_accumulation_steps itself: give it the rest of the weight
+        self.accelerator.backward(weighted(loss, weight * self.config.gradient_accumulation_steps))
 
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
         return self.accelerator.no_sync(model)

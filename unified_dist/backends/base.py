@@ -12,6 +12,7 @@ import gc
 import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, ContextManager, List, Optional
 
 import torch
@@ -30,6 +31,15 @@ class Config:
     gradient_accumulation_steps: int = 1
     timeout: datetime.timedelta = datetime.timedelta(minutes=10)
     debug: bool = False
+
+
+def weighted(loss: torch.Tensor, weight: Fraction) -> torch.Tensor:
+    """``loss * weight`` with as few roundings as the fraction allows (``1/k`` divides once)."""
+    if weight == 1:
+        return loss
+    if weight.numerator == 1:
+        return loss / weight.denominator
+    return loss * weight.numerator / weight.denominator
 
 
 class Backend(ABC):
@@ -109,9 +119,10 @@ class Backend(ABC):
         return getattr(model, "_orig_mod", model)  # torch.compile wrapper
 
     # ----------------------------------------------------------------- training
-    def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None) -> None:
-        """Backpropagate ``loss / gradient_accumulation_steps`` (scaled by ``scaler`` for fp16)."""
-        loss = loss / self.config.gradient_accumulation_steps
+    def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None, weight: Fraction = Fraction(1)) -> None:
+        """Backpropagate ``loss * weight`` (scaled by ``scaler`` for fp16); the gradient averaging
+        across ranks then gives the step's exact gradient (see :mod:`unified_dist.training`)."""
+        loss = weighted(loss, weight)
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
     def finalize_gradients(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
