@@ -101,9 +101,9 @@ def barrier(args: argparse.Namespace) -> None:
 
 
 def gather_for_metrics(args: argparse.Namespace) -> None:
-    """An eval loader whose last global batch is padded: every sample must come back exactly once."""
+    """An eval loader whose last global batch is ragged: every sample must come back exactly once."""
     w, batch = ud.world_size(), 2
-    n = batch * w * 2 - 1  # the second global batch is one sample short
+    n = batch * w * 2 - 1  # the second global batch is one sample short (split unevenly)
     data = torch.utils.data.TensorDataset(torch.arange(n), torch.arange(n) * 3)
     loader = ud.prepare(torch.utils.data.DataLoader(data, batch_size=batch))
     index, tripled = [], []
