@@ -40,8 +40,8 @@ def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2
     if launcher == "horovodrun":
         return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo",
                 "python", script, *args]
-    if launcher == "srun":  # a time limit (minutes) as a backstop: slurmctld ends the step itself
-        return ["srun", "-n", str(nproc), "--time", "10", "--kill-on-bad-exit=1", py, script, *args]
+    if launcher == "srun":  # fail fast if the cluster cannot place the tasks; a time limit (minutes) as a backstop
+        return ["srun", "-n", str(nproc), "--immediate=60", "--time", "10", "--kill-on-bad-exit=1", py, script, *args]
     if launcher == "mpirun":
         return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nproc), py, script, *args]
     if launcher == "legacy":

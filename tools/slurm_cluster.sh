@@ -28,12 +28,17 @@ free_port() {
 }
 
 up() {
-    local dir=$1 host ctld_port d_port
+    local dir=$1 host ctld_port d_port cpus
     check
     mkdir -p "$dir/state" "$dir/spool"
     host=$(hostname -s)
     ctld_port=$(free_port)
     d_port=$(free_port)
+    # Slots for tasks, not cores: 8 or the machine's CPUs if more (config_overrides lets slurmd accept
+    # more than the hardware has). Not `nproc`: it answers OMP_NUM_THREADS (1 in tests), and a 1-CPU
+    # node leaves `srun -n 2` pending for ever.
+    cpus=$(getconf _NPROCESSORS_ONLN)
+    [ "$cpus" -ge 8 ] || cpus=8
     while [ "$d_port" = "$ctld_port" ]; do d_port=$(free_port); done
     cat > "$dir/slurm.conf" <<EOF
 ClusterName=unifieddist
@@ -58,7 +63,8 @@ SlurmctldPidFile=$dir/slurmctld.pid
 SlurmdPidFile=$dir/slurmd.pid
 SlurmctldLogFile=$dir/slurmctld.log
 SlurmdLogFile=$dir/slurmd.log
-NodeName=$host NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=2000 State=UNKNOWN
+SlurmdParameters=config_overrides
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=2000 State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
 EOF
     slurmctld -f "$dir/slurm.conf" || die "slurmctld did not start: $(tail -n 3 "$dir/slurmctld.log" 2>/dev/null)"
