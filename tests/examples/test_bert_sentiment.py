@@ -138,15 +138,20 @@ def test_resume_under_another_world_size(tmp_path: Path) -> None:
 
 
 def test_losses_agree_across_launchers() -> None:
-    """Same global batch, same data order, no dropout: every launcher logs the same losses."""
-    if len(RUNS) < 2:
-        pytest.fail("needs at least two launches from the test above (run the whole file)")
-    reference_name, reference = next(iter(RUNS.items()))
+    """Same global batch, same data order, no dropout: every launcher logs the same losses.
+
+    Two processes x 8 under any launcher or backend do the same arithmetic: 1e-5 relative.
+    One process accumulating 2 x 8 sums in another order: 1e-4.
+    """
+    if "torchrun" not in RUNS or len(RUNS) < 2:
+        pytest.fail("needs the torchrun launch and another one from the tests above (run the whole file)")
+    reference_name, reference = "torchrun", RUNS["torchrun"]
     ref_losses = [r["loss"] for r in reference if r["type"] == "train"]
     ref_acc = [r["accuracy"] for r in reference if r["type"] == "eval"]
     for name, rows in RUNS.items():
         losses = [r["loss"] for r in rows if r["type"] == "train"]
-        assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-5), (name, reference_name)
+        rel = 1e-4 if name == "python" else 1e-5
+        assert losses == pytest.approx(ref_losses, rel=rel, abs=1e-6), (name, reference_name, losses, ref_losses)
         accuracies = [r["accuracy"] for r in rows if r["type"] == "eval"]
         assert accuracies == pytest.approx(ref_acc, abs=1.5 / LIMIT_EVAL), (name, reference_name)  # <= 1 example flips
 
