@@ -35,7 +35,7 @@ $(STAMP): requirements-ci.txt requirements-offline-data.txt setup.cfg tools/buil
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest -ra tests
+	$(PY) -m pytest -ra --durations=30 tests
 
 demo: setup
 	$(PY) examples/bert_sentiment/train.py
