@@ -6,6 +6,7 @@ real launchers and mp.spawn in test_contract_under_launchers.py and test_launch_
 """
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import time
@@ -17,14 +18,13 @@ import torch.distributed as dist
 
 import unified_dist as ud
 from unified_dist import live, spawn
-from unified_dist.detection import Live
+from unified_dist.detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES, Live
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for key in list(__import__("os").environ):
-        if key.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_", "TORCHELASTIC_", "HOROVOD_",
-                           "ACCELERATE_", "SLURM_", "OMPI_", "PMI_", "UNIFIED_DIST_")):
+    for key in list(os.environ):
+        if key.startswith(LAUNCHER_VARIABLE_PREFIXES) or key in TORCH_VARIABLES:
             monkeypatch.delenv(key)
     yield
     ud.shutdown()

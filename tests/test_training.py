@@ -57,7 +57,7 @@ def test_own_scaler_unscales_once_per_step_before_clipping():
     backend = SingleProcessBackend(Detection("single", "python", "test"), Config())
     param, inner, sync = _scaled_gradient_setup(backend)
     scaler = FakeScaler()
-    prepared = PreparedOptimizer(inner, sync, backend, scaler)
+    prepared = PreparedOptimizer(inner, sync, scaler)
     assert _clip_like_the_facade(prepared, param) == 5.0  # the norm of the true gradient
     prepared.synchronize()  # a second clip in the same step must not unscale again
     prepared.step()
@@ -82,7 +82,7 @@ def test_accelerate_backend_unscales_through_accelerate_before_clipping():
     backend.config, backend.accelerator = Config(mixed_precision="fp16"), FakeAccelerator()
     assert backend.make_grad_scaler() is None  # the facade has no scaler of its own here
     param, inner, sync = _scaled_gradient_setup(backend)
-    prepared = PreparedOptimizer(inner, sync, backend, None)
+    prepared = PreparedOptimizer(inner, sync, None)
     assert _clip_like_the_facade(prepared, param) == 5.0
     prepared.synchronize()
     assert backend.accelerator.scaler.calls == ["unscale_"]
@@ -115,7 +115,7 @@ def test_horovod_backend_averages_then_unscales_and_step_skips_a_second_wait():
     param.grad = torch.tensor([3.0, 4.0, 0.0]) * SCALE
     inner = FakeDistributedOptimizer([param])
     scaler = FakeScaler()
-    prepared = PreparedOptimizer(inner, GradientSync(backend, LoaderStack()), backend, scaler)
+    prepared = PreparedOptimizer(inner, GradientSync(backend, LoaderStack()), scaler)
     assert _clip_like_the_facade(prepared, param) == 5.0
     prepared.step()
     assert inner.events == ["synchronize", "skip", "step"] and scaler.calls[0] == "unscale_"

@@ -215,7 +215,7 @@ def prepare(*objs: Any) -> Any:
             out[i] = obj
         elif isinstance(obj, torch.optim.Optimizer):
             inner = backend.prepare_optimizer(obj, models[0] if len(models) == 1 else None)
-            prepared = PreparedOptimizer(inner, session.sync, backend, backend.make_grad_scaler())
+            prepared = PreparedOptimizer(inner, session.sync, backend.make_grad_scaler())
             session.optimizers.append(prepared)
             session.prepared_from[id(obj)] = prepared
             out[i] = prepared

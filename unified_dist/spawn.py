@@ -23,9 +23,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .detection import ENV_BACKEND, ENV_LAUNCHER, LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
-from .errors import UnifiedDistError, WorkerFailed
+from .errors import CollectiveTimeout, PeerLost, UnifiedDistError, WorkerFailed
+from .net import free_port
 
 LAUNCH_BACKENDS = ("torch", "accelerate", "horovod")
+_SECONDARY = (PeerLost, CollectiveTimeout, KeyboardInterrupt, SystemExit)
+"""Errors a worker raises *because* another one failed: never reported as the root cause."""
 
 
 def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2, backend: str = "torch") -> Any:
@@ -70,8 +73,6 @@ class RemoteTraceback(Exception):
 
 def _start_torch(payload: bytes, nproc: int, backend: str, workdir: str) -> None:
     import torch.multiprocessing as mp
-
-    from .net import free_port
 
     env = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     mp.start_processes(_torch_worker, args=(payload, backend, workdir, env), nprocs=nproc, join=True,
@@ -148,12 +149,3 @@ def _failure(workdir: Path, launcher_error: Optional[BaseException]) -> Optional
     _, _, rank, summary, text = min(errors)  # a real error before a peer's reaction to it
     return WorkerFailed(f"rank {rank} raised {summary}", rank=rank, remote_traceback=text)
 
-
-def _secondary_errors() -> tuple:
-    """Errors that a worker raises *because* another one failed (so they are not the root cause)."""
-    from .errors import CollectiveTimeout, PeerLost
-
-    return (PeerLost, CollectiveTimeout, KeyboardInterrupt, SystemExit)
-
-
-_SECONDARY = _secondary_errors()

@@ -73,11 +73,10 @@ class PreparedOptimizer(torch.optim.Optimizer):
     ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, sync: GradientSync, backend: Backend,
+    def __init__(self, optimizer: torch.optim.Optimizer, sync: GradientSync,
                  scaler: Optional[Any] = None) -> None:
         self.optimizer = optimizer
         self._sync = sync
-        self._backend = backend
         self.scaler = scaler
         self._finalized = False
         self.steps_taken = 0
@@ -125,7 +124,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         Once per optimizer step; the backend does it its library's way (:meth:`Backend.finalize_gradients`).
         """
         if not self._finalized:
-            self._backend.finalize_gradients(self.optimizer, self.scaler)
+            self._sync.backend.finalize_gradients(self.optimizer, self.scaler)
             self._finalized = True
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -135,7 +134,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._opt_called = True  # what torch's LR schedulers check before warning
         finalized, self._finalized = self._finalized, False
         self.steps_taken += 1
-        with self._backend.step_context(self.optimizer, finalized):
+        with self._sync.backend.step_context(self.optimizer, finalized):
             if self.scaler is None:
                 return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
             result = self.scaler.step(self.optimizer)
