@@ -170,7 +170,10 @@ def load_model_and_tokenizer(name: str, no_dropout: bool):
             for key, value in config.to_dict().items():
                 if "dropout" in key and isinstance(value, float):
                     setattr(config, key, 0.0)
-        model = AutoModelForSequenceClassification.from_pretrained(name, config=config)
+        # fp32 master weights whatever dtype the checkpoint was saved in (transformers 5 would
+        # otherwise keep an fp16 checkpoint in fp16: AdamW then diverges and fp16 loss scaling
+        # refuses fp16 gradients); mixed precision is autocast's job.
+        model = AutoModelForSequenceClassification.from_pretrained(name, config=config, dtype=torch.float32)
     except OSError as exc:
         local = os.path.isdir(name)
         offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
@@ -518,6 +521,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         run(args)
+        ud.shutdown()  # leave the process group together (NCCL warns about a group left at exit)
     except (UserError, ud.UnifiedDistError) as exc:
         if ud.is_main():
             print(f"train.py: error: {exc}", file=sys.stderr, flush=True)

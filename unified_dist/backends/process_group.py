@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 import torch
 import torch.distributed as dist
 
+from ..errors import LaunchError
+
 
 # torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -98,12 +100,33 @@ def join_default_group(timeout: datetime.timedelta, *, always: bool) -> bool:
     safe_store = needs_attempt_store()
     if not (always or safe_store):
         return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    options: dict = {"backend": "gloo", "timeout": timeout}
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = cuda_device_for_group(os.environ)
+        torch.cuda.set_device(device)
+        # device_id binds the group to this GPU (no guessing it from the rank, no warnings)
+        options.update(backend="nccl", device_id=device)
     if safe_store:
-        dist.init_process_group(backend=backend, timeout=timeout, store=attempt_store(timeout),
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    else:
-        dist.init_process_group(backend=backend, timeout=timeout)
+        options.update(store=attempt_store(timeout), rank=int(os.environ["RANK"]),
+                       world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(**options)
     return True
+
+
+def cuda_device_for_group(environ) -> torch.device:
+    """This process's GPU in an nccl group: ``cuda:(LOCAL_RANK % visible GPUs)``.
+
+    The modulo serves launchers that give each process its own ``CUDA_VISIBLE_DEVICES`` (one
+    visible GPU, local rank 1). Raises :class:`LaunchError` when the host's processes
+    (``LOCAL_WORLD_SIZE``) outnumber the GPUs and no ``CUDA_VISIBLE_DEVICES`` splits them:
+    ranks would share a GPU, which NCCL refuses (and ``cuda:LOCAL_RANK`` would not exist).
+    """
+    count = torch.cuda.device_count()
+    local_rank = int(environ.get("LOCAL_RANK", "0") or 0)
+    local_size = int(environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if local_size > count and "CUDA_VISIBLE_DEVICES" not in environ:
+        raise LaunchError(
+            f"{local_size} processes on this host but {count} visible GPU(s): NCCL needs one GPU per process; "
+            f"start at most {count} per host (e.g. torchrun --nproc_per_node {count}), "
+            "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPU over gloo")
+    return torch.device("cuda", local_rank % count)

@@ -25,8 +25,6 @@ class TorchBackend(Backend):
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             export_rendezvous(detection)
-            if torch.cuda.is_available():
-                torch.cuda.set_device(self.device_for(detection.local_rank or 0))
             join_default_group(config.timeout, always=True)
         self._local_rank = detection.local_rank if detection.local_rank is not None else local_rank_from_hosts()
 
