@@ -311,6 +311,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     ud.seed_everything(args.seed)  # before the model (classifier head init) and the loaders (shuffle order)
 
     # ------------------------------------------------------------------ data and model
+    model, tokenizer = load_model_and_tokenizer(model_name, args.no_dropout)  # every rank at once
     with ud.main_process_first():  # rank 0 downloads/tokenises first; the others reuse its cache
         try:
             splits = sentiment_data.load_splits(
@@ -318,7 +319,6 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 args.split_seed, cache_dir, hub_cache_dir=args.cache_dir)
         except sentiment_data.DataError as exc:
             raise UserError(str(exc)) from None
-        model, tokenizer = load_model_and_tokenizer(model_name, args.no_dropout)
         train_raw = sentiment_data.limit(splits.train, args.limit_train)
         val_raw = sentiment_data.limit(splits.validation, args.limit_eval)
         test_raw = sentiment_data.limit(splits.test, args.limit_eval)
