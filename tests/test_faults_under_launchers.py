@@ -66,6 +66,10 @@ def test_a_killed_rank_ends_the_job_in_bounded_time(launcher, tmp_path):
     assert result.returncode != 0
     assert wall < 60, wall
     assert 1 not in ranks  # the killed rank wrote nothing
+    # the survivor, blocked in all_reduce, raises ud.PeerLost (README) on every backend
+    assert ranks[0]["error"] == "PeerLost", (ranks, result.output[-2000:])
+    assert "all_reduce failed on rank 0: a peer process is gone" in ranks[0]["message"], ranks[0]
+    assert ranks[0]["elapsed"] < 30, ranks[0]
 
 
 @pytest.mark.parametrize("launcher", DIST)

@@ -14,7 +14,7 @@ import torch
 
 from . import checkmode
 from .backends.base import Backend
-from .errors import CollectiveError, CollectiveTimeout, PeerLost, UnifiedDistError
+from .errors import CollectiveError, UnifiedDistError
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 
@@ -38,14 +38,10 @@ def _private_copy(backend: Backend, t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(backend.device, copy=True, memory_format=torch.contiguous_format)
 
 
-_TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded", "stalled")
-_PEER_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused",
-               "socket closed")
-
-
 @contextlib.contextmanager
 def guarded(backend: Backend, what: str, checked: Any = None, **args: Any) -> Iterator[None]:
-    """Run one collective: compare signatures first in check mode; turn hangs and lost peers into clear errors."""
+    """Run one collective: compare signatures first in check mode; the backend turns its library's
+    errors for hangs and lost peers into :class:`CollectiveTimeout` and :class:`PeerLost`."""
     if backend.config.debug:
         checkmode.verify(backend, checkmode.signature(what, checked, **args))
     try:
@@ -53,21 +49,10 @@ def guarded(backend: Backend, what: str, checked: Any = None, **args: Any) -> It
     except UnifiedDistError:
         raise
     except Exception as exc:
-        if type(exc).__name__ in ("HorovodInternalError", "HostsUpdatedInterrupt"):
-            raise  # horovod's elastic mode recovers from these; horovodrun names the lost process
-        text = f"{type(exc).__name__}: {exc}".lower()
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        seconds = int(backend.config.timeout.total_seconds())
-        if any(word in text for word in _TIMEOUT_WORDS):
-            raise CollectiveTimeout(
-                f"{what} timed out after {seconds}s on rank {backend.rank}: another rank is stuck, dead or "
-                f"calling a different collective ({first[:200]}); rerun with UNIFIED_DIST_DEBUG=1 to compare "
-                "collectives across ranks") from exc
-        if any(word in text for word in _PEER_WORDS):
-            raise PeerLost(
-                f"{what} failed on rank {backend.rank}: a peer process is gone ({first[:200]}); "
-                "the launcher's log names the rank that exited first") from exc
-        raise
+        translated = backend.translate_error(exc, what)
+        if translated is None:
+            raise
+        raise translated from exc
 
 
 def barrier(backend: Backend) -> None:

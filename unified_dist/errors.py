@@ -45,3 +45,23 @@ class WorkerFailed(UnifiedDistError):
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
+
+
+def collective_timeout(what: str, rank: int, seconds: int, cause: BaseException) -> CollectiveTimeout:
+    """The one-line error of a collective ``what`` that outlived the timeout on ``rank``."""
+    return CollectiveTimeout(
+        f"{what} timed out after {seconds}s on rank {rank}: another rank is stuck, dead or calling a "
+        f"different collective ({first_line(cause)[:200]}); rerun with UNIFIED_DIST_DEBUG=1 to compare "
+        "collectives across ranks")
+
+
+def peer_lost_message(what: str, rank: int, cause: BaseException) -> str:
+    """The one-line message of :class:`PeerLost` for collective ``what`` on ``rank``."""
+    return (f"{what} failed on rank {rank}: a peer process is gone ({first_line(cause)[:200]}); "
+            "the launcher's log names the rank that exited first")
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of ``exc``'s message, or its type's name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -38,6 +38,9 @@ def main():
         elif scenario == "rank_dies":
             if r == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+            # the launcher stops the survivors with SIGTERM when a rank dies; ignoring it lets rank 0
+            # show what its own collective does when the peer is gone (the launcher's SIGKILL follows)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             for _ in range(1000):
                 ud.all_reduce(torch.ones(3), "sum")
                 time.sleep(0.01)

@@ -18,6 +18,13 @@ from typing import Any, ContextManager, List, Optional
 import torch
 
 from ..detection import Detection
+from ..errors import PeerLost, UnifiedDistError, collective_timeout, peer_lost_message
+
+# torch.distributed raises DistBackendError/RuntimeError for everything gloo and nccl report: the
+# text is the only witness of a timeout or of a peer's closed connection.
+_TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded", "stalled")
+_PEER_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused",
+               "socket closed")
 
 REDUCE_OPS = ("sum", "max", "min")
 """Primitive reductions every backend implements; ``mean`` is ``sum`` divided by world size."""
@@ -204,6 +211,19 @@ class Backend(ABC):
     @abstractmethod
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """Rank ``src``'s picklable ``obj`` on every rank."""
+
+    def translate_error(self, exc: BaseException, what: str) -> Optional[UnifiedDistError]:
+        """What the library's ``exc``, raised during collective ``what``, means to the user:
+        a :class:`CollectiveTimeout`, a :class:`PeerLost`, or ``None`` to let ``exc`` through.
+
+        This default reads torch.distributed's error text (gloo and nccl give no finer types).
+        """
+        text = f"{type(exc).__name__}: {exc}".lower()
+        if any(word in text for word in _TIMEOUT_WORDS):
+            return collective_timeout(what, self.rank, int(self.config.timeout.total_seconds()), exc)
+        if any(word in text for word in _PEER_WORDS):
+            return PeerLost(peer_lost_message(what, self.rank, exc))
+        return None
 
     @abstractmethod
     def barrier(self) -> None:

@@ -1,6 +1,7 @@
 """Horovod (``horovod.torch``), as started by ``horovodrun``."""
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import time
@@ -10,7 +11,14 @@ import torch
 
 from .base import Backend, Config
 from ..detection import Detection
-from ..errors import BackendNotInstalled
+from ..errors import BackendNotInstalled, PeerLost, UnifiedDistError, peer_lost_message
+
+
+@functools.lru_cache(maxsize=None)
+def _horovod_peer_lost(horovod_internal_error: type) -> type:
+    """:class:`PeerLost` that Horovod's elastic machinery also recognises as its own error."""
+    return type("PeerLost", (PeerLost, horovod_internal_error),
+                {"__module__": PeerLost.__module__, "__doc__": PeerLost.__doc__})
 
 
 def _import_horovod():
@@ -130,6 +138,19 @@ class HorovodBackend(Backend):
         return runner(inner, *args, **kwargs)
 
     # ------------------------------------------------------------------ collectives
+    def translate_error(self, exc: BaseException, what: str) -> Optional[UnifiedDistError]:
+        """Horovod says a peer is gone with ``HorovodInternalError`` ("Horovod has been shut down
+        ...") and host changes with ``HostsUpdatedInterrupt``. The former becomes a
+        :class:`PeerLost` that is also a ``HorovodInternalError``, so ``hvd.elastic.run`` (and
+        :func:`unified_dist.elastic.run`) still recover from it; the latter passes through."""
+        from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+        if isinstance(exc, HostsUpdatedInterrupt):
+            return None
+        if isinstance(exc, HorovodInternalError):
+            return _horovod_peer_lost(HorovodInternalError)(peer_lost_message(what, self.rank, exc))
+        return super().translate_error(exc, what)
+
     def _wait(self, handle: Any) -> Any:
         """Horovod has no per-collective timeout: poll the async handle against our deadline."""
         timeout = self.config.timeout.total_seconds()
