@@ -131,14 +131,15 @@ def _note_failure(exc_type: Any, exc: Any, tb: Any, _previous: Any = sys.excepth
 
 
 def _shutdown_at_exit() -> None:
-    """At a clean interpreter exit, free DDP reducers (no communication).
+    """At a clean interpreter exit, free DDP reducers and the process group unified_dist created
+    (no communication): see :meth:`Backend.leave_at_exit`.
 
     Skipped after an uncaught exception: a reducer with a collective still pending on a lost
     peer cannot be freed, and the launcher must see this process end.
     """
     if _session is not None and not _failed:
         with contextlib.suppress(Exception):
-            _session.backend.release_ddp()
+            _session.backend.leave_at_exit()
 
 
 # ---------------------------------------------------------------------- identity

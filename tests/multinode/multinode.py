@@ -20,10 +20,9 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
@@ -173,39 +172,6 @@ class Hosts:
             self.reap(everything=True)
         finally:
             subprocess.run([str(NETNS_SCRIPT), "down", self.suffix], timeout=120, check=False)
-
-
-EXIT_ABORT = "terminate called without an active exception"
-"""What a torch 2.13 process that used DDP over gloo sometimes prints as it dies of SIGABRT during
-interpreter finalization, after all its Python code has run: DDP keeps the gloo process group (and its
-threads) alive past ``destroy_process_group()``, and they race the interpreter's teardown (faulthandler
-shows no Python frame). Seen about once in 6-30 launches on a 2-core machine, with one host as with two
-(torchrun --standalone too); plain torch scripts have it, not only unified_dist. Upstream:
-pytorch/pytorch#190489 (interpreter-finalization races of C++ threads), #179291."""
-
-
-def aborted_at_exit(result: JobResult) -> bool:
-    """Whether ``result`` failed only in the way of :data:`EXIT_ABORT` (no deadline involved)."""
-    return (not result.timed_out and any(run.returncode != 0 for run in result.runs)
-            and any(EXIT_ABORT in run.output(tail=1_000_000) for run in result.runs))
-
-
-def run_tolerating_exit_abort(hosts: "Hosts", name: str, commands: Callable[[int], Sequence[NodeCommand]],
-                              finished: Callable[[int], bool], timeout: float) -> JobResult:
-    """Run ``commands(1)``; if a process died of :data:`EXIT_ABORT` although the job's work was all done
-    (``finished(1)``: every rank wrote its complete results), warn and run ``commands(2)`` once more.
-
-    So every launch must still exit cleanly once in two tries, and a job that did not finish its work,
-    hung, or failed in any other way fails at once. ``attempt`` lets the caller use fresh output
-    directories (and ``commands`` takes fresh ports).
-    """
-    result = hosts.run(name, commands(1), timeout)
-    if aborted_at_exit(result) and finished(1):
-        warnings.warn(f"{name}: a process aborted at interpreter exit after finishing its work "
-                      f"({EXIT_ABORT!r}, a torch/gloo teardown race: see multinode.EXIT_ABORT); launching once more")
-        print(f"{name}: exit-time abort after complete results; second launch\n{result.output(1500)}")
-        result = hosts.run(f"{name}-again", commands(2), timeout)
-    return result
 
 
 def kill_group(proc: subprocess.Popen) -> None:

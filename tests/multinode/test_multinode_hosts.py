@@ -4,9 +4,8 @@ from __future__ import annotations
 import ipaddress
 import subprocess
 
-import pytest
 
-from multinode import ADDRS, EXIT_ABORT, run_tolerating_exit_abort
+from multinode import ADDRS
 
 NET = ipaddress.ip_network("192.0.2.0/24")
 
@@ -48,27 +47,3 @@ def test_job_past_its_deadline_is_killed_and_reaped(hosts):
     assert result.timed_out and result.seconds < 30, result
     assert all(run.returncode == -9 for run in result.runs), result
     assert hosts.pids(0) == [] and [p for p in hosts.pids(1) if p not in hosts._kept] == [], "processes left behind"
-
-
-def test_only_an_exit_abort_after_finished_work_is_launched_again(hosts, tmp_path):
-    """multinode.run_tolerating_exit_abort: a second launch only for torch's exit-time abort after complete work."""
-    def job(write: bool, abort: bool):
-        def commands(attempt):
-            steps = [f"echo done > {tmp_path}/{attempt}" if write else "true"]
-            if abort and attempt == 1:
-                steps.append(f"echo '{EXIT_ABORT}'; kill -ABRT $$")
-            return [(0, ["sh", "-c", "; ".join(steps)], {}), (1, ["true"], {})]
-        return commands
-
-    def finished(attempt):
-        return (tmp_path / str(attempt)).exists()
-
-    with pytest.warns(UserWarning, match="aborted at interpreter exit"):
-        again = run_tolerating_exit_abort(hosts, "abort-after-work", job(True, True), finished, timeout=30)
-    assert again.name.endswith("-again") and again.check()
-    (tmp_path / "1").unlink()
-    (tmp_path / "2").unlink()
-    unfinished = run_tolerating_exit_abort(hosts, "abort-before-work", job(False, True), finished, timeout=30)
-    assert not unfinished.name.endswith("-again") and unfinished.runs[0].returncode == -6
-    clean = run_tolerating_exit_abort(hosts, "clean", job(True, False), finished, timeout=30)
-    assert not clean.name.endswith("-again") and clean.check()

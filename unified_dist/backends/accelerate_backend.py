@@ -8,7 +8,7 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from .base import Backend, Config, weighted
-from .process_group import export_rendezvous, gather_stacked, join_default_group
+from .process_group import destroy_at_exit, export_rendezvous, gather_stacked, join_default_group
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
 
@@ -101,6 +101,10 @@ class AccelerateBackend(Backend):
         if self._owns_state:
             AcceleratorState._reset_state(reset_partial_state=True)
             GradientState._reset_state()
+
+    def leave_at_exit(self) -> None:
+        super().leave_at_exit()
+        destroy_at_exit(self._owns_group)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return self.track_ddp(self.accelerator.prepare_model(model))

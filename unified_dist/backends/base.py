@@ -78,6 +78,12 @@ class Backend(ABC):
         self._ddp_models = weakref.WeakSet()
         gc.collect()
 
+    def leave_at_exit(self) -> None:
+        """At a clean interpreter exit, without communicating: free what the library's threads hold
+        while Python is still whole. Here the DDP reducers; backends that created a process group
+        also destroy it (:meth:`TorchBackend.leave_at_exit`)."""
+        self.release_ddp()
+
     # ----------------------------------------------------------------- identity
     @property
     @abstractmethod

@@ -130,3 +130,16 @@ def cuda_device_for_group(environ) -> torch.device:
             f"start at most {count} per host (e.g. torchrun --nproc_per_node {count}), "
             "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPU over gloo")
     return torch.device("cuda", local_rank % count)
+
+
+def destroy_at_exit(owns_group: bool) -> None:
+    """Destroy the default process group at a clean exit if this process created it.
+
+    gloo's worker threads keep work objects (and the tensors in them) alive; left to interpreter
+    finalization they take the GIL of a dying interpreter and the process dies of SIGABRT
+    ("terminate called without an active exception") after all its Python code ran. Destroying the
+    group from an ``atexit`` handler joins those threads first (pytorch/pytorch#179291 proposed the
+    same inside torch). Local: it sends nothing, so a peer that already left cannot block it.
+    """
+    if owns_group and dist.is_initialized():
+        dist.destroy_process_group()

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend, Config
-from .process_group import export_rendezvous, gather_stacked, join_default_group, local_rank_from_hosts
+from .process_group import destroy_at_exit, export_rendezvous, gather_stacked, join_default_group, local_rank_from_hosts
 from ..detection import Detection
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -46,6 +46,10 @@ class TorchBackend(Backend):
             self.release_ddp()
             if self._owns_group:
                 dist.destroy_process_group()
+
+    def leave_at_exit(self) -> None:
+        super().leave_at_exit()
+        destroy_at_exit(self._owns_group)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         model = model.to(self.device)

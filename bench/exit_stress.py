@@ -1,0 +1,99 @@
+"""How often a job built on the facade crashes at exit: many short launches per launcher.
+
+    python bench/exit_stress.py [--launches 30] [--launchers torchrun,accelerate,horovodrun] [--out FILE]
+
+Each launch runs bench/exit_worker.py with 2 processes (3 training steps, an all_reduce, then the
+script ends without ud.shutdown()). A launch whose every rank printed "done" but that exited
+non-zero is an exit crash (torch/gloo's "terminate called without an active exception" SIGABRT
+was the one seen); any other non-zero exit is a failure. Writes a JSON (default
+bench/results/exit_stress.json) with the commit, the command, the load average before and after,
+and per launcher: launches, exit crashes, failures, the first crash's output tail, seconds.
+tests/test_exit_stress.py runs a reduced form (2 launches per launcher) in `make test`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from unified_dist.cli import launch as ud_launch  # noqa: E402
+from unified_dist.net import free_port  # noqa: E402
+
+WORKER = ROOT / "bench" / "exit_worker.py"
+BACKEND_OF = {"torchrun": "torch", "accelerate": "accelerate", "horovodrun": "horovod"}
+NPROC = 2
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def one_launch(launcher: str, timeout: float) -> tuple:
+    """(outcome, output) of one launch: 'ok', 'exit crash' or 'failure'."""
+    plan = ud_launch.Plan(backend=BACKEND_OF[launcher], script=str(WORKER), nproc=NPROC, master_port=free_port())
+    command = ud_launch.build(plan)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    env = ud_launch.environment(command, env)
+    try:
+        proc = subprocess.run(list(command.argv), cwd=ROOT, env=env, timeout=timeout, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    except subprocess.TimeoutExpired as exc:
+        return "failure", f"timed out after {timeout:g}s\n{exc.output or ''}"
+    done = all(f"done rank {r}" in proc.stdout for r in range(NPROC))
+    if proc.returncode == 0 and done:
+        return "ok", proc.stdout
+    return ("exit crash" if done else "failure"), proc.stdout
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--launches", type=int, default=30, help="launches per launcher (default 30)")
+    p.add_argument("--launchers", default="torchrun,accelerate,horovodrun")
+    p.add_argument("--timeout", type=float, default=120, help="seconds per launch")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "exit_stress.json")
+    args = p.parse_args(argv)
+    launchers = [name.strip() for name in args.launchers.split(",") if name.strip()]
+    unknown = [name for name in launchers if name not in BACKEND_OF]
+    if unknown:
+        p.error(f"unknown launcher(s) {unknown}; choose from {', '.join(BACKEND_OF)}")
+    report = {"commit": commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "load_before": os.getloadavg(), "processes_per_launch": NPROC, "launchers": {}}
+    for launcher in launchers:
+        counts = {"launches": 0, "exit_crashes": 0, "failures": 0, "first_crash_tail": "", "first_failure_tail": ""}
+        start = time.monotonic()
+        for i in range(args.launches):
+            outcome, output = one_launch(launcher, args.timeout)
+            counts["launches"] += 1
+            if outcome == "exit crash":
+                counts["exit_crashes"] += 1
+                counts["first_crash_tail"] = counts["first_crash_tail"] or output[-1500:]
+            elif outcome == "failure":
+                counts["failures"] += 1
+                counts["first_failure_tail"] = counts["first_failure_tail"] or output[-1500:]
+            print(f"{launcher} {i + 1}/{args.launches}: {outcome}", flush=True)
+        counts["seconds"] = round(time.monotonic() - start, 1)
+        report["launchers"][launcher] = counts
+    report["load_after"] = os.getloadavg()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    for launcher, c in report["launchers"].items():
+        print(f"{launcher}: {c['exit_crashes']} exit crashes, {c['failures']} other failures "
+              f"in {c['launches']} launches ({c['seconds']:.0f} s)")
+    bad = sum(c["exit_crashes"] + c["failures"] for c in report["launchers"].values())
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
