@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(bool(_missing), reason=f"example dependencies mi
 
 
 def _train_module():
-    spec = importlib.util.spec_from_file_location("bert_sentiment_train", ROOT / "examples" / "bert_sentiment" / "train.py")
+    spec = importlib.util.spec_from_file_location("bert_sentiment_train", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
