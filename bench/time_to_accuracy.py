@@ -1,9 +1,9 @@
-"""Wall time to 80% test accuracy: examples/bert_sentiment vs Hugging Face Trainer.
+"""Wall time to 80% validation accuracy: examples/bert_sentiment vs Hugging Face Trainer.
 
 Same model (offline MiniLM-L6), same splits and training subset, max length, global batch, AdamW
 with linear warm-up/decay, epochs, and threads (the machine's cores shared by the processes).
 Time is measured from process start (imports, data, tokenisation included) to each evaluation
-on the test split. Writes bench/results/accuracy.json.
+on the validation split (decisions never look at the test split). Writes bench/results/accuracy.json.
 
     python bench/time_to_accuracy.py [--eval-every 16]
 """
@@ -37,7 +37,7 @@ def curve_from_metrics(path: Path):
     curve = []
     for line in path.read_text().splitlines():
         rec = json.loads(line)
-        if rec.get("type") == "eval" and rec.get("split") == "test":
+        if rec.get("type") == "eval" and rec.get("split") == "validation":
             curve.append((rec["time_s"], rec["accuracy"]))
     return curve
 
@@ -80,7 +80,7 @@ splits = sentiment_data.load_splits(None, "text", "label", 0.2, 0.1, 42, cfg["ca
 train = sentiment_data.limit(splits.train, cfg["limit_train"])
 tok = lambda b: tokenizer(b["text"], truncation=True, max_length=cfg["max_length"])
 train = train.map(tok, batched=True, remove_columns=["text"]).rename_column("label", "labels")
-test = splits.test.map(tok, batched=True, remove_columns=["text"]).rename_column("label", "labels")
+validation = splits.validation.map(tok, batched=True, remove_columns=["text"]).rename_column("label", "labels")
 curve = []
 class Clock(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kw):
@@ -93,7 +93,7 @@ args = TrainingArguments(output_dir=cfg["out"], per_device_train_batch_size=cfg[
     lr_scheduler_type="linear", train_sampling_strategy="group_by_length" if cfg["group_by_length"] else "random", eval_strategy="steps", eval_steps=cfg["eval_every"], save_strategy="no",
     logging_strategy="no", report_to=[], use_cpu=True, seed=cfg["seed"], dataloader_num_workers=0,
     disable_tqdm=True)
-trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=test,
+trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=validation,
                   data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy, callbacks=[Clock()])
 trainer.train()
 if not curve or curve[-1][0] < time.time() - T0 - 1:
@@ -122,7 +122,7 @@ def time_to(curve, target=0.8):
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--eval-every", type=int, default=16, help="optimizer steps between test evaluations")
+    p.add_argument("--eval-every", type=int, default=16, help="optimizer steps between validation evaluations")
     p.add_argument("--only", default=None, help="comma-separated name fragments: rerun only these (others kept)")
     args = p.parse_args()
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)

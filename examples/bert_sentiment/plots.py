@@ -1,4 +1,5 @@
-"""Training-loss and evaluation-accuracy curves from ``metrics.jsonl`` (matplotlib, Agg backend)."""
+"""Training-loss and validation-accuracy curves, with the final test point, from ``metrics.jsonl``
+(matplotlib, Agg backend)."""
 from __future__ import annotations
 
 import json
@@ -21,7 +22,8 @@ def read_metrics(path: str) -> List[Dict]:
 
 
 def plot_curves(metrics_path: str, png_path: str) -> str:
-    """Draw the train loss per logged step and the eval accuracy per split; write ``png_path``."""
+    """Draw the train loss and, beside it, the validation accuracy curve with the final test accuracy
+    marked as one point; write ``png_path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -38,17 +40,23 @@ def plot_curves(metrics_path: str, png_path: str) -> str:
     ax_loss.set_ylabel("cross-entropy (mean over ranks)")
     ax_loss.set_title("training loss")
     ax_loss.grid(alpha=0.3)
-    for split, style in (("validation", "s--"), ("test", "o-")):
-        points = [r for r in evals if r.get("split", "test") == split]
-        if points:
-            ax_acc.plot([r["step"] for r in points], [r["accuracy"] for r in points], style, label=f"{split} accuracy")
+    validation = [r for r in evals if r.get("split") == "validation"]
+    if validation:
+        ax_acc.plot([r["step"] for r in validation], [r["accuracy"] for r in validation], "o-", ms=3,
+                    label="validation accuracy")
+    test = [r for r in evals if r.get("split") == "test"]
+    if test:  # evaluated once, at the end: a point, not a curve
+        final = test[-1]
+        ax_acc.plot([final["step"]], [final["accuracy"]], "r*", ms=14, label="final test accuracy")
+        ax_acc.annotate(f"{final['accuracy']:.3f}", (final["step"], final["accuracy"]), textcoords="offset points",
+                        xytext=(-8, -16), ha="right", color="red")
     if evals:
-        ax_acc.legend()
+        ax_acc.legend(loc="lower right")
     if train:
         ax_acc.set_xlim(ax_loss.get_xlim())  # same step axis as the loss
     ax_acc.set_xlabel("optimizer step")
     ax_acc.set_ylabel("accuracy")
-    ax_acc.set_title("evaluation")
+    ax_acc.set_title("validation accuracy (test: once, at the end)")
     ax_acc.grid(alpha=0.3)
     first = rows[0] if rows else {}
     fig.suptitle(f"{first.get('launcher', '?')} / backend {first.get('backend', '?')} / "

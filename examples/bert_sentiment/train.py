@@ -119,8 +119,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "epoch's end and where training stops)")
     g.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
                    help="keep only the newest N checkpoints (0 = keep all)")
-    g.add_argument("--eval-every", type=int, default=0, metavar="K",
-                   help="also evaluate on the test split every K optimizer steps (0 = only at each epoch's end)")
+    g.add_argument("--eval-every", type=int, default=None, metavar="K",
+                   help="evaluate on the validation split every K optimizer steps, at each epoch's end and at the "
+                        "end (0 = only at epochs' ends and the end; default: about ten times per run, every "
+                        "max(1, round(total steps / 10)) steps); the test split is evaluated once, at the end")
+    g.add_argument("--report-to", choices=("jsonl", "tensorboard"), default="jsonl",
+                   help="metrics.jsonl is always written (resume and the plot read it); 'tensorboard' also writes "
+                        "TensorBoard scalars to OUTPUT_DIR/tensorboard (needs `pip install tensorboard`)")
     g.add_argument("--stop-after", type=int, default=0, metavar="N",
                    help="stop after N optimizer steps as if interrupted: checkpoint and exit, the LR schedule "
                         "still spanning --epochs/--max-steps (for resume tests)")
@@ -138,7 +143,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in non_negative:
-        if getattr(args, name) < 0:
+        if getattr(args, name) is not None and getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if not 0 < args.test_fraction < 1 or not 0 < args.val_fraction < 1:
         p.error("--test-fraction and --val-fraction must lie strictly between 0 and 1")
@@ -233,12 +238,46 @@ def evaluate(model: torch.nn.Module, loader: Any, expected: int) -> Dict[str, fl
     return {**classification_metrics(preds_all, labels_all), "eval_examples": len(preds_all)}
 
 
-class MetricsLog:
-    """``metrics.jsonl``, written by the main process; every line names the launch."""
+def default_eval_every(total_steps: int) -> int:
+    """Optimizer steps between validation evaluations when --eval-every is not given: about ten per run."""
+    return max(1, round(total_steps / 10))
 
-    def __init__(self, path: str, resume_step: Optional[int]) -> None:
+
+def require_tensorboard() -> None:
+    """Raise a one-line UserError if ``torch.utils.tensorboard`` cannot be imported (checked on every rank)."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401  (imports the tensorboard package)
+    except ImportError:
+        raise UserError("--report-to tensorboard needs the tensorboard package: `pip install tensorboard` "
+                        "(or `pip install unified_dist[examples]`), or use --report-to jsonl") from None
+
+
+def open_tensorboard(directory: str, resume_step: Optional[int]) -> Any:
+    """A ``SummaryWriter`` on ``directory``; a resumed run drops what was logged after its checkpoint.
+
+    ``purge_step`` makes TensorBoard's readers discard the earlier events at steps >= resume_step + 1,
+    the way ``metrics.jsonl`` keeps only its lines up to the checkpoint. A fresh start removes old
+    event files, as it starts ``metrics.jsonl`` afresh.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    if resume_step is None:
+        for old in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+            os.remove(old)
+    return SummaryWriter(directory, purge_step=None if resume_step is None else resume_step + 1)
+
+
+class MetricsLog:
+    """``metrics.jsonl`` (and TensorBoard scalars if asked), written by the main process; every line
+    names the launch."""
+
+    TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/learning_rate", "samples_per_s": "train/samples_per_s",
+                        "accuracy": "{split}/accuracy", "macro_f1": "{split}/macro_f1"}
+
+    def __init__(self, path: str, resume_step: Optional[int], tensorboard_dir: Optional[str] = None) -> None:
         self.path = path
         self.common = {"launcher": ud.launcher(), "backend": ud.backend_name(), "world_size": ud.world_size()}
+        self.tensorboard = None
         if not ud.is_main():
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -248,12 +287,26 @@ class MetricsLog:
         with open(path, "w") as handle:
             for row in kept:
                 handle.write(json.dumps(row) + "\n")
+        if tensorboard_dir is not None:
+            self.tensorboard = open_tensorboard(tensorboard_dir, resume_step)
+            launch = " | ".join(f"{key} {value}" for key, value in self.common.items())
+            self.tensorboard.add_text("launch", launch, global_step=resume_step or 0)
 
     def write(self, **row: Any) -> None:
-        if ud.is_main():
-            row = {**row, **self.common, "time_s": round(time.time() - _T0, 2)}
-            with open(self.path, "a") as handle:
-                handle.write(json.dumps(row) + "\n")
+        if not ud.is_main():
+            return
+        row = {**row, **self.common, "time_s": round(time.time() - _T0, 2)}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        if self.tensorboard is not None:
+            for key, tag in self.TENSORBOARD_TAGS.items():
+                if key in row:
+                    self.tensorboard.add_scalar(tag.format(split=row.get("split")), row[key], row["step"])
+            self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 # =========================================================================== checkpoints
@@ -291,6 +344,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
 
+    if args.report_to == "tensorboard":
+        require_tensorboard()  # on every rank, before any work, so that all of them stop
     world = ud.world_size()
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = args.threads or max(1, cpus // world)
@@ -350,6 +405,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     if args.max_steps:
         total_steps = min(total_steps, args.max_steps)
     warmup = int(round(args.warmup_ratio * total_steps))
+    eval_every = default_eval_every(total_steps) if args.eval_every is None else args.eval_every
     scheduler = get_linear_schedule_with_warmup(optimizer, warmup, total_steps)
 
     model, optimizer, train_loader, val_loader, test_loader, scheduler = ud.prepare(
@@ -380,10 +436,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     elif args.resume is not None:
         ud.print(f"--resume {args.resume}: no checkpoint in {ckpt_dir}; starting fresh")
 
-    log = MetricsLog(os.path.join(out, "metrics.jsonl"), step if resumed_from else None)
+    log = MetricsLog(os.path.join(out, "metrics.jsonl"), step if resumed_from else None,
+                     os.path.join(out, "tensorboard") if args.report_to == "tensorboard" else None)
     png = os.path.join(out, "training_curves.png")
     ud.print(f"{steps_per_epoch} optimizer steps per epoch, {total_steps} in total "
              f"({warmup} warm-up), lr {args.lr:g}, output {out}")
+    schedule = f"every {eval_every} optimizer steps, " if eval_every else ""
+    ud.print(f"evaluation: validation {schedule}at each epoch's end and at the end; test once, at the end")
 
     saved_steps: List[int] = []
     last_saved = step if resumed_from else -1
@@ -403,28 +462,30 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 os.remove(checkpoint_path(ckpt_dir, old))
 
     last_eval: Dict[str, Dict[str, float]] = {}
-    last_eval_step = -1
+    last_validation_step = -1
 
-    def run_eval(epoch_num: int) -> None:
-        nonlocal last_eval_step
-        for split, loader, ds in (("validation", val_loader, val_ds), ("test", test_loader, test_ds)):
+    def run_eval(epoch_num: int, final: bool = False) -> None:
+        """Validation (once per step); the test split only for the final report, never for a decision."""
+        nonlocal last_validation_step
+        splits = [] if last_validation_step == step else [("validation", val_loader, val_ds)]
+        splits += [("test", test_loader, test_ds)] if final else []
+        if not splits:
+            return
+        parts = []
+        for split, loader, ds in splits:
             result = evaluate(model, loader, len(ds))
             last_eval[split] = result
             log.write(type="eval", split=split, step=step, epoch=epoch_num, **result)
-        last_eval_step = step
-        v, t = last_eval["validation"], last_eval["test"]
-        message = (f"eval @ step {step} (epoch {epoch_num}): validation acc {v['accuracy']:.4f} | "
-                   f"test acc {t['accuracy']:.4f} macro-F1 {t['macro_f1']:.4f} on {t['eval_examples']} examples")
+            parts.append(f"{split} acc {result['accuracy']:.4f} macro-F1 {result['macro_f1']:.4f} "
+                         f"on {result['eval_examples']} examples")
+        last_validation_step = step
+        message = f"eval @ step {step} (epoch {epoch_num}): " + " | ".join(parts)
         if progress is not None and not progress.disable:
             progress.write(message)
         else:
             ud.print(message)
         if ud.is_main():
             plots.plot_curves(log.path, png)
-
-    def evaluate_test_only(epoch_num: int) -> None:
-        result = evaluate(model, test_loader, len(test_ds))
-        log.write(type="eval", split="test", step=step, epoch=epoch_num, **result)
 
     # ------------------------------------------------------------------ train
     progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
@@ -468,13 +529,14 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                      samples_s=f"{row['samples_per_s']:.1f}", refresh=False)
                 window_losses, window_samples, window_t0 = [], 0, time.time()
             progress.update(1)
-            if args.eval_every and step % args.eval_every == 0 and step < total_steps:
-                evaluate_test_only(epoch_num)
+            if eval_every and step % eval_every == 0:
+                run_eval(epoch_num)
                 window_t0 = time.time()
             if args.stop_after and step >= args.stop_after:
                 save_checkpoint(epoch_num)
                 progress.close()
                 ud.print(f"stopped after step {step} (--stop-after); continue with --resume auto")
+                log.close()
                 return {"stopped_at": step, **log.common}
             if args.save_every and step % args.save_every == 0:
                 save_checkpoint(epoch_num)
@@ -489,8 +551,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     progress.close()
 
     # ------------------------------------------------------------------ finish
-    if last_eval_step != step:
-        run_eval(epoch_num)
+    run_eval(epoch_num, final=True)
+    log.close()
     save_checkpoint(epoch_num)
     final_dir = os.path.join(out, "final_model")
     if ud.is_main():
@@ -499,6 +561,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     test = last_eval["test"]
     results = {"test_accuracy": test["accuracy"], "test_macro_f1": test["macro_f1"],
                "test_examples": test["eval_examples"], "validation_accuracy": last_eval["validation"]["accuracy"],
+               "validation_macro_f1": last_eval["validation"]["macro_f1"],
                "steps": step, "epoch": epoch_num, "global_batch": global_batch, "threads_per_process": threads,
                "wall_time_s": round(time.time() - _T0, 1), "resumed_from": resumed_from, **log.common,
                "args": vars(args)}

@@ -29,7 +29,7 @@ TIMEOUT = 240  # seconds per launch; the whole process group is killed after it
 LIMIT_EVAL = 50
 TINY = ["--limit-train", "64", "--limit-eval", str(LIMIT_EVAL), "--max-length", "32", "--log-every", "1",
         "--eval-batch-size", "16", "--epochs", "2", "--no-dropout", "--no-progress",
-        "--keep-checkpoints", "0", "--max-steps", "5"]
+        "--keep-checkpoints", "0", "--max-steps", "5", "--eval-every", "0"]
 # launcher, processes, per-process batch and grad-accum giving a global batch of 16
 LAUNCHES = {
     "torchrun": ("torchrun", 2, ["--batch-size", "8"]),
@@ -100,8 +100,8 @@ def test_launch_stop_and_continue_from_another_launchers_checkpoint(name: str, t
     assert _identity(new) == {(launcher2, BACKEND_OF[launcher2], nproc2)}
     assert [r["step"] for r in new if r["type"] == "train"] == [4, 5]
     evals = [r for r in new if r["type"] == "eval"]
-    # the first epoch (4 steps of 16) ends at step 4; the run ends at step 5
-    assert [(r["step"], r["split"]) for r in evals] == [(4, "validation"), (4, "test"), (5, "validation"), (5, "test")]
+    # the first epoch (4 steps of 16) ends at step 4 (validation); the run ends at step 5 (validation, then test)
+    assert [(r["step"], r["split"]) for r in evals] == [(4, "validation"), (5, "validation"), (5, "test")]
     assert all(r["eval_examples"] == LIMIT_EVAL and 0 <= r["accuracy"] <= 1 and 0 <= r["macro_f1"] <= 1
                for r in evals)
     assert (out / "training_curves.png").stat().st_size > 1000
@@ -244,7 +244,7 @@ def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
     data.write_text("\n".join(rows) + "\n")
     out = tmp_path / "run"
     result = launch("python", SCRIPT, ["--dataset", str(data), "--text-column", "review", "--label-column",
-                                       "sentiment", "--max-steps", "2", "--batch-size", "8", "--max-length", "16",
+                                       "sentiment", "--max-steps", "2", "--eval-every", "0", "--batch-size", "8", "--max-length", "16",
                                        "--no-progress", "--output-dir", str(out)], nproc=1, timeout=TIMEOUT).check()
     evals = [r for r in read_metrics(out) if r["type"] == "eval" and r["split"] == "test"]
     assert evals and evals[-1]["eval_examples"] == 12  # a stratified 20% of 60
