@@ -24,7 +24,7 @@ EXAMPLE = ROOT / "examples" / "bert_sentiment"
 sys.path.insert(0, str(EXAMPLE))
 
 COMMON = {"epochs": 1, "batch_size": 32, "lr": 1e-4, "max_length": 64, "limit_train": 4096, "warmup_ratio": 0.1,
-          "weight_decay": 0.01, "seed": 0}
+          "weight_decay": 0.01, "max_grad_norm": 1.0, "seed": 0}
 
 
 def env() -> dict:
@@ -42,12 +42,19 @@ def curve_from_metrics(path: Path):
     return curve
 
 
-def run_example(name: str, nproc: int, eval_every: int, extra: tuple = ()) -> dict:
-    out = RESULTS / "tmp" / f"tta_{name}"
-    args = ["--output-dir", str(out), "--epochs", str(COMMON["epochs"]), "--lr", str(COMMON["lr"]),
+def example_args(out: Path, nproc: int, eval_every: int, extra: tuple = ()) -> list:
+    """The example's flags for the shared settings (unit-tested against the Trainer's read-back)."""
+    return ["--output-dir", str(out), "--epochs", str(COMMON["epochs"]), "--lr", str(COMMON["lr"]),
             "--max-length", str(COMMON["max_length"]), "--limit-train", str(COMMON["limit_train"]),
             "--batch-size", str(COMMON["batch_size"] // nproc), "--eval-every", str(eval_every),
-            "--seed", str(COMMON["seed"]), "--no-progress", *extra]
+            "--seed", str(COMMON["seed"]), "--warmup-ratio", str(COMMON["warmup_ratio"]),
+            "--weight-decay", str(COMMON["weight_decay"]), "--max-grad-norm", str(COMMON["max_grad_norm"]),
+            "--no-progress", *extra]
+
+
+def run_example(name: str, nproc: int, eval_every: int, extra: tuple = ()) -> dict:
+    out = RESULTS / "tmp" / f"tta_{name}"
+    args = example_args(out, nproc, eval_every, extra)
     script = str(EXAMPLE / "train.py")
     if nproc == 1:
         cmd = [sys.executable, script, *args]
@@ -57,7 +64,8 @@ def run_example(name: str, nproc: int, eval_every: int, extra: tuple = ()) -> di
     subprocess.run(cmd, cwd=ROOT, env=env(), check=True, stdout=subprocess.DEVNULL)
     wall = time.time() - start
     curve = curve_from_metrics(out / "metrics.jsonl")
-    return {"cmd": " ".join(cmd[:1] + [Path(c).name if c == script else c for c in cmd[1:]]).replace(str(ROOT) + "/", ""),
+    effective = example_effective(json.loads((out / "results.json").read_text()))
+    return {"effective": effective, "cmd": " ".join(cmd[:1] + [Path(c).name if c == script else c for c in cmd[1:]]).replace(str(ROOT) + "/", ""),
             "curve": curve, "wall_s": wall, "final_accuracy": curve[-1][1]}
 
 
@@ -87,19 +95,62 @@ class Clock(TrainerCallback):
         curve.append((time.time() - T0, metrics["eval_accuracy"]))
 def accuracy(p):
     return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
-args = TrainingArguments(output_dir=cfg["out"], per_device_train_batch_size=cfg["batch_size"],
-    per_device_eval_batch_size=64, learning_rate=cfg["lr"], num_train_epochs=cfg["epochs"],
-    warmup_steps=cfg["warmup_ratio"],  # transformers 5: a float in [0, 1) is the warm-up ratio weight_decay=cfg["weight_decay"], max_grad_norm=1.0,
-    lr_scheduler_type="linear", train_sampling_strategy="group_by_length" if cfg["group_by_length"] else "random", eval_strategy="steps", eval_steps=cfg["eval_every"], save_strategy="no",
-    logging_strategy="no", report_to=[], use_cpu=True, seed=cfg["seed"], dataloader_num_workers=0,
-    disable_tqdm=True)
+args = TrainingArguments(**cfg["training_arguments"])
 trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=validation,
                   data_collator=DataCollatorWithPadding(tokenizer), compute_metrics=accuracy, callbacks=[Clock()])
 trainer.train()
 if not curve or curve[-1][0] < time.time() - T0 - 1:
     trainer.evaluate()
-json.dump({"curve": curve}, open(cfg["result"], "w"))
+sys.path.insert(0, sys.argv[3])
+from time_to_accuracy import trainer_effective
+effective = trainer_effective(args, trainer.state.max_steps, cfg, len(train))
+json.dump({"curve": curve, "effective": effective}, open(cfg["result"], "w"))
 '''
+
+
+def trainer_arguments(cfg: dict) -> dict:
+    """The Trainer's ``TrainingArguments`` keywords for the shared settings ``cfg`` (unit-tested:
+    they must read back as the example's own settings, see :func:`hyperparameter_differences`)."""
+    return dict(output_dir=cfg["out"], per_device_train_batch_size=cfg["batch_size"], per_device_eval_batch_size=64,
+                learning_rate=cfg["lr"], num_train_epochs=cfg["epochs"],
+                warmup_steps=cfg["warmup_ratio"],  # transformers 5: a float in [0, 1) is the warm-up ratio
+                weight_decay=cfg["weight_decay"], max_grad_norm=cfg["max_grad_norm"], lr_scheduler_type="linear",
+                train_sampling_strategy="group_by_length" if cfg["group_by_length"] else "random",
+                eval_strategy="steps", eval_steps=cfg["eval_every"], save_strategy="no", logging_strategy="no",
+                report_to=[], use_cpu=True, seed=cfg["seed"], dataloader_num_workers=0, disable_tqdm=True,
+                bf16=cfg.get("bf16", False))
+
+
+def trainer_effective(args, max_steps: int, cfg: dict, train_examples: int) -> dict:
+    """The Trainer's hyper-parameters read back from its ``TrainingArguments`` ``args``."""
+    return {"lr": args.learning_rate, "global_batch": args.per_device_train_batch_size * args.world_size
+            * args.gradient_accumulation_steps, "epochs": args.num_train_epochs, "optimizer_steps": max_steps,
+            "warmup_steps": args.get_warmup_steps(max_steps), "weight_decay": args.weight_decay,
+            "max_grad_norm": args.max_grad_norm,
+            "lr_scheduler": getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type), "seed": args.seed,
+            "max_length": cfg["max_length"], "train_examples": train_examples, "bf16": bool(args.bf16),
+            "group_by_length": cfg["group_by_length"]}
+
+
+def example_effective(results: dict) -> dict:
+    """The example's hyper-parameters as its ``results.json`` records them (same keys as the Trainer's)."""
+    a = results["args"]
+    return {"lr": a["lr"], "global_batch": results["global_batch"], "epochs": a["epochs"],
+            "optimizer_steps": results["steps"], "warmup_steps": int(round(a["warmup_ratio"] * results["steps"])),
+            "weight_decay": a["weight_decay"], "max_grad_norm": a["max_grad_norm"],
+            "lr_scheduler": "linear",  # train.py: get_linear_schedule_with_warmup
+            "seed": a["seed"], "max_length": a["max_length"], "train_examples": a["limit_train"],
+            "bf16": (results.get("mixed_precision") or a["mixed_precision"]) == "bf16",
+            "group_by_length": a["group_by_length"]}
+
+
+def hyperparameter_differences(trainer: dict, example: dict, ablation: tuple = ()) -> dict:
+    """``{key: (trainer value, example value)}`` for every setting that differs, except the ``ablation`` keys."""
+    def same(x, y):
+        return abs(float(x) - float(y)) <= 1e-12 * max(1.0, abs(float(x))) if isinstance(x, (int, float)) and \
+            isinstance(y, (int, float)) and not isinstance(x, bool) else x == y
+    return {k: (trainer.get(k), example.get(k)) for k in sorted(set(trainer) | set(example))
+            if k not in ablation and not same(trainer.get(k), example.get(k))}
 
 
 def run_trainer(eval_every: int, group_by_length: bool = False) -> dict:
@@ -107,12 +158,14 @@ def run_trainer(eval_every: int, group_by_length: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(COMMON, out=str(out), cache=str(out / "cache"), eval_every=eval_every, result=str(out / "r.json"),
                threads=os.cpu_count(), group_by_length=group_by_length)
+    cfg["training_arguments"] = trainer_arguments(cfg)
     start = time.time()
-    subprocess.run([sys.executable, "-c", TRAINER, json.dumps(cfg), str(EXAMPLE)], cwd=ROOT, env=env(), check=True,
+    subprocess.run([sys.executable, "-c", TRAINER, json.dumps(cfg), str(EXAMPLE), str(ROOT / "bench")], cwd=ROOT, env=env(), check=True,
                    stdout=subprocess.DEVNULL)
     wall = time.time() - start
-    curve = json.loads((out / "r.json").read_text())["curve"]
-    return {"cmd": "transformers.Trainer" + (", train_sampling_strategy=group_by_length" if group_by_length else "") + " (bench/time_to_accuracy.py)", "curve": curve, "wall_s": wall,
+    result = json.loads((out / "r.json").read_text())
+    curve = result["curve"]
+    return {"effective": result["effective"], "cmd": "transformers.Trainer" + (", train_sampling_strategy=group_by_length" if group_by_length else "") + " (bench/time_to_accuracy.py)", "curve": curve, "wall_s": wall,
             "final_accuracy": curve[-1][1]}
 
 
@@ -147,6 +200,18 @@ def main() -> None:
         runs[name] = plan[name]()
     for r in runs.values():
         r["time_to_80"] = time_to(r["curve"])
+    # every side must have run with the same settings, but for the ablation it names
+    reference = runs.get(f"Trainer (1 process, {cores} threads)", {}).get("effective")
+    ablations = {"without --group-by-length": ("group_by_length",), "bf16": ("bf16",),
+                 "group_by_length": ("group_by_length",)}
+    for name, r in runs.items():
+        if reference is None or "effective" not in r:
+            continue
+        allowed = next((keys for fragment, keys in ablations.items() if name.startswith("ablation") and fragment in name), ())
+        allowed += ("group_by_length",) if name.startswith("example") else ()  # the example's default vs Trainer's
+        r["hyperparameter_differences"] = hyperparameter_differences(reference, r["effective"], allowed)
+        if r["hyperparameter_differences"]:
+            raise SystemExit(f"{name}: settings differ from the Trainer's: {r['hyperparameter_differences']}")
     trainer_t = runs.get(f"Trainer (1 process, {cores} threads)", {}).get("time_to_80")
     best = min((r["time_to_80"] for name, r in runs.items() if name.startswith("example") and r["time_to_80"]),
                default=None)
