@@ -529,9 +529,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                      samples_s=f"{row['samples_per_s']:.1f}", refresh=False)
                 window_losses, window_samples, window_t0 = [], 0, time.time()
             progress.update(1)
+            paused = time.time()  # evaluation and checkpoints do not count against samples/s
             if eval_every and step % eval_every == 0:
                 run_eval(epoch_num)
-                window_t0 = time.time()
             if args.stop_after and step >= args.stop_after:
                 save_checkpoint(epoch_num)
                 progress.close()
@@ -540,14 +540,15 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 return {"stopped_at": step, **log.common}
             if args.save_every and step % args.save_every == 0:
                 save_checkpoint(epoch_num)
-                window_t0 = time.time()
+            window_t0 += time.time() - paused  # the window's samples keep their own training time
             if step >= total_steps:
                 done = True
                 break
         else:  # the epoch ran to its end
+            paused = time.time()
             run_eval(epoch_num)
             save_checkpoint(epoch_num)
-            window_t0 = time.time()
+            window_t0 += time.time() - paused
     progress.close()
 
     # ------------------------------------------------------------------ finish
