@@ -22,21 +22,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
+import provenance  # noqa: E402  (bench/provenance.py)
 from unified_dist.cli import launch as ud_launch  # noqa: E402
 from unified_dist.net import free_port  # noqa: E402
 
 WORKER = ROOT / "bench" / "exit_worker.py"
 BACKEND_OF = {"torchrun": "torch", "accelerate": "accelerate", "horovodrun": "horovod"}
 NPROC = 2
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def one_launch(launcher: str, timeout: float) -> tuple:
@@ -68,8 +62,7 @@ def main(argv=None) -> int:
     unknown = [name for name in launchers if name not in BACKEND_OF]
     if unknown:
         p.error(f"unknown launcher(s) {unknown}; choose from {', '.join(BACKEND_OF)}")
-    report = {"commit": commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "load_before": os.getloadavg(), "processes_per_launch": NPROC, "launchers": {}}
+    report = {**provenance.start(), "processes_per_launch": NPROC, "launchers": {}}
     for launcher in launchers:
         counts = {"launches": 0, "exit_crashes": 0, "failures": 0, "first_crash_tail": "", "first_failure_tail": ""}
         start = time.monotonic()
@@ -85,7 +78,7 @@ def main(argv=None) -> int:
             print(f"{launcher} {i + 1}/{args.launches}: {outcome}", flush=True)
         counts["seconds"] = round(time.monotonic() - start, 1)
         report["launchers"][launcher] = counts
-    report["load_after"] = os.getloadavg()
+    provenance.finish(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     for launcher, c in report["launchers"].items():

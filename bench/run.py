@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 
+import provenance  # noqa: E402  (bench/provenance.py, beside this file)
 from unified_dist.cli import launch as ud_launch  # noqa: E402
 from unified_dist.net import free_port  # noqa: E402
 
@@ -156,7 +157,9 @@ def main() -> int:
     suffix = "_short" if args.short else ""
     for name, fn in (("overhead", overhead), ("collectives", collectives), ("scaling", scaling)):
         if name in parts:
-            data = {"machine": machine(), "short": args.short, "results": fn(args.short)}
+            record = provenance.start()
+            data = {**record, "machine": machine(), "short": args.short, "results": fn(args.short)}
+            provenance.finish(data)
             (RESULTS / f"{name}{suffix}.json").write_text(json.dumps(data, indent=1))
     if "accuracy" in parts:
         subprocess.run([sys.executable, "bench/time_to_accuracy.py"], cwd=ROOT, check=True)

@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 EXAMPLE = ROOT / "examples" / "bert_sentiment"
 sys.path.insert(0, str(EXAMPLE))
+sys.path.insert(0, str(ROOT / "bench"))
+import provenance  # noqa: E402  (bench/provenance.py)
 
 COMMON = {"epochs": 1, "batch_size": 32, "lr": 1e-4, "max_length": 64, "limit_train": 4096, "warmup_ratio": 0.1,
           "weight_decay": 0.01, "max_grad_norm": 1.0, "seed": 0}
@@ -179,6 +181,7 @@ def main() -> None:
     p.add_argument("--only", default=None, help="comma-separated name fragments: rerun only these (others kept)")
     args = p.parse_args()
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
+    record = provenance.start()
     cores = os.cpu_count()
     plan = {
         f"Trainer (1 process, {cores} threads)": lambda: run_trainer(args.eval_every),
@@ -216,8 +219,9 @@ def main() -> None:
     best = min((r["time_to_80"] for name, r in runs.items() if name.startswith("example") and r["time_to_80"]),
                default=None)
     ratio = best / trainer_t if best and trainer_t else None
-    (RESULTS / "accuracy.json").write_text(json.dumps({"settings": COMMON, "eval_every": args.eval_every,
-                                                       "runs": runs, "ratio_vs_trainer": ratio}, indent=1))
+    (RESULTS / "accuracy.json").write_text(json.dumps(provenance.finish(
+        {**record, "settings": COMMON, "eval_every": args.eval_every, "runs": runs, "ratio_vs_trainer": ratio}),
+        indent=1))
     for name, r in runs.items():
         print(f"{name}: time to 80% {r['time_to_80']}, final {r['final_accuracy']:.4f}, wall {r['wall_s']:.0f}s")
     print(f"ratio example/Trainer: {ratio}")
