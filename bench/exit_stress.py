@@ -8,7 +8,7 @@ non-zero is an exit crash (torch/gloo's "terminate called without an active exce
 was the one seen); any other non-zero exit is a failure. Writes a JSON (default
 bench/results/exit_stress.json) with the commit, the command, the load average before and after,
 and per launcher: launches, exit crashes, failures, the first crash's output tail, seconds.
-tests/test_exit_stress.py runs a reduced form (2 launches per launcher) in `make test`.
+tests/test_exit_stress.py runs a reduced form (1 launch per launcher) in `make test`.
 """
 from __future__ import annotations
 

