@@ -17,7 +17,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 
 
 def to_state(obj: Any, unwrap: Callable[[torch.nn.Module], torch.nn.Module]) -> Any:
@@ -68,7 +68,7 @@ def read_safe(path: str, map_location: Optional[Any] = None) -> Any:
     try:
         return torch.load(path, map_location=map_location or "cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         if "Weights only load failed" in reason or "weights_only" in str(exc):
             reason = next((line.strip() for line in str(exc).splitlines()
                            if "Unsupported global" in line or "GLOBAL" in line), reason)
@@ -77,7 +77,7 @@ def read_safe(path: str, map_location: Optional[Any] = None) -> Any:
                 f"does not allow ({reason}); save plain state with ud.save") from None
         raise CheckpointError(f"{path} is not a torch checkpoint ({reason})") from None
     except Exception as exc:  # zip/pickle errors of a truncated or foreign file take many forms
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise CheckpointError(
             f"{path} is truncated or not a torch checkpoint ({first}); use an earlier checkpoint") from None
 

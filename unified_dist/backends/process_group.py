@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 import torch
 import torch.distributed as dist
 
+from .base import Backend
 from ..errors import LaunchError
 
 
@@ -114,7 +115,8 @@ def join_default_group(timeout: datetime.timedelta, *, always: bool) -> bool:
 
 
 def cuda_device_for_group(environ) -> torch.device:
-    """This process's GPU in an nccl group: ``cuda:(LOCAL_RANK % visible GPUs)``.
+    """This process's GPU in an nccl group: :meth:`Backend.device_for` of ``LOCAL_RANK``
+    (``cuda:(LOCAL_RANK % visible GPUs)``), the device the backend computes on.
 
     The modulo serves launchers that give each process its own ``CUDA_VISIBLE_DEVICES`` (one
     visible GPU, local rank 1). Raises :class:`LaunchError` when the host's processes
@@ -122,14 +124,13 @@ def cuda_device_for_group(environ) -> torch.device:
     ranks would share a GPU, which NCCL refuses (and ``cuda:LOCAL_RANK`` would not exist).
     """
     count = torch.cuda.device_count()
-    local_rank = int(environ.get("LOCAL_RANK", "0") or 0)
     local_size = int(environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     if local_size > count and "CUDA_VISIBLE_DEVICES" not in environ:
         raise LaunchError(
             f"{local_size} processes on this host but {count} visible GPU(s): NCCL needs one GPU per process; "
             f"start at most {count} per host (e.g. torchrun --nproc_per_node {count}), "
             "or hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on CPU over gloo")
-    return torch.device("cuda", local_rank % count)
+    return Backend.device_for(int(environ.get("LOCAL_RANK", "0") or 0))
 
 
 def destroy_at_exit(owns_group: bool) -> None:
