@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -25,23 +24,19 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import provenance  # noqa: E402  (bench/provenance.py)
-from unified_dist.cli import launch as ud_launch  # noqa: E402
-from unified_dist.net import free_port  # noqa: E402
+from run import launch_command  # noqa: E402  (bench/run.py)
+from unified_dist.cli.launch import LAUNCHER_OF  # noqa: E402
 
 WORKER = ROOT / "bench" / "exit_worker.py"
-BACKEND_OF = {"torchrun": "torch", "accelerate": "accelerate", "horovodrun": "horovod"}
+BACKEND_OF = {launcher: backend for backend, launcher in LAUNCHER_OF.items()}
 NPROC = 2
 
 
 def one_launch(launcher: str, timeout: float) -> tuple:
     """(outcome, output) of one launch: 'ok', 'exit crash' or 'failure'."""
-    plan = ud_launch.Plan(backend=BACKEND_OF[launcher], script=str(WORKER), nproc=NPROC, master_port=free_port())
-    command = ud_launch.build(plan)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    env = ud_launch.environment(command, env)
+    argv, env = launch_command(BACKEND_OF[launcher], NPROC, str(WORKER), [])
     try:
-        proc = subprocess.run(list(command.argv), cwd=ROOT, env=env, timeout=timeout, stdout=subprocess.PIPE,
+        proc = subprocess.run(argv, cwd=ROOT, env=env, timeout=timeout, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     except subprocess.TimeoutExpired as exc:
         return "failure", f"timed out after {timeout:g}s\n{exc.output or ''}"

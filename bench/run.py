@@ -35,6 +35,19 @@ from unified_dist.net import free_port  # noqa: E402
 BACKENDS = ("torch", "accelerate", "horovod")
 
 
+def launch_command(backend: str, nproc: int, script: str, args: list) -> tuple:
+    """``(argv, env)`` that start ``script`` under ``backend``'s launcher on a free port (``python``
+    for ``single``), one thread per process, this checkout's unified_dist first on the path."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    if backend == "single":
+        return [sys.executable, script, *args], env
+    plan = ud_launch.Plan(backend=backend, script=script, script_args=tuple(args), nproc=nproc,
+                          master_port=free_port())
+    command = ud_launch.build(plan)
+    return list(command.argv), ud_launch.environment(command, env)
+
+
 def launch(backend: str, nproc: int, script: str, args: list, timeout: float = 900, result: Path = None) -> bool:
     """Run ``script`` under ``backend``'s launcher (``python`` for nproc=1 without backend).
 
@@ -44,16 +57,7 @@ def launch(backend: str, nproc: int, script: str, args: list, timeout: float = 9
     """
     if result is not None and result.exists():
         result.unlink()
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    if backend == "single":
-        cmd = [sys.executable, script, *args]
-    else:
-        plan = ud_launch.Plan(backend=backend, script=script, script_args=tuple(args), nproc=nproc,
-                              master_port=free_port())
-        command = ud_launch.build(plan)
-        cmd = list(command.argv)
-        env = ud_launch.environment(command, env)
+    cmd, env = launch_command(backend, nproc, script, args)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     if proc.returncode == 0:
