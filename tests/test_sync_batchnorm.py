@@ -1,0 +1,114 @@
+"""The portable SyncBatchNorm's arithmetic, in process: W threads play W ranks over an in-memory
+gather, and every rank's outputs, input gradients, summed parameter gradients and running
+statistics must equal plain BatchNorm on the concatenated batch (uneven and empty per-rank
+batches included). The real launchers run the same comparison in the contract suite."""
+from __future__ import annotations
+
+import threading
+from typing import List
+
+import pytest
+import torch
+
+from unified_dist.sync_batchnorm import SyncBatchNorm, convert, portable_from
+
+
+class ThreadComm:
+    """all_gather / all_reduce(sum) between W threads, one call at a time in the same order."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world)
+        self.slots: List[torch.Tensor] = [torch.empty(0)] * world
+
+    def gather(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        self.slots[rank] = t.detach().clone()
+        self.barrier.wait()
+        out = torch.cat(self.slots)
+        self.barrier.wait()
+        return out
+
+    def reduce_sum(self, rank: int, t: torch.Tensor) -> torch.Tensor:
+        return self.gather(rank, t.unsqueeze(0)).sum(dim=0)
+
+
+def _model(momentum=0.1) -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4, momentum=momentum), torch.nn.ReLU(),
+                               torch.nn.Conv2d(4, 2, 1), torch.nn.BatchNorm2d(2))
+
+
+def _run_ranks(sizes: List[int], momentum, steps: int = 2):
+    torch.manual_seed(0)
+    total = sum(sizes)
+    x_all = torch.randn(total, 3, 2, 2)
+    g_all = torch.randn(total, 2, 2, 2)
+    reference = _model(momentum)
+    xr = x_all.clone().requires_grad_()
+    for _ in range(steps):
+        out_ref = reference(xr)
+    (out_ref * g_all).sum().backward()
+
+    comm = ThreadComm(len(sizes))
+    results: List[dict] = [{} for _ in sizes]
+    errors: List[BaseException] = []
+
+    def rank_main(rank: int) -> None:
+        try:
+            model = convert(_model(momentum), portable_from)
+            for layer in model.modules():
+                if isinstance(layer, SyncBatchNorm):
+                    layer.gather = lambda t, r=rank: comm.gather(r, t)
+                    layer.reduce_sum = lambda t, r=rank: comm.reduce_sum(r, t)
+                    layer.rank_world = lambda r=rank: (r, comm.world)
+            lo = sum(sizes[:rank])
+            x = x_all[lo:lo + sizes[rank]].clone().requires_grad_()
+            for _ in range(steps):
+                out = model(x)
+            (out * g_all[lo:lo + sizes[rank]]).sum().backward()
+            results[rank] = {"out": out.detach(), "x_grad": x.grad, "model": model, "lo": lo}
+        except BaseException as exc:  # surfaced below; a dead thread would hang the others
+            errors.append(exc)
+            comm.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(sizes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return reference, xr, out_ref, results
+
+
+@pytest.mark.parametrize("sizes,momentum", [([4, 4], 0.1), ([3, 5], 0.1), ([1, 6, 2], None), ([0, 5], 0.1)])
+def test_every_rank_equals_batchnorm_on_the_concatenated_batch(sizes, momentum):
+    reference, xr, out_ref, results = _run_ranks(sizes, momentum)
+    for rank, size in enumerate(sizes):
+        got, lo = results[rank], results[rank]["lo"]
+        torch.testing.assert_close(got["out"], out_ref[lo:lo + size].detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got["x_grad"], xr.grad[lo:lo + size], rtol=1e-5, atol=1e-5)
+    for name, p_ref in reference.named_parameters():
+        summed = sum(dict(r["model"].named_parameters())[name].grad for r in results)
+        torch.testing.assert_close(summed, p_ref.grad, rtol=1e-5, atol=1e-5, msg=name)
+    for rank in range(len(sizes)):  # every rank keeps the same running statistics as the reference
+        state = results[rank]["model"].state_dict()
+        assert list(state) == list(reference.state_dict())
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_state_dict_loads_into_the_unconverted_model_and_back():
+    converted = convert(_model(), portable_from)
+    plain = _model()
+    plain.load_state_dict(converted.state_dict())  # strict: the same keys
+    convert(_model(), portable_from).load_state_dict(plain.state_dict())
+
+
+def test_conversion_shares_parameters_and_keeps_mode():
+    bn = torch.nn.BatchNorm1d(3, eps=1e-3, momentum=0.2, affine=True)
+    bn.eval()
+    sync = portable_from(bn)
+    assert sync.weight is bn.weight and sync.running_mean is bn.running_mean
+    assert (sync.eps, sync.momentum, sync.training) == (1e-3, 0.2, False)
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, SyncBatchNorm)
+                   for m in convert(_model(), portable_from).modules())
