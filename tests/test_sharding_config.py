@@ -1,0 +1,72 @@
+"""Which sharding a process runs with, and which blocks FSDP2 shards: pure functions, in process.
+The arithmetic of sharded training is checked under torchrun and accelerate launch by the
+contract suite (``fsdp_*`` checks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unified_dist.errors import LaunchError, UnifiedDistError
+from unified_dist.sharding import Sharding, blocks_to_shard, resolve_sharding
+
+ACCELERATE_FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"}
+
+
+@pytest.mark.parametrize("explicit,env,expected", [
+    (None, {}, "no"),
+    ("fsdp", {}, "fsdp"),
+    (None, {"UNIFIED_DIST_SHARDING": "FSDP"}, "fsdp"),
+    ("no", {"UNIFIED_DIST_SHARDING": "fsdp"}, "no"),
+    (None, ACCELERATE_FSDP2, "fsdp"),
+    ("fsdp", ACCELERATE_FSDP2, "fsdp"),
+])
+def test_the_code_wins_then_accelerate_launch_then_the_variable(explicit, env, expected):
+    assert resolve_sharding(explicit, env).mode == expected
+
+
+def test_accelerate_launchs_reshard_setting_is_honoured_and_the_code_can_override_it():
+    assert resolve_sharding(None, ACCELERATE_FSDP2).reshard_after_forward is False
+    assert resolve_sharding(None, ACCELERATE_FSDP2, reshard_after_forward=True).reshard_after_forward is True
+    assert resolve_sharding("fsdp", {}).reshard_after_forward is True
+
+
+@pytest.mark.parametrize("explicit,env,error,words", [
+    ("zero3", {}, UnifiedDistError, "unknown sharding 'zero3'"),
+    (None, {"ACCELERATE_USE_FSDP": "true"}, LaunchError, "--fsdp_version 2"),
+    ("no", ACCELERATE_FSDP2, LaunchError, "contradicts accelerate launch --use_fsdp"),
+])
+def test_bad_settings_are_one_line_errors(explicit, env, error, words):
+    with pytest.raises(error) as info:
+        resolve_sharding(explicit, env)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 2)
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(2, 1)
+
+
+def test_default_blocks_are_module_list_children_innermost_first():
+    net = Net()
+    assert blocks_to_shard(net) == [net.layers[1], net.layers[0]]
+
+
+def test_hugging_face_no_split_modules_and_explicit_modules_choose_the_blocks():
+    net = Net()
+    net._no_split_modules = ["Linear"]
+    assert blocks_to_shard(net) == [net.head, net.layers[1].inner, net.layers[0].inner]
+    assert blocks_to_shard(net, [Block]) == [net.layers[1], net.layers[0]]
+    with pytest.raises(UnifiedDistError, match="matches no sub-module"):
+        blocks_to_shard(net, ["Conv2d"])
+
+
+def test_sharding_is_off_by_default():
+    assert not Sharding().enabled and Sharding("fsdp").enabled

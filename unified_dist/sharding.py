@@ -1,0 +1,178 @@
+"""Fully sharded data parallel behind ``prepare``: torch FSDP2 (``fully_shard``) on every
+torch-style backend.
+
+What ``sharding="fsdp"`` means (``ud.init(sharding=...)``, ``UNIFIED_DIST_SHARDING``,
+``unified-dist launch --sharding``, or ``accelerate launch --use_fsdp --fsdp_version 2``):
+
+- ``prepare(model)`` calls ``fully_shard`` on each repeated block (the classes named in a Hugging
+  Face model's ``_no_split_modules``; otherwise the children of every ``nn.ModuleList``; or
+  ``init(shard_modules=[...])``, classes or class names), then on the root. Parameters become
+  DTensors sharded on dim 0 over all ranks; gradients are reduce-scattered and averaged.
+- An optimizer built before ``prepare`` is pointed at the sharded parameters (FSDP2 replaces
+  the parameter objects), so the usual ``model, optimizer = ud.prepare(model, optimizer)`` works.
+- ``mixed_precision="bf16"`` (or fp16) becomes FSDP2's ``MixedPrecisionPolicy`` (parameters in
+  the low precision for compute, gradients reduced in float32).
+- ``model.load_state_dict`` and ``optimizer.load_state_dict`` accept the full, unsharded state
+  that ``ud.save`` writes (each rank keeps its own shard of it), so checkpoints stay portable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .errors import LaunchError, UnifiedDistError
+
+MODES = ("no", "fsdp")
+ENV = "UNIFIED_DIST_SHARDING"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """The sharding a job runs with: ``mode`` ``"no"`` or ``"fsdp"``; ``modules`` the block
+    classes (or class names) to shard one by one, ``None`` for the default choice;
+    ``reshard_after_forward`` False keeps parameters gathered from forward to backward (ZeRO-2-like:
+    more memory, one all-gather fewer per step)."""
+
+    mode: str = "no"
+    modules: Optional[Tuple[Any, ...]] = None
+    reshard_after_forward: bool = True
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode == "fsdp"
+
+
+def _flag(value: Optional[str], default: bool) -> bool:
+    return default if value is None else value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_sharding(explicit: Optional[str], env: Mapping[str, str], modules: Optional[Sequence[Any]] = None,
+                     reshard_after_forward: Optional[bool] = None) -> Sharding:
+    """``init(sharding=...)`` > ``accelerate launch --use_fsdp`` > ``UNIFIED_DIST_SHARDING`` > ``"no"``.
+
+    Raises :class:`UnifiedDistError` for an unknown mode, and :class:`LaunchError` when the code
+    turns sharding off under ``accelerate launch --use_fsdp`` or Accelerate asks for FSDP version 1.
+    """
+    from_accelerate = _flag(env.get("ACCELERATE_USE_FSDP"), False)
+    if from_accelerate and env.get("FSDP_VERSION", "1").strip() != "2":
+        raise LaunchError("accelerate launch --use_fsdp asks for FSDP version "
+                          f"{env.get('FSDP_VERSION', '1')}; unified_dist shards with FSDP2: add --fsdp_version 2")
+    mode = explicit or ("fsdp" if from_accelerate else env.get(ENV)) or "no"
+    mode = str(mode).strip().lower()
+    if mode not in MODES:
+        raise UnifiedDistError(f"unknown sharding {mode!r}; use one of {', '.join(MODES)}")
+    if from_accelerate and mode != "fsdp":
+        raise LaunchError(f"init(sharding={explicit!r}) contradicts accelerate launch --use_fsdp; "
+                          "drop one of them")
+    if reshard_after_forward is None:
+        reshard_after_forward = _flag(env.get("FSDP_RESHARD_AFTER_FORWARD") if from_accelerate else None, True)
+    return Sharding(mode, tuple(modules) if modules else None, bool(reshard_after_forward))
+
+
+def _matches(module: torch.nn.Module, wanted: Iterable[Any]) -> bool:
+    return any(type(module).__name__ == w if isinstance(w, str) else isinstance(module, w) for w in wanted)
+
+
+def blocks_to_shard(model: torch.nn.Module, modules: Optional[Sequence[Any]] = None) -> List[torch.nn.Module]:
+    """The sub-modules to shard one by one, innermost first (FSDP2 shards children before parents).
+
+    ``modules`` (classes or class names) if given, else the classes a Hugging Face model names in
+    ``_no_split_modules``, else the children of every ``nn.ModuleList``. Raises when ``modules``
+    matches nothing (a typo would otherwise shard the whole model as one block).
+    """
+    wanted = list(modules) if modules else list(getattr(model, "_no_split_modules", None) or [])
+    if wanted:
+        blocks = [m for m in model.modules() if m is not model and _matches(m, wanted)]
+        if modules and not blocks:
+            raise UnifiedDistError(f"shard_modules={list(modules)!r} matches no sub-module of "
+                                   f"{type(model).__name__}; name classes that the model contains")
+    else:
+        blocks = [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
+    return list(reversed(blocks))
+
+
+def _policy(mixed_precision: str) -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+
+
+def shard_model(model: torch.nn.Module, sharding: Sharding, mixed_precision: str) -> torch.nn.Module:
+    """``fully_shard`` the blocks, then the root; the model must already be on its device.
+
+    Returns the same module object (FSDP2 changes its class in place). Afterwards its
+    ``load_state_dict`` also takes full, unsharded tensors.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    options = dict(mp_policy=_policy(mixed_precision), reshard_after_forward=sharding.reshard_after_forward)
+    for block in blocks_to_shard(model, sharding.modules):
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+    model.register_load_state_dict_pre_hook(_shard_incoming_model_state)
+    return model
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether ``model`` was sharded by FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _as_shard_of(value: Any, like: Any) -> Any:
+    """``value`` (a full tensor) laid out as DTensor ``like``, from this rank's own copy (no
+    communication); anything else unchanged."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor) or not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        return value
+    if tuple(value.shape) != tuple(like.shape):
+        return value  # let load_state_dict report the size mismatch in its own words
+    local = value.detach().to(device=like.device, dtype=like.dtype)
+    return distribute_tensor(local, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def _shard_incoming_model_state(module: torch.nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    current = module.state_dict()
+    for key, like in current.items():
+        if prefix + key in state_dict:
+            state_dict[prefix + key] = _as_shard_of(state_dict[prefix + key], like)
+
+
+def point_optimizer_at(optimizer: torch.optim.Optimizer, before: Sequence[torch.nn.Parameter],
+                       after: Sequence[torch.nn.Parameter]) -> None:
+    """Replace, in ``optimizer``'s groups, each parameter of ``before`` by the one at the same
+    position in ``after`` (FSDP2's new DTensor parameters); let full optimizer state load."""
+    if len(before) != len(after):
+        raise UnifiedDistError("sharding changed the number of parameters; prepare the model before "
+                               "building anything else on its parameters")
+    new_of = {id(old): new for old, new in zip(before, after)}
+    for group in optimizer.param_groups:
+        group["params"] = [new_of.get(id(p), p) for p in group["params"]]
+    if not getattr(optimizer, "_unified_dist_shard_hook", False):
+        optimizer.register_load_state_dict_pre_hook(_shard_incoming_optimizer_state)
+        optimizer._unified_dist_shard_hook = True
+
+
+def _shard_incoming_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+    by_saved_id = dict(zip(saved_ids, params))
+    state = {}
+    for key, entry in state_dict.get("state", {}).items():
+        param = by_saved_id.get(key)
+        state[key] = ({name: _as_shard_of(v, param) for name, v in entry.items()}
+                      if param is not None and isinstance(entry, dict) else entry)
+    return {**state_dict, "state": state}
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (a collective: every rank must call it in the same order);
+    any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
