@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .registry import LAUNCHED
+
 EVAL_KEYS = ("accuracy", "macro_f1", "eval_examples")
 
 
@@ -43,8 +45,8 @@ def parse_run(text: str) -> RunSpec:
     if not name or not words:
         raise ValueError(f"--run {text!r}: expected NAME=SPEC, e.g. torch=torch:2")
     backend, _, count = words[0].partition(":")
-    if backend not in ("python", "torch", "accelerate", "horovod"):
-        raise ValueError(f"--run {text!r}: unknown launcher {backend!r}; use python, torch, accelerate or horovod")
+    if backend not in ("python", *LAUNCHED):
+        raise ValueError(f"--run {text!r}: unknown launcher {backend!r}; use python or one of {', '.join(LAUNCHED)}")
     try:
         nproc = int(count) if count else 1
     except ValueError:
