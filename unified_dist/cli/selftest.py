@@ -59,7 +59,8 @@ class BackendRun:
 def installed(backend: str) -> bool:
     """The backend's library and its launcher are present (whether they work is what the test finds out)."""
     library = SPECS[backend].library
-    return (library is None or importlib.util.find_spec(library) is not None) and launch.find_launcher(backend) is not None
+    has_library = library is None or importlib.util.find_spec(library) is not None
+    return has_library and launch.find_launcher(backend) is not None
 
 
 def choose_backends(requested: Optional[Sequence[str]]) -> List[str]:
