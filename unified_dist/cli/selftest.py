@@ -110,7 +110,7 @@ def kill_tree(pid: int) -> None:
 
 def _rows(backend: str, out: Path, nproc: int, finished: bool) -> List[Row]:
     """Merge the ranks' result files: a check passes only if every rank passed it."""
-    from .selftest_worker import CHECKS
+    from .contract import CHECKS
 
     ranks: Dict[int, Dict] = {}
     for r in range(nproc):
@@ -118,7 +118,7 @@ def _rows(backend: str, out: Path, nproc: int, finished: bool) -> List[Row]:
         if path.exists():
             ranks[r] = json.loads(path.read_text())["checks"]
     rows = []
-    for name in ["init", *(n for n, _ in CHECKS)]:
+    for name in ["init", *(check.__name__ for check in CHECKS)]:
         per_rank = {r: checks.get(name) for r, checks in ranks.items()}
         failures = [f"rank {r}: {c['error']}" for r, c in per_rank.items() if c and c["status"] == "fail"]
         running = [r for r, c in per_rank.items() if c and c["status"] == "running"]
