@@ -31,8 +31,9 @@ sys.path.insert(0, str(ROOT))
 import provenance  # noqa: E402  (bench/provenance.py, beside this file)
 from unified_dist.cli import launch as ud_launch  # noqa: E402
 from unified_dist.net import free_port  # noqa: E402
+from unified_dist.registry import LAUNCHED  # noqa: E402
 
-BACKENDS = ("torch", "accelerate", "horovod")
+BACKENDS = LAUNCHED
 
 
 def launch_command(backend: str, nproc: int, script: str, args: list) -> tuple:

@@ -17,12 +17,15 @@ from typing import Dict, List, Optional, Sequence
 
 from unified_dist.detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
 from unified_dist.net import free_port  # noqa: F401  (tests import it from here)
+from unified_dist.registry import SPECS
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-LAUNCHERS = ("python", "torchrun", "accelerate", "horovodrun")
-BACKEND_OF = {"python": "single", "torchrun": "torch", "accelerate": "accelerate", "horovodrun": "horovod",
+LAUNCHERS = ("python", *(spec.launcher for spec in SPECS.values() if spec.launcher))
+"""python, then every backend's own launcher in the registry's order (``command`` knows each)."""
+BACKEND_OF = {**{spec.launcher or "python": name for name, spec in SPECS.items()},
               "srun": "torch", "mpirun": "torch", "legacy": "torch"}
+"""The backend each launcher's workers run: the registry's launchers, plus those that start torch."""
 LAUNCHER_NAME = {"legacy": "torchrun"}  # what ud.launcher() reports, where it differs from the key
 
 

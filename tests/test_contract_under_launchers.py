@@ -2,7 +2,8 @@
 and a real srun (one-node SLURM made by tools/slurm_cluster.sh) and Open MPI's mpirun.
 
 Each (launcher, suite) pair is launched once with 2 processes (1 for plain python); every
-check in tests/workers/contract_worker.py becomes one test item here, asserted on every rank.
+check in tests/workers/contract_worker.py (whose core suite starts with the self-test's list,
+unified_dist/cli/contract.py) becomes one test item here, asserted on every rank.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """``ud.launch(fn, *args, nproc, backend)`` under all three stacks, the way a notebook uses it.
 
 Each case is a real ``python -c`` session (the function is typed into ``__main__``, as in a
-notebook) or a script, run as a subprocess with a timeout. The workers run checks of
-tests/workers/contract_worker.py (values from arithmetic and a single-process computation)
+notebook) or a script, run as a subprocess with a timeout. The workers run contract checks of
+unified_dist/cli/contract.py (values from arithmetic and a single-process computation)
 and rank 0 returns every rank's outcome.
 """
 from __future__ import annotations
@@ -15,22 +15,23 @@ import pytest
 from launchers import BIN, ROOT, child_env, run
 
 WORK = textwrap.dedent('''
-    import json, sys
+    import json
     import torch
     import unified_dist as ud
 
     def work(tag, checks):
-        sys.path.insert(0, "tests/workers")
-        import contract_worker
+        from unified_dist.cli.contract import CHECKS, Context
         ud.init()
         outcome = {"tag": tag, "backend": ud.backend_name(), "launcher": ud.launcher(), "rank": ud.rank(),
                    "world_size": ud.world_size(), "sum_of_ones": ud.all_reduce(torch.ones(1), "sum").item()}
+        by_name = {check.__name__: check for check in CHECKS}
         for name in checks:
-            getattr(contract_worker, name)()  # raises on a wrong value
+            by_name[name](Context(out=".", world_size=2))  # raises on a wrong value
             outcome[name] = "ok"
         return ud.all_gather_object(outcome)
 ''')
-CHECKS = ["identity", "all_reduce_ops", "all_gather_even_uneven_0d", "gradient_average_matches_single_process_sgd"]
+CHECKS = ["identity", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "all_reduce_min", "all_gather_even",
+          "all_gather_uneven", "all_gather_0d", "training_step"]
 
 
 def _python_c(code: str, timeout: float = 180):

@@ -42,9 +42,10 @@ from typing import Mapping, Optional, Sequence, Tuple
 
 from . import hostlist
 from .errors import UnifiedDistError
+from .registry import NAMES, SPECS
 
-BACKENDS: Tuple[str, ...] = ("torch", "accelerate", "horovod", "single")
-"""Every backend name ``init(backend=...)`` accepts."""
+BACKENDS: Tuple[str, ...] = NAMES
+"""Every backend name ``init(backend=...)`` accepts (:data:`unified_dist.registry.SPECS`)."""
 
 ENV_BACKEND = "UNIFIED_DIST_BACKEND"
 ENV_SLURM = "UNIFIED_DIST_SLURM"
@@ -52,8 +53,8 @@ ENV_SLURM = "UNIFIED_DIST_SLURM"
 ENV_LAUNCHER = "UNIFIED_DIST_LAUNCHER"
 """Set by :func:`unified_dist.launch` in its workers: the launcher's name for ``ud.launcher()``."""
 
-LAUNCHER_VARIABLE_PREFIXES = ("HOROVOD_", "ACCELERATE_", "TORCHELASTIC_", "UNIFIED_DIST_", "SLURM_", "OMPI_",
-                              "PMI_", "PMIX_", "MV2_", "MPI_LOCAL")
+LAUNCHER_VARIABLE_PREFIXES = (*(s.variable_prefix for s in SPECS.values() if s.variable_prefix),
+                              "UNIFIED_DIST_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "MPI_LOCAL")
 """Prefixes of the variables a launcher (or a job around this process) sets: what a new job started
 from inside this one must not inherit."""
 TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -64,10 +65,9 @@ DERIVED_PORTS = (15000, 25000)
 """srun/mpirun without ``MASTER_PORT``: the port is ``15000 + crc32(job id) % 10000`` (below
 Linux's ephemeral range 32768-60999, so it never collides with a connection's own port)."""
 
-_HOROVOD_KEYS = ("HOROVOD_RANK", "HOROVOD_SIZE")
-_ACCELERATE_KEYS = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU", "ACCELERATE_DYNAMO_BACKEND")
+_TORCH, _ACCELERATE, _HOROVOD = SPECS["torch"], SPECS["accelerate"], SPECS["horovod"]
 _TORCH_KEYS = ("RANK", "WORLD_SIZE")
-_TORCH_STYLE = ("torch", "accelerate")
+_TORCH_STYLE = (_TORCH.name, _ACCELERATE.name)
 # (launcher family, rank, size, local rank, local size, job id keys)
 _MPI_FLAVOURS = (
     ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
@@ -174,9 +174,8 @@ def _choose(name: str, env: Mapping[str, str], live: Optional[Live], why: str) -
         return Detection("single", "python", f"{why}: one plain process", warnings=issues)
     if found.backend == name or (name in _TORCH_STYLE and found.backend in _TORCH_STYLE):
         return replace(found, backend=name, reason=f"{why} ({found.reason})", problems=(), warnings=issues)
-    if name == "horovod":
-        return Detection("horovod", "python", why, warnings=issues)
-    # a torch-style backend asked for where horovod runs, or in a plain process
+    # horovod asked for where another launcher runs, a torch-style backend where horovod runs,
+    # or any of them in a plain process
     return Detection(name, "python", why, warnings=issues)
 
 
@@ -196,8 +195,8 @@ def _from_launcher(env: Mapping[str, str]) -> Detection:
 def _adopted(env: Mapping[str, str], live: Live) -> Detection:
     """The running stack as it is; the environment only names the launcher that started us."""
     backend = live.stack
-    if backend == "torch" and any(env.get(k) for k in _ACCELERATE_KEYS):
-        backend = "accelerate"  # accelerate launch's workers: Accelerate adopts the same group
+    if backend == _TORCH.name and any(env.get(k) for k in _ACCELERATE.launcher_keys):
+        backend = _ACCELERATE.name  # accelerate launch's workers: Accelerate adopts the same group
     launcher = _from_launcher(env).launcher
     return Detection(backend, launcher if launcher != "python" else "existing",
                      f"{live.stack} is already initialised in this process ({live.world_size} process(es)): using it",
@@ -213,10 +212,10 @@ def _torch_style(env: Mapping[str, str], backend: str, launcher: str, reason: st
 
 
 def _horovodrun(env: Mapping[str, str]) -> Optional[Detection]:
-    if not any(env.get(k) for k in _HOROVOD_KEYS):
+    if not any(env.get(k) for k in _HOROVOD.launcher_keys):
         return None
     return Detection(
-        "horovod", env.get(ENV_LAUNCHER) or "horovodrun",
+        _HOROVOD.name, env.get(ENV_LAUNCHER) or _HOROVOD.launcher,
         "HOROVOD_RANK/HOROVOD_SIZE are set (started by horovodrun)",
         world_size=_int(env, "HOROVOD_SIZE", 1), rank=_int(env, "HOROVOD_RANK", 0),
         local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
@@ -224,10 +223,10 @@ def _horovodrun(env: Mapping[str, str]) -> Optional[Detection]:
 
 
 def _accelerate(env: Mapping[str, str]) -> Optional[Detection]:
-    if not any(env.get(k) for k in _ACCELERATE_KEYS):
+    if not any(env.get(k) for k in _ACCELERATE.launcher_keys):
         return None
     if env.get("WORLD_SIZE") and env.get("RANK"):
-        return _torch_style(env, "accelerate", "accelerate",
+        return _torch_style(env, _ACCELERATE.name, _ACCELERATE.launcher,
                             "ACCELERATE_* and RANK/WORLD_SIZE are set (started by accelerate launch)")
     problems: Tuple[str, ...] = ()
     if env.get("MASTER_PORT") or env.get("MASTER_ADDR"):
@@ -236,15 +235,15 @@ def _accelerate(env: Mapping[str, str]) -> Optional[Detection]:
             "launcher, so each one runs alone (world size 1). On a CPU machine run: accelerate launch "
             "--multi_gpu --num_processes N --num_machines 1 --mixed_precision no --dynamo_backend no script.py",
         )
-    return Detection("accelerate", "accelerate",
+    return Detection(_ACCELERATE.name, _ACCELERATE.launcher,
                      "ACCELERATE_* is set without RANK/WORLD_SIZE (accelerate launch, one process)",
                      problems=problems)
 
 
 def _torchrun(env: Mapping[str, str]) -> Optional[Detection]:
-    if not (env.get("TORCHELASTIC_RUN_ID") or all(env.get(k) for k in _TORCH_KEYS)):
+    if not (any(env.get(k) for k in _TORCH.launcher_keys) or all(env.get(k) for k in _TORCH_KEYS)):
         return None
-    return _torch_style(env, "torch", "torchrun",
+    return _torch_style(env, _TORCH.name, _TORCH.launcher,
                         "TORCHELASTIC_RUN_ID or RANK/WORLD_SIZE are set (started by torchrun)")
 
 

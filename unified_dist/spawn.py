@@ -25,8 +25,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .detection import ENV_BACKEND, ENV_LAUNCHER, LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
 from .errors import CollectiveTimeout, PeerLost, UnifiedDistError, WorkerFailed
 from .net import free_port
+from .registry import SPECS
 
-LAUNCH_BACKENDS = ("torch", "accelerate", "horovod")
+LAUNCH_BACKENDS = tuple(name for name, spec in SPECS.items() if spec.start)
+"""Backends ``launch`` can start (each spec's ``start`` names its starter)."""
 _SECONDARY = (PeerLost, CollectiveTimeout, KeyboardInterrupt, SystemExit)
 """Errors a worker raises *because* another one failed: never reported as the root cause."""
 
@@ -52,7 +54,7 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2, backend: str = "t
     try:
         launcher_error: Optional[Exception] = None
         try:
-            _START[backend](payload, nproc, backend, str(workdir))
+            SPECS[backend].load("start")(payload, nproc, backend, str(workdir))
         except Exception as exc:  # the stack's own report; the workers' error files say more
             launcher_error = exc
         failure = _failure(workdir, launcher_error)
@@ -71,7 +73,8 @@ class RemoteTraceback(Exception):
         return "\n" + str(self.args[0]) if self.args else ""
 
 
-def _start_torch(payload: bytes, nproc: int, backend: str, workdir: str) -> None:
+def start_torch(payload: bytes, nproc: int, backend: str, workdir: str) -> None:
+    """torch's and Accelerate's starter: torch.multiprocessing, each worker with torchrun-like variables."""
     import torch.multiprocessing as mp
 
     env = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
@@ -83,16 +86,14 @@ def _torch_worker(local_rank: int, payload: bytes, backend: str, workdir: str, e
     _run_worker(payload, backend, workdir, dict(env, RANK=str(local_rank), LOCAL_RANK=str(local_rank)))
 
 
-def _start_horovod(payload: bytes, nproc: int, backend: str, workdir: str) -> None:
+def start_horovod(payload: bytes, nproc: int, backend: str, workdir: str) -> None:
+    """Horovod's starter: ``horovod.run`` with Gloo on this host."""
     try:
         import horovod
     except ImportError as exc:
         raise UnifiedDistError(f"launch(backend='horovod') needs horovod ({exc}); build it with `make setup`") from None
     horovod.run(_run_worker, args=(payload, backend, workdir, {}), num_proc=nproc, hosts=f"localhost:{nproc}",
                 use_gloo=True)
-
-
-_START = {"torch": _start_torch, "accelerate": _start_torch, "horovod": _start_horovod}
 
 
 def _run_worker(payload: bytes, backend: str, workdir: str, env: Dict[str, str]) -> None:

@@ -4,7 +4,7 @@ A tiny smoke run (3 optimizer steps, 64 training and 50 evaluation examples, 32 
 under torchrun --standalone with 2 processes on one host is the reference; the same run with one
 process on each of two hosts, under torchrun's c10d rendezvous and under horovodrun over ssh, must log
 the same per-step losses within 1e-5 relative and the same evaluation metrics, as
-``python -m unified_dist.parity --compare`` judges them. torchrun's static rendezvous and
+``unified-dist parity --compare`` judges them. torchrun's static rendezvous and
 accelerate launch's two-machine line run the contract suite over both hosts
 (test_multinode_contract.py), which checks the same gradient arithmetic; their BERT runs (~60 s each
 on 2 cores) are left out to keep ``make test`` within its time.
@@ -87,8 +87,8 @@ def test_bert_two_hosts_match_one_host(name, hosts, reference, request):
     train = [m for m in read_metrics(out) if m["type"] == "train"]
     assert [m["step"] for m in train] == [1, 2, 3], train
     assert all(m["backend"] == backend and m["world_size"] == 2 for m in train), train[0]
-    compare = subprocess.run([str(BIN / "python"), "-m", "unified_dist.parity", "--compare", str(reference), str(out),
-                              "--rtol", "1e-5"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+    compare = subprocess.run([str(BIN / "python"), "-m", "unified_dist", "parity", "--compare", str(reference),
+                              str(out), "--rtol", "1e-5"], cwd=ROOT, env=child_env(), capture_output=True, text=True,
                              timeout=120)
     print(compare.stdout)
     assert compare.returncode == 0, f"{compare.stdout}\n{compare.stderr}"

@@ -3,7 +3,9 @@
     <launcher> tests/workers/contract_worker.py --suite core|accum|bf16 --out DIR [--adopt]
     python tests/workers/contract_worker.py --suite core --out DIR --spawn 2
 
-Each check raises AssertionError on failure; results go to DIR/<suite>_rank<R>.json as
+The ``core`` suite is the library's own contract list (:data:`unified_dist.cli.contract.CHECKS`,
+what ``unified-dist test`` runs) followed by the checks only a test needs, defined here. Each
+check raises AssertionError on failure; results go to DIR/<suite>_rank<R>.json as
 {check: "ok" | "FAIL: ..."} plus the detected identity. Checks call collectives in the same
 order on every rank and assert only afterwards, so one failing rank does not hang the others.
 Expected values come from arithmetic or from a plain single-process torch computation, never
@@ -22,8 +24,11 @@ import traceback
 import torch
 
 import unified_dist as ud
+from unified_dist.cli import contract
+from unified_dist.cli.contract import regression_data, tiny_model
 
-CHECKS = {}
+CHECKS = {"core": list(contract.CHECKS)}
+"""Each suite's checks in the order they run; a check's ``__name__`` is its test id."""
 
 
 def check(suite):
@@ -37,34 +42,7 @@ def close(a, b, atol=1e-6):
     assert torch.allclose(a.double(), b.double(), atol=atol, rtol=0), f"{a} != {b}"
 
 
-# ----------------------------------------------------------------- collectives
-@check("core")
-def identity():
-    r, w = ud.rank(), ud.world_size()
-    ranks = ud.all_gather(torch.tensor(r))
-    assert ranks.tolist() == list(range(w)), ranks
-    assert ud.is_main() == (r == 0)
-    assert 0 <= ud.local_rank() < w and ud.is_local_main() == (ud.local_rank() == 0)
-    assert ud.device().type in ("cpu", "cuda")
-
-
-@check("core")
-def all_reduce_ops():
-    r, w = ud.rank(), ud.world_size()
-    x = torch.tensor([1.0, -2.0, 3.0]) * (r + 1)
-    before = x.clone()
-    got = {op: ud.all_reduce(x, op) for op in ("sum", "mean", "max", "min")}
-    default = ud.all_reduce(x)
-    total = sum(range(1, w + 1))
-    close(got["sum"], torch.tensor([1.0, -2.0, 3.0]) * total)
-    close(got["mean"], torch.tensor([1.0, -2.0, 3.0]) * total / w)
-    close(default, got["mean"])
-    close(got["max"], torch.tensor([w, -2.0, 3 * w]))
-    close(got["min"], torch.tensor([1.0, -2.0 * w, 3.0]))
-    assert torch.equal(x, before), "all_reduce modified its input"
-    assert all(t is not x for t in got.values())
-
-
+# ----------------------------------------------------------------- collectives (beyond the shared list)
 @check("core")
 def all_reduce_integers_and_nested():
     r, w = ud.rank(), ud.world_size()
@@ -79,20 +57,6 @@ def all_reduce_integers_and_nested():
     assert mean.is_floating_point(), mean.dtype
     close(mean, torch.tensor([total / w]))
     assert nested["count"].item() == r + 1
-
-
-@check("core")
-def all_gather_even_uneven_0d():
-    r, w = ud.rank(), ud.world_size()
-    even = ud.all_gather(torch.full((2, 3), float(r)))
-    uneven = ud.all_gather(torch.arange(r + 1, dtype=torch.float32).reshape(-1, 1) + 10 * r)
-    scalar = ud.all_gather(torch.tensor(float(r)))
-    empty = ud.all_gather(torch.zeros((0 if r == 0 else 1, 2)))
-    assert even.shape == (2 * w, 3) and even[::2, 0].tolist() == list(range(w))
-    expected = torch.cat([torch.arange(k + 1, dtype=torch.float32).reshape(-1, 1) + 10 * k for k in range(w)])
-    close(uneven, expected)
-    close(scalar, torch.arange(w, dtype=torch.float32))
-    assert empty.shape == (w - 1, 2), empty.shape
 
 
 @check("core")
@@ -124,22 +88,9 @@ def bad_input_errors():
 
 
 @check("core")
-def broadcast_tensor_and_object():
-    r, w = ud.rank(), ud.world_size()
-    src = w - 1
-    x = torch.arange(4.0) + 100 * r
-    before = x.clone()
-    t = ud.broadcast(x, src=src)
-    o = ud.broadcast({"from": r, "items": [r, "x"]}, src=src)
-    close(t, torch.arange(4.0) + 100 * src)
-    assert torch.equal(x, before)
-    assert o == {"from": src, "items": [src, "x"]}, o
-
-
-@check("core")
-def barrier_and_main_first(out_dir):
+def barrier_and_main_first(ctx):
     """Rank 0 finishes its block before any other rank enters its own (their order is free)."""
-    log = os.path.join(out_dir, f"main_first_{ud.backend_name()}.log")  # launches run one after another
+    log = os.path.join(ctx.out, f"main_first_{ud.backend_name()}.log")  # launches run one after another
     if ud.is_main() and os.path.exists(log):
         os.remove(log)
     ud.barrier()
@@ -175,19 +126,9 @@ def all_gather_object_and_rng_states_round_trip():
 
 
 # ----------------------------------------------------------------- physics of training
-def _model():
-    torch.manual_seed(1234)
-    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-
-
-def _data(n):
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(n, 5, generator=g), torch.randn(n, 1, generator=g)
-
-
 def _reference_steps(x, y, global_batch, steps, opt_cls, **opt_kwargs):
     """Plain single-process torch: `steps` optimizer steps on consecutive global batches."""
-    model = _model()
+    model = tiny_model()
     opt = opt_cls(model.parameters(), **opt_kwargs)
     for s in range(steps):
         xb, yb = x[s * global_batch:(s + 1) * global_batch], y[s * global_batch:(s + 1) * global_batch]
@@ -201,8 +142,8 @@ def _reference_steps(x, y, global_batch, steps, opt_cls, **opt_kwargs):
 def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, **opt_kwargs):
     w = ud.world_size()
     n = per_rank_batch * w * accumulation * steps
-    x, y = _data(n)
-    model = _model()
+    x, y = regression_data(n)
+    model = tiny_model()
     opt = opt_cls(model.parameters(), **opt_kwargs)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=per_rank_batch)
     model, opt, loader = ud.prepare(model, opt, loader)
@@ -219,13 +160,6 @@ def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, **opt_kwargs):
 def _same_params(model, ref, atol=1e-6):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         close(p.detach().cpu(), q.detach(), atol=atol)
-
-
-@check("core")
-def gradient_average_matches_single_process_sgd():
-    """N ranks x batch b, one SGD step == 1 process x batch N*b."""
-    model, ref = _facade_steps(4, 1, torch.optim.SGD, 1, lr=0.5)
-    _same_params(model, ref)
 
 
 @check("core")
@@ -250,7 +184,7 @@ def accumulation_matches_single_process_adamw_2_steps():
 
 def _reference_windows(x, y, window, lr):
     """Plain single-process SGD: one step per ``window`` consecutive samples, the last window short."""
-    model = _model()
+    model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for start in range(0, len(x), window):
         torch.nn.functional.mse_loss(model(x[start:start + window]), y[start:start + window]).backward()
@@ -263,8 +197,8 @@ def _ragged_runs_match(layouts, lr=0.5):
     """For each (per-rank batch, dataset size): the facade's epoch == the single-process reference."""
     w, k = ud.world_size(), ud.gradient_accumulation_steps()
     for b, n in layouts:
-        x, y = _data(n)
-        model = _model()
+        x, y = regression_data(n)
+        model = tiny_model()
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=b)
         model, opt, loader = ud.prepare(model, opt, loader)
@@ -300,7 +234,7 @@ def short_last_accumulation_window_matches_single_process():
 
 @check("accum")
 def accumulation_steps_only_every_kth_microstep():
-    model = _model()
+    model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = ud.prepare(model, opt)
     synced, stepped = [], []
@@ -318,7 +252,7 @@ def accumulation_steps_only_every_kth_microstep():
 
 @check("core")
 def scheduler_drives_the_prepared_optimizer_after_load_state_dict():
-    model = _model()
+    model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
     model, sched, opt = ud.prepare(model, sched, opt)  # scheduler given before its optimizer
@@ -359,24 +293,6 @@ def train_loader_shards_disjoint_cover_and_reshuffle():
 
 
 @check("core")
-def eval_loader_gather_for_metrics_counts_each_sample_once():
-    w = ud.world_size()
-    for n, b in ((23, 4), (7, 5), (1, 2), (16, 2)):
-        ds = torch.utils.data.TensorDataset(torch.arange(n), torch.arange(n) * 2)
-        loader = ud.prepare(torch.utils.data.DataLoader(ds, batch_size=b))
-        rows, plain_rows = [], 0
-        for idx, doubled in loader:
-            got = ud.gather_for_metrics({"idx": idx, "twice": doubled})
-            plain_rows += ud.all_gather(idx).shape[0]
-            rows.append(got)
-        idx = torch.cat([g["idx"] for g in rows])
-        twice = torch.cat([g["twice"] for g in rows])
-        assert idx.tolist() == list(range(n)), (n, b, idx.tolist())
-        assert torch.equal(twice, idx * 2)
-        assert n <= plain_rows <= n + w - 1, (n, plain_rows)  # padding only evens out the last step
-
-
-@check("core")
 def loader_state_resumes_mid_epoch():
     n, b = 20, 2
     ds = torch.utils.data.TensorDataset(torch.arange(n))
@@ -404,7 +320,8 @@ def _deterministic_model():
 
 
 @check("core")
-def save_load_round_trip_and_cross_backend(out_dir):
+def save_load_round_trip_and_cross_backend(ctx):
+    out_dir = ctx.out
     model = _deterministic_model()
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model, opt = ud.prepare(model, opt)
@@ -436,10 +353,10 @@ def save_load_round_trip_and_cross_backend(out_dir):
 @check("bf16")
 def bf16_autocast_trains_on_cpu():
     assert ud.mixed_precision() == "bf16"
-    model = _model()
+    model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = ud.prepare(model, opt)
-    x, y = _data(8)
+    x, y = regression_data(8)
     with ud.accumulate(model):
         with ud.autocast():
             hidden = ud.unwrap(model)[0](x)
@@ -484,9 +401,10 @@ def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=N
     ud.init(gradient_accumulation_steps=2 if suite == "accum" else 1,
             mixed_precision="bf16" if suite == "bf16" else None)
     results = {}
+    context = contract.Context(out=out)
     for fn in CHECKS[suite]:
         try:
-            fn(out) if fn.__code__.co_argcount else fn()
+            fn(context) if fn.__code__.co_argcount else fn()
             results[fn.__name__] = "ok"
         except Exception as exc:  # recorded for pytest to report per check
             results[fn.__name__] = "FAIL: " + "".join(traceback.format_exception_only(type(exc), exc)).strip() \

@@ -14,8 +14,9 @@ import sysconfig
 from typing import Any, Dict, List, Mapping, Optional
 
 from . import launch
+from ..registry import SPECS
 
-PACKAGES = ("unified_dist", "torch", "accelerate", "horovod", "transformers", "datasets")
+PACKAGES = ("unified_dist", *(spec.library for spec in SPECS.values() if spec.library), "transformers", "datasets")
 NOT_INSTALLED = "not installed"
 
 
@@ -41,7 +42,8 @@ def _backend_status(ok: bool, detail: str, fix: Optional[str], backend: str,
 
 
 # ---------------------------------------------------------------------- backends
-def _probe_torch(environ: Mapping[str, str]) -> Dict[str, Any]:
+# Each backend's probe (named by its spec in unified_dist.registry): environ -> the status dict.
+def probe_torch(environ: Mapping[str, str]) -> Dict[str, Any]:
     import torch.distributed as dist
 
     fix = "install a torch build with distributed support in this environment (`make setup`)"
@@ -54,8 +56,8 @@ def _probe_torch(environ: Mapping[str, str]) -> Dict[str, Any]:
     return _backend_status(True, f"torch.distributed ({', '.join(groups)})", None, "torch", environ)
 
 
-def _probe_accelerate(environ: Mapping[str, str]) -> Dict[str, Any]:
-    fix = launch.INSTALL_FIX["accelerate"]
+def probe_accelerate(environ: Mapping[str, str]) -> Dict[str, Any]:
+    fix = SPECS["accelerate"].install_fix
     try:
         import accelerate
     except ImportError as exc:
@@ -72,8 +74,8 @@ def _horovod_import():
     return hvd, None
 
 
-def _probe_horovod(environ: Mapping[str, str]) -> Dict[str, Any]:
-    fix = launch.INSTALL_FIX["horovod"]
+def probe_horovod(environ: Mapping[str, str]) -> Dict[str, Any]:
+    fix = SPECS["horovod"].install_fix
     hvd, exc = _horovod_import()
     if hvd is None:
         detail = NOT_INSTALLED if _version("horovod") == NOT_INSTALLED else f"import failed ({_first_line(exc)})"
@@ -86,7 +88,9 @@ def _probe_horovod(environ: Mapping[str, str]) -> Dict[str, Any]:
                            None, "horovod", environ)
 
 
-_PROBES = {"torch": _probe_torch, "accelerate": _probe_accelerate, "horovod": _probe_horovod}
+def probe_single(environ: Mapping[str, str]) -> Dict[str, Any]:
+    """Plain ``python``: always there."""
+    return {"ok": True, "detail": "one plain process (no launcher)", "launcher": sys.executable, "fix": None}
 
 
 def horovod_build() -> Optional[Dict[str, Dict[str, bool]]]:
@@ -148,9 +152,7 @@ def detection(environ: Mapping[str, str], cuda: bool) -> Dict[str, Any]:
 
 def collect(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
     """Everything ``unified-dist env`` reports, as one JSON-ready dict."""
-    backends = {name: probe(environ) for name, probe in _PROBES.items()}
-    backends["single"] = {"ok": True, "detail": "one plain process (no launcher)", "launcher": sys.executable,
-                          "fix": None}
+    backends = {name: spec.load("probe")(environ) for name, spec in SPECS.items()}
     machine = hardware()
     chosen = detection(environ, machine["cuda_available"])
     problems: List[str] = [f"{name}: {info['detail']}; fix: {info['fix']}"

@@ -13,21 +13,18 @@ import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
+from typing import Dict, List, Mapping, NoReturn, Optional, Tuple
 
 from .errors import UsageError
+from ..registry import LAUNCHED, SPECS
 
-BACKENDS: Tuple[str, ...] = ("torch", "accelerate", "horovod")
+BACKENDS: Tuple[str, ...] = LAUNCHED
 """Backends that have a multi-process launcher (``single`` is plain ``python script.py``)."""
 
-LAUNCHER_OF: Dict[str, str] = {"torch": "torchrun", "accelerate": "accelerate", "horovod": "horovodrun"}
+LAUNCHER_OF: Dict[str, str] = {name: SPECS[name].launcher for name in BACKENDS}
+"""Each backend's launcher command (from :data:`unified_dist.registry.SPECS`)."""
 
-INSTALL_FIX: Dict[str, str] = {
-    "torch": "torchrun ships with torch: reinstall it in this environment (`make setup`)",
-    "accelerate": "install it with `pip install unified_dist[accelerate]` (or `make setup`)",
-    "horovod": ("build it against this torch with `make setup` "
-                "(tools/build_horovod.sh: horovod 0.28.1 patched to C++17)"),
-}
+INSTALL_FIX: Dict[str, str] = {name: SPECS[name].install_fix for name in BACKENDS}
 """How to get each backend's library and launcher, for error messages and ``unified-dist env``."""
 
 MIXED_PRECISION_MODES: Tuple[str, ...] = ("no", "bf16", "fp16")
@@ -88,7 +85,7 @@ def build(plan: Plan, cuda: bool = False, environ: Mapping[str, str] = os.enviro
     if plan.mixed_precision is not None and plan.mixed_precision not in MIXED_PRECISION_MODES:
         raise UsageError(
             f"unknown mixed precision {plan.mixed_precision!r}; use one of {', '.join(MIXED_PRECISION_MODES)}")
-    return _BUILDERS[plan.backend](plan, cuda, environ)
+    return SPECS[plan.backend].load("command")(plan, cuda, environ)
 
 
 def _multi_node_address(plan: Plan) -> Tuple[str, int]:
@@ -114,7 +111,8 @@ def _precision_env(plan: Plan) -> Dict[str, str]:
     return {ENV_MIXED_PRECISION: plan.mixed_precision} if plan.mixed_precision else {}
 
 
-def _torchrun(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
+def torchrun_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
+    """torch's command: ``torchrun --standalone`` on one node, a static rendezvous on several."""
     if plan.nnodes == 1:
         # --standalone picks a free rendezvous port itself, so --master-port is not needed here.
         layout = ["--standalone", "--nproc_per_node", str(plan.nproc)]
@@ -126,7 +124,8 @@ def _torchrun(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
     return Command(argv, {**_precision_env(plan), **_socket_env(plan, cuda)})
 
 
-def _accelerate(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
+def accelerate_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
+    """accelerate's command: ``accelerate launch`` with every setting its config file would hold."""
     total = plan.nproc * plan.nnodes
     # --multi_gpu is what starts a real multi-process job, also on a CPU-only machine (then
     # over gloo); without it each process believes it is alone.
@@ -160,7 +159,8 @@ def parse_hosts(text: str, default_slots: int) -> List[Tuple[str, int]]:
     return hosts
 
 
-def _horovodrun(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
+def horovodrun_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
+    """horovod's command: ``horovodrun --gloo`` once, on the first host, which reaches the others over ssh."""
     if plan.hosts:
         hosts = parse_hosts(plan.hosts, plan.nproc)
         if plan.nnodes > 1 and plan.nnodes != len(hosts):
@@ -179,11 +179,6 @@ def _horovodrun(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
         args += ["--network-interface", plan.network_interface]
     argv = ("horovodrun", *args, _python_name(), plan.script, *plan.script_args)
     return Command(argv, _precision_env(plan))
-
-
-_BUILDERS: Dict[str, Callable[[Plan, bool, Mapping[str, str]], Command]] = {
-    "torch": _torchrun, "accelerate": _accelerate, "horovod": _horovodrun,
-}
 
 
 # ---------------------------------------------------------------------- this machine
@@ -236,7 +231,8 @@ def run(command: Command) -> NoReturn:
 def add_arguments(parser) -> None:
     """The ``launch`` subcommand's options."""
     parser.add_argument("--backend", required=True, choices=BACKENDS,
-                        help="torch (torchrun), accelerate (accelerate launch) or horovod (horovodrun)")
+                        help="the backend, started by its launcher: "
+                        + ", ".join(f"{name} ({LAUNCHER_OF[name]})" for name in BACKENDS))
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="processes per node (default 1)")
     parser.add_argument("--nnodes", type=int, default=1, metavar="M", help="number of nodes (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank (torch, accelerate)")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, NoReturn, Optional
+from typing import List, NoReturn, Optional, Tuple
 
-from . import env_report, launch, selftest
+from . import env_report, launch, parity, selftest
 from .errors import UsageError
 
 PROG = "unified-dist"
@@ -15,6 +15,7 @@ SUBCOMMANDS = (
     ("env", env_report, "report versions, working backends, Horovod's build, devices, and what would run here"),
     ("launch", launch, "run a script under torchrun, accelerate launch or horovodrun with the right flags"),
     ("test", selftest, "self-test every collective and a training step under each installed launcher"),
+    ("parity", parity, "run one training script under several launchers and compare their metrics step by step"),
 )
 
 
@@ -27,7 +28,8 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog=PROG, description="One command line for torch.distributed, Accelerate and Horovod.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{env,launch,test}")
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     metavar="{" + ",".join(name for name, _, _ in SUBCOMMANDS) + "}")
     for name, module, summary in SUBCOMMANDS:
         sub = commands.add_parser(name, help=summary, description=summary)
         module.add_arguments(sub)
@@ -35,9 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split_script_args(argv: List[str]) -> Tuple[List[str], Optional[List[str]]]:
+    """(what argparse reads, the words after the first ``--``) for a subcommand whose module sets
+    ``SCRIPT_ARGS_AFTER_DASHES``: they belong to its script, however much they look like options."""
+    modules = {name: module for name, module, _ in SUBCOMMANDS}
+    if not argv or not getattr(modules.get(argv[0]), "SCRIPT_ARGS_AFTER_DASHES", False):
+        return argv, None
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of the ``unified-dist`` console script; returns the exit status."""
+    argv, script_args = _split_script_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if script_args is not None:
+        args.script_args = script_args
     try:
         return args.handler(args)
     except UsageError as exc:

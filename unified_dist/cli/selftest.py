@@ -25,11 +25,11 @@ from . import launch
 from .errors import UsageError
 from ..detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
 from ..net import free_port
+from ..registry import SPECS
 
 WORKER = Path(__file__).with_name("selftest_worker.py")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT_S = 240.0
-_LIBRARY = {"torch": "torch", "accelerate": "accelerate", "horovod": "horovod"}
 
 
 @dataclass
@@ -58,7 +58,9 @@ class BackendRun:
 
 def installed(backend: str) -> bool:
     """The backend's library and its launcher are present (whether they work is what the test finds out)."""
-    return importlib.util.find_spec(_LIBRARY[backend]) is not None and launch.find_launcher(backend) is not None
+    library = SPECS[backend].library
+    has_library = library is None or importlib.util.find_spec(library) is not None
+    return has_library and launch.find_launcher(backend) is not None
 
 
 def choose_backends(requested: Optional[Sequence[str]]) -> List[str]:
@@ -108,7 +110,7 @@ def kill_tree(pid: int) -> None:
 
 def _rows(backend: str, out: Path, nproc: int, finished: bool) -> List[Row]:
     """Merge the ranks' result files: a check passes only if every rank passed it."""
-    from .selftest_worker import CHECKS
+    from .contract import CHECKS
 
     ranks: Dict[int, Dict] = {}
     for r in range(nproc):
@@ -116,7 +118,7 @@ def _rows(backend: str, out: Path, nproc: int, finished: bool) -> List[Row]:
         if path.exists():
             ranks[r] = json.loads(path.read_text())["checks"]
     rows = []
-    for name in ["init", *(n for n, _ in CHECKS)]:
+    for name in ["init", *(check.__name__ for check in CHECKS)]:
         per_rank = {r: checks.get(name) for r, checks in ranks.items()}
         failures = [f"rank {r}: {c['error']}" for r, c in per_rank.items() if c and c["status"] == "fail"]
         running = [r for r, c in per_rank.items() if c and c["status"] == "running"]
@@ -189,7 +191,7 @@ def table(rows: Sequence[Row]) -> str:
 def add_arguments(parser) -> None:
     """The ``test`` subcommand's options."""
     parser.add_argument("--backend", action="append", metavar="NAME",
-                        help="torch, accelerate or horovod; repeat or comma-separate (default: every installed one)")
+                        help=f"{', '.join(launch.BACKENDS)}; repeat or comma-separate (default: every installed one)")
     parser.add_argument("--nproc", type=int, default=2, metavar="N", help="processes per launch (default 2)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
                         help=f"seconds per launch before its processes are killed (default {DEFAULT_TIMEOUT_S:g})")

@@ -1,0 +1,95 @@
+"""Every backend unified_dist knows, described once: :data:`SPECS`.
+
+Everything that used to keep its own table of backend names reads this module: the facade
+(:func:`unified_dist.backends.backend_class`), detection (:data:`unified_dist.detection.BACKENDS`),
+``ud.launch`` (:mod:`unified_dist.spawn`), the command line (``launch``, ``env``, ``test``,
+``parity``), the benchmarks and the tests' launcher table.
+
+Importing this module is free: it imports nothing but the standard library. The code a spec
+names (its Backend class, launch-command builder, environment probe, ``ud.launch`` starter) is
+written as ``"module:attribute"`` and imported only by :meth:`BackendSpec.load`, when used, so
+listing Horovod here never imports Horovod.
+
+Adding a backend: a spec here, its Backend subclass, and in :mod:`unified_dist.detection` the
+source that recognises its launcher's variables. Its builder, probe and starter may live in
+the backend's own module; the spec names them.
+"""
+from __future__ import annotations
+
+import pkgutil
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What one backend is.
+
+    ``name`` is what ``init(backend=...)``, ``UNIFIED_DIST_BACKEND`` and ``--backend`` accept.
+    ``backend_class`` is the :class:`~unified_dist.backends.Backend` subclass that drives it.
+    ``library`` is the import (and distribution) name of the package it needs (``None``: torch
+    alone is enough and nothing is probed separately). ``launcher`` is the command that starts it
+    on several processes and also what ``ud.launcher()`` reports for it (``None``: plain
+    ``python``, one process). ``install_fix`` says how to get library and launcher.
+    ``launcher_keys`` are variables only its launcher sets (detection reads them);
+    ``variable_prefix`` starts every variable its launcher exports (a job started from inside
+    such a process must not inherit them). ``command`` builds its native launch command
+    (``(Plan, cuda, environ) -> Command``, see :mod:`unified_dist.cli.launch`); ``probe`` reports
+    whether it works here (``environ -> dict``, see :mod:`unified_dist.cli.env_report`); ``start``
+    starts ``ud.launch``'s workers (see :mod:`unified_dist.spawn`). The last three are
+    ``"module:attribute"`` references.
+    """
+
+    name: str
+    backend_class: str
+    probe: str
+    library: Optional[str] = None
+    launcher: Optional[str] = None
+    install_fix: str = ""
+    launcher_keys: Tuple[str, ...] = ()
+    variable_prefix: Optional[str] = None
+    command: Optional[str] = None
+    start: Optional[str] = None
+
+    def load(self, field: str) -> Any:
+        """The object the ``field`` reference (e.g. ``"command"``) names, imported now."""
+        reference = getattr(self, field)
+        if reference is None:
+            raise LookupError(f"backend {self.name!r} has no {field}")
+        return pkgutil.resolve_name(reference)
+
+
+_CLI = "unified_dist.cli"
+SPECS: Dict[str, BackendSpec] = {spec.name: spec for spec in (
+    BackendSpec(
+        name="torch", backend_class="unified_dist.backends.torch_ddp:TorchBackend", library="torch",
+        launcher="torchrun", launcher_keys=("TORCHELASTIC_RUN_ID",), variable_prefix="TORCHELASTIC_",
+        install_fix="torchrun ships with torch: reinstall it in this environment (`make setup`)",
+        command=f"{_CLI}.launch:torchrun_command", probe=f"{_CLI}.env_report:probe_torch",
+        start="unified_dist.spawn:start_torch"),
+    BackendSpec(
+        name="accelerate", backend_class="unified_dist.backends.accelerate_backend:AccelerateBackend",
+        library="accelerate", launcher="accelerate", variable_prefix="ACCELERATE_",
+        launcher_keys=("ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU", "ACCELERATE_DYNAMO_BACKEND"),
+        install_fix="install it with `pip install unified_dist[accelerate]` (or `make setup`)",
+        command=f"{_CLI}.launch:accelerate_command", probe=f"{_CLI}.env_report:probe_accelerate",
+        start="unified_dist.spawn:start_torch"),
+    BackendSpec(
+        name="horovod", backend_class="unified_dist.backends.horovod_backend:HorovodBackend", library="horovod",
+        launcher="horovodrun", launcher_keys=("HOROVOD_RANK", "HOROVOD_SIZE"), variable_prefix="HOROVOD_",
+        install_fix=("build it against this torch with `make setup` "
+                     "(tools/build_horovod.sh: horovod 0.28.1 patched to C++17)"),
+        command=f"{_CLI}.launch:horovodrun_command", probe=f"{_CLI}.env_report:probe_horovod",
+        start="unified_dist.spawn:start_horovod"),
+    BackendSpec(
+        name="single", backend_class="unified_dist.backends.single:SingleProcessBackend",
+        probe=f"{_CLI}.env_report:probe_single"),
+)}
+"""Every backend, in the order users see them listed (``torch, accelerate, horovod, single``)."""
+
+NAMES: Tuple[str, ...] = tuple(SPECS)
+"""Every backend name ``init(backend=...)`` accepts."""
+
+LAUNCHED: Tuple[str, ...] = tuple(name for name, spec in SPECS.items() if spec.launcher)
+"""Backends with a multi-process launcher (``single`` is plain ``python script.py``)."""
+
