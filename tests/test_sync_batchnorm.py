@@ -53,9 +53,11 @@ def _run_ranks(sizes: List[int], momentum, steps: int = 2):
     results: List[dict] = [{} for _ in sizes]
     errors: List[BaseException] = []
 
+    models = [convert(_model(momentum), portable_from) for _ in sizes]  # here: the global RNG is not thread-safe
+
     def rank_main(rank: int) -> None:
         try:
-            model = convert(_model(momentum), portable_from)
+            model = models[rank]
             for layer in model.modules():
                 if isinstance(layer, SyncBatchNorm):
                     layer.gather = lambda t, r=rank: comm.gather(r, t)
