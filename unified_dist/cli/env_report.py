@@ -14,6 +14,7 @@ import sysconfig
 from typing import Any, Dict, List, Mapping, Optional
 
 from . import launch
+from ..errors import summary as _first_line
 
 PACKAGES = ("unified_dist", "torch", "accelerate", "horovod", "transformers", "datasets")
 NOT_INSTALLED = "not installed"
@@ -24,11 +25,6 @@ def _version(package: str) -> str:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return NOT_INSTALLED
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 def _backend_status(ok: bool, detail: str, fix: Optional[str], backend: str,
