@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, NoReturn, Optional, Tuple
 
+from ..net import DEFAULT_MASTER_PORT
+from ..precision import ENV_VAR as ENV_MIXED_PRECISION, MODES as MIXED_PRECISION_MODES
 from .errors import UsageError
 
 BACKENDS: Tuple[str, ...] = ("torch", "accelerate", "horovod")
@@ -30,9 +32,6 @@ INSTALL_FIX: Dict[str, str] = {
 }
 """How to get each backend's library and launcher, for error messages and ``unified-dist env``."""
 
-MIXED_PRECISION_MODES: Tuple[str, ...] = ("no", "bf16", "fp16")
-ENV_MIXED_PRECISION = "UNIFIED_DIST_MIXED_PRECISION"
-DEFAULT_MASTER_PORT = 29500
 
 
 @dataclass(frozen=True)
