@@ -94,5 +94,4 @@ def first_line(exc: BaseException) -> str:
 
 def summary(exc: BaseException) -> str:
     """``Type: first line`` of ``exc`` (just ``Type`` when it has no message)."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+    return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__

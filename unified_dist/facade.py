@@ -26,6 +26,7 @@ from .errors import LaunchError, NonFiniteLoss, UnifiedDistError, summary
 from .precision import resolve_mixed_precision
 from .training import GradientSync, PreparedOptimizer, PreparedScheduler
 
+
 @dataclass
 class _Session:
     """Everything one ``init`` set up; :func:`shutdown` drops it whole."""
@@ -114,7 +115,6 @@ def current_backend() -> Backend:
     """The session's backend (initialising with defaults if needed): the seam unified_dist's own
     layers (e.g. :mod:`unified_dist.elastic`) use to reach it; not part of the user API."""
     return _current().backend
-
 
 
 def shutdown() -> None:
