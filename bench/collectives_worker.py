@@ -80,7 +80,7 @@ def main():
     ud.init()
     backend = ud.backend_name()
     raw_reduce, raw_gather = raw_ops(backend)
-    session_backend = ud.facade._backend()
+    session_backend = ud.facade.current_backend()
     rows = []
     for kb in [int(s) for s in args.sizes_kb.split(",")]:
         n = kb * 1024 // 4

@@ -105,3 +105,24 @@ def test_iterable_dataset_and_batch_sampler_loaders_are_refused():
     sampler = torch.utils.data.BatchSampler(range(4), batch_size=2, drop_last=False)
     with pytest.raises(ud.UnifiedDistError, match="batch_size"):
         ud.prepare(torch.utils.data.DataLoader(list(range(4)), batch_sampler=sampler))
+
+
+def test_every_exception_class_of_the_library_is_a_unified_dist_error():
+    """Errors keep their promise: ``except ud.UnifiedDistError`` catches whatever the library defines."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    # a carrier of a worker's traceback text, only ever attached as WorkerFailed's __cause__
+    carriers = {"unified_dist.spawn.RemoteTraceback"}
+    foreign = []
+    for info in pkgutil.walk_packages(ud.__path__, "unified_dist."):
+        if info.name == "unified_dist.__main__":
+            continue
+        module = importlib.import_module(info.name)
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            qualified = f"{cls.__module__}.{cls.__qualname__}"
+            if (cls.__module__ == module.__name__ and issubclass(cls, BaseException)
+                    and not issubclass(cls, ud.UnifiedDistError) and qualified not in carriers):
+                foreign.append(qualified)
+    assert not foreign, f"exception classes that are not UnifiedDistError: {foreign}"

@@ -17,6 +17,7 @@ from typing import Any, Dict, List
 
 import torch
 
+from . import nested
 from .errors import CollectiveError
 
 _PAYLOAD = 2048
@@ -38,20 +39,10 @@ def call_site() -> str:
     return "?"
 
 
-def _leaves(x: Any) -> List[Any]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):
-        return [leaf for v in x.values() for leaf in _leaves(v)]
-    if isinstance(x, (list, tuple)):
-        return [leaf for v in x for leaf in _leaves(v)]
-    return [x]
-
-
 def signature(what: str, x: Any = None, **args: Any) -> Dict[str, Any]:
     """What this rank is about to do. ``x`` may be a nested structure; non-tensors show their type."""
     tensors = []
-    for leaf in _leaves(x) if x is not None else []:
+    for _, leaf in nested.leaves(x) if x is not None else []:
         if isinstance(leaf, torch.Tensor):
             tensors.append([str(leaf.dtype).replace("torch.", ""), list(leaf.shape)])
         else:

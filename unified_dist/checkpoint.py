@@ -17,26 +17,33 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
+from . import nested
 from .errors import CheckpointError, first_line
 
 
 def to_state(obj: Any, unwrap: Callable[[torch.nn.Module], torch.nn.Module]) -> Any:
-    """Plain, portable state: modules/optimizers/schedulers/loaders become their state dicts."""
-    if isinstance(obj, torch.nn.Module):
-        return to_state(unwrap(obj).state_dict(), unwrap)
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        items = [(k, to_state(v, unwrap)) for k, v in obj.items()]
-        keys = [k for k, _ in items]
-        if keys and all(isinstance(k, str) and k.startswith("module.") for k in keys):
-            items = [(k[len("module."):], v) for k, v in items]  # a DDP-wrapped state dict
-        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(to_state(v, unwrap) for v in obj)
-    if hasattr(obj, "state_dict") and callable(obj.state_dict):
-        return to_state(obj.state_dict(), unwrap)
-    return obj
+    """Plain, portable state: modules/optimizers/schedulers/loaders become their state dicts,
+    tensors move to the CPU, dicts become plain ``dict``/``OrderedDict`` without DDP's ``module.``."""
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.nn.Module):
+            return to_state(unwrap(value).state_dict(), unwrap)
+        if isinstance(value, torch.Tensor):
+            return value.detach().cpu()
+        if hasattr(value, "state_dict") and callable(value.state_dict):
+            return to_state(value.state_dict(), unwrap)
+        return value
+
+    return nested.map_leaves(leaf, obj, _plain)
+
+
+def _plain(container: Any, items: Any) -> Any:
+    if not isinstance(container, dict):
+        return nested.same_type(container, items)
+    keys = [k for k, _ in items]
+    if keys and all(isinstance(k, str) and k.startswith("module.") for k in keys):
+        items = [(k[len("module."):], v) for k, v in items]  # a DDP-wrapped state dict
+    return OrderedDict(items) if isinstance(container, OrderedDict) else dict(items)
 
 
 def write_atomic(state: Any, path: str) -> None:
@@ -107,10 +114,15 @@ def looks_complete(path: str) -> bool:
         return False
 
 
+def check_keep_last(keep_last: int) -> None:
+    """Raise :class:`CheckpointError` unless ``keep_last`` keeps at least one checkpoint."""
+    if keep_last < 1:
+        raise CheckpointError(f"keep_last must be >= 1, got {keep_last}; keep at least the newest checkpoint")
+
+
 def rotate(directory: str, keep_last: int, newest: str) -> None:
     """Delete all but the ``keep_last`` newest checkpoints; never ``newest`` (just written)."""
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    check_keep_last(keep_last)
     if not looks_complete(newest):
         return  # never delete older ones unless the new one is good
     listed = [path for _, path in _listed(directory)]

@@ -3,34 +3,41 @@
 - ``all_reduce(x, op)``: op in sum/mean/max/min; ``mean`` is ``sum / world_size`` everywhere
   (gloo has no AVG, Horovod averages by default, Accelerate's defaults differ: none leaks through).
 - ``all_gather(x)``: concatenation along dim 0 in rank order; dim 0 may differ between ranks.
-- Inputs are never modified; nested list/tuple/dict structures are kept.
+- Inputs are never modified; nested list/tuple/dict structures are kept (:mod:`unified_dist.nested`).
+
+This layer owns each group's :class:`~unified_dist.uneven_gather.UnevenGather` (its capacity is
+state shared by every gather of the group), used where the backend has no native uneven gather.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, List
 
 import torch
 
-from . import checkmode
-from .backends.base import Backend
-from .errors import CollectiveError, UnifiedDistError
+from . import checkmode, nested
+from .backends.base import REDUCE_OPS, Backend
+from .errors import CollectiveError, CollectiveTimeout, ShapeMismatch, UnifiedDistError, collective_timeout
+from .uneven_gather import UnevenGather, shape_mismatch_error
 
-REDUCE_OPS = ("sum", "mean", "max", "min")
+_GATHERERS: "weakref.WeakKeyDictionary[Backend, UnevenGather]" = weakref.WeakKeyDictionary()
 
 
-def map_tensors(x: Any, fn: Callable[[torch.Tensor], Any], what: str, path: str = "x") -> Any:
-    """Apply ``fn`` to every tensor in a nested list/tuple/dict; anything else is an error."""
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, dict):
-        return type(x)((k, map_tensors(v, fn, what, f"{path}[{k!r}]")) for k, v in x.items())
-    if isinstance(x, (list, tuple)):
-        items = [map_tensors(v, fn, what, f"{path}[{i}]") for i, v in enumerate(x)]
-        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-    raise CollectiveError(
-        f"{what} expects a tensor or a nested list/tuple/dict of tensors, but {path} is "
-        f"{type(x).__name__}; wrap numbers with torch.tensor(...)")
+def map_each(x: Any, fn: Callable[[torch.Tensor], Any], what: str) -> Any:
+    """Apply ``fn`` to every tensor in a nested list/tuple/dict; any other leaf is a :class:`CollectiveError`."""
+    validate(x, what)
+    return nested.map_tensors(fn, x)
+
+
+def validate(x: Any, what: str) -> None:
+    """Raise the one-line :class:`CollectiveError` when ``x`` holds anything but tensors."""
+    bad = nested.first_non_tensor(x)
+    if bad is not None:
+        path, leaf = bad
+        raise CollectiveError(
+            f"{what} expects a tensor or a nested list/tuple/dict of tensors, but {path} is "
+            f"{type(leaf).__name__}; wrap numbers with torch.tensor(...)")
 
 
 def _private_copy(backend: Backend, t: torch.Tensor) -> torch.Tensor:
@@ -41,11 +48,16 @@ def _private_copy(backend: Backend, t: torch.Tensor) -> torch.Tensor:
 @contextlib.contextmanager
 def guarded(backend: Backend, what: str, checked: Any = None, **args: Any) -> Iterator[None]:
     """Run one collective: compare signatures first in check mode; the backend turns its library's
-    errors for hangs and lost peers into :class:`CollectiveTimeout` and :class:`PeerLost`."""
+    errors for hangs and lost peers into :class:`CollectiveTimeout` and :class:`PeerLost`
+    (:meth:`Backend.translate_error`); a timeout the backend raised itself gets ``what``'s name."""
     if backend.config.debug:
         checkmode.verify(backend, checkmode.signature(what, checked, **args))
     try:
         yield
+    except CollectiveTimeout as exc:
+        if exc.collective is not None:
+            raise
+        raise collective_timeout(what, backend.rank, int(backend.config.timeout.total_seconds()), exc) from exc
     except UnifiedDistError:
         raise
     except Exception as exc:
@@ -68,8 +80,7 @@ def all_reduce(backend: Backend, x: Any, op: str = "mean") -> Any:
     """
     if op not in REDUCE_OPS:
         raise CollectiveError(f"unknown all_reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
-    if not isinstance(x, torch.Tensor):
-        map_tensors(x, lambda t: t, "all_reduce")  # validate before any rank communicates
+    validate(x, "all_reduce")  # before any rank communicates
 
     def reduce_one(t: torch.Tensor) -> torch.Tensor:
         work = _private_copy(backend, t)
@@ -84,7 +95,7 @@ def all_reduce(backend: Backend, x: Any, op: str = "mean") -> Any:
         return out.to(torch.bool) if was_bool and op != "sum" else out
 
     with guarded(backend, "all_reduce", x, op=op):
-        return map_tensors(x, reduce_one, "all_reduce")
+        return nested.map_tensors(reduce_one, x)
 
 
 def all_gather(backend: Backend, x: Any, what: str = "all_gather") -> Any:
@@ -93,9 +104,26 @@ def all_gather(backend: Backend, x: Any, what: str = "all_gather") -> Any:
     Dim 0 may differ between ranks; the other dims and the dtype must match, else every rank
     raises a :class:`CollectiveError` naming each rank's shape.
     """
-    map_tensors(x, lambda t: t, "all_gather")
+    validate(x, "all_gather")
     with guarded(backend, what, x):
-        return map_tensors(x, lambda t: _gather_one(backend, t), what)
+        return nested.map_tensors(lambda t: _gather_one(backend, t), x)
+
+
+def _uneven(backend: Backend) -> UnevenGather:
+    """The group's gatherer over :meth:`Backend.all_gather_equal` and :meth:`Backend.broadcast_`."""
+    gatherer = _GATHERERS.get(backend)
+    if gatherer is None:
+        gatherer = _GATHERERS[backend] = UnevenGather(backend.all_gather_equal, backend.broadcast_, backend.rank)
+    return gatherer
+
+
+def _native_uneven(backend: Backend, tensor: torch.Tensor) -> torch.Tensor:
+    """The backend's own uneven gather; its shape mismatch becomes the message naming every rank's shape."""
+    try:
+        return backend.all_gather_uneven(tensor)
+    except ShapeMismatch:
+        pass
+    raise shape_mismatch_error(backend.all_gather_equal, tensor)  # every rank failed: all exchange headers
 
 
 def _gather_one(backend: Backend, t: torch.Tensor) -> torch.Tensor:
@@ -104,15 +132,23 @@ def _gather_one(backend: Backend, t: torch.Tensor) -> torch.Tensor:
         work = work.reshape(1)
     if backend.world_size == 1:
         return work.clone()
-    return backend.all_gather_uneven(work)
+    return _native_uneven(backend, work) if backend.gathers_uneven else _uneven(backend)(work)
 
 
-def broadcast(backend: Backend, obj: Any, src: int = 0) -> Any:
+def _gather_parts(backend: Backend, tensor: torch.Tensor) -> List[torch.Tensor]:
+    """Every rank's ``tensor`` (1-d or more; dim 0 may differ) in rank order."""
+    if not backend.gathers_uneven:
+        return _uneven(backend).parts(tensor)
+    lengths = backend.all_gather_equal(torch.tensor([tensor.shape[0]], dtype=torch.int64))
+    return list(torch.split(_native_uneven(backend, tensor), lengths.reshape(-1).tolist()))
+
+
+def broadcast(backend: Backend, obj: Any, src: int = 0, what: str = "broadcast") -> Any:
     """Rank ``src``'s value on every rank: a tensor (same shape/dtype on all ranks) or any picklable object."""
     if not 0 <= src < backend.world_size:
-        raise CollectiveError(f"broadcast src={src} is not a rank; use 0 .. {backend.world_size - 1}")
+        raise CollectiveError(f"{what} src={src} is not a rank; use 0 .. {backend.world_size - 1}")
     is_tensor = isinstance(obj, torch.Tensor)
-    with guarded(backend, "broadcast", obj if is_tensor else None, src=src, tensor=is_tensor):
+    with guarded(backend, what, obj if is_tensor else None, src=src, tensor=is_tensor):
         if is_tensor:
             return backend.broadcast_(_private_copy(backend, obj), src)
         return backend.broadcast_object(obj, src)
@@ -126,4 +162,4 @@ def all_gather_object(backend: Backend, obj: Any) -> List[Any]:
         if backend.world_size == 1:
             return [pickle.loads(pickle.dumps(obj))]
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(backend.device)
-        return [pickle.loads(part.cpu().numpy().tobytes()) for part in backend.all_gather_parts(payload)]
+        return [pickle.loads(part.cpu().numpy().tobytes()) for part in _gather_parts(backend, payload)]

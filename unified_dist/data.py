@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
+from . import nested
 from .errors import UnifiedDistError
 
 
@@ -112,15 +113,12 @@ class LoaderStack:
 
 
 def _move(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor, and every leaf with a ``.to`` (``BatchEncoding``), on ``device``."""
     if device.type == "cpu":
         return batch
-    if isinstance(batch, torch.Tensor) or (hasattr(batch, "to") and not isinstance(batch, (dict, list, tuple))):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return type(batch)((k, _move(v, device)) for k, v in batch.items())
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_move(v, device) for v in batch)
-    return batch
+    return nested.map_leaves(
+        lambda leaf: leaf.to(device, non_blocking=True) if isinstance(leaf, torch.Tensor) or hasattr(leaf, "to")
+        else leaf, batch)
 
 
 class PreparedDataLoader:

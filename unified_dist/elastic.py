@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from . import facade, rng
+from . import facade, nested, rng
 
 _OWN = ("_objects", "_values", "checkpoint_dir", "keep_last", "restored_from", "backend_state")
 
@@ -106,7 +106,7 @@ class ElasticState:
 
     def commit(self) -> None:
         """Make the current state the one a failure rolls back to. Every rank calls it."""
-        facade._backend().elastic_commit(self)
+        facade.current_backend().elastic_commit(self)
 
 
 def elastic_run(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -114,16 +114,13 @@ def elastic_run(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(state: ElasticState, *args: Any, **kwargs: Any) -> Any:
-        return facade._backend().elastic_run(fn, state, *args, **kwargs)
+        return facade.current_backend().elastic_run(fn, state, *args, **kwargs)
 
     return wrapper
 
 
 def _cpu_copy(state: Any) -> Any:
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return type(state)((k, _cpu_copy(v)) for k, v in state.items())
-    if isinstance(state, (list, tuple)):
-        return type(state)(_cpu_copy(v) for v in state)
-    return copy.deepcopy(state)
+    """A deep copy of ``state`` whose tensors are detached copies on the CPU."""
+    return nested.map_leaves(
+        lambda leaf: leaf.detach().to("cpu", copy=True) if isinstance(leaf, torch.Tensor) else copy.deepcopy(leaf),
+        state)

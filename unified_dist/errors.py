@@ -1,4 +1,9 @@
-"""Errors raised by unified_dist. Each message is one line that names the fix."""
+"""Errors raised by unified_dist. Each message is one line that names the fix.
+
+Every exception class the library defines derives from :class:`UnifiedDistError`
+(``tests/test_errors.py`` checks it).
+"""
+from typing import Optional
 
 
 class UnifiedDistError(RuntimeError):
@@ -13,6 +18,11 @@ class CollectiveError(UnifiedDistError, ValueError):
     """A collective got input it cannot honour (wrong type, op, or shapes that differ across ranks)."""
 
 
+class ShapeMismatch(CollectiveError):
+    """A backend's native uneven gather refused tensors whose trailing dims or dtypes differ; the
+    collectives layer replaces it with the message naming every rank's shape."""
+
+
 class PrecisionError(UnifiedDistError, ValueError):
     """A mixed-precision mode this device cannot run."""
 
@@ -22,7 +32,13 @@ class CheckpointError(UnifiedDistError):
 
 
 class CollectiveTimeout(UnifiedDistError, TimeoutError):
-    """A collective did not complete within ``init(timeout=...)``."""
+    """A collective did not complete within ``init(timeout=...)``.
+
+    ``collective`` names it; ``None`` when a backend that keeps its own deadline raised it from a
+    primitive (:func:`deadline_passed`): the collectives layer then names it.
+    """
+
+    collective: Optional[str] = "?"
 
 
 class PeerLost(UnifiedDistError, ConnectionError):
@@ -47,12 +63,21 @@ class WorkerFailed(UnifiedDistError):
         self.remote_traceback = remote_traceback
 
 
+def deadline_passed(seconds: float) -> CollectiveTimeout:
+    """What a backend raises when its own wait outlives the timeout (the collective not yet named)."""
+    exc = CollectiveTimeout(f"timed out after {seconds:.0f}s waiting for the other ranks")
+    exc.collective = None
+    return exc
+
+
 def collective_timeout(what: str, rank: int, seconds: int, cause: BaseException) -> CollectiveTimeout:
     """The one-line error of a collective ``what`` that outlived the timeout on ``rank``."""
-    return CollectiveTimeout(
+    exc = CollectiveTimeout(
         f"{what} timed out after {seconds}s on rank {rank}: another rank is stuck, dead or calling a "
         f"different collective ({first_line(cause)[:200]}); rerun with UNIFIED_DIST_DEBUG=1 to compare "
         "collectives across ranks")
+    exc.collective = what
+    return exc
 
 
 def peer_lost_message(what: str, rank: int, cause: BaseException) -> str:
@@ -65,3 +90,8 @@ def first_line(exc: BaseException) -> str:
     """The first line of ``exc``'s message, or its type's name when it has none."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def summary(exc: BaseException) -> str:
+    """``Type: first line`` of ``exc`` (just ``Type`` when it has no message)."""
+    return f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__

@@ -19,17 +19,18 @@ import torch
 
 from . import checkpoint, collectives, live, rng
 from .backends import Backend, Config, backend_class
+from .backends.base import DEFAULT_TIMEOUT_S
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
-from .errors import LaunchError, NonFiniteLoss, UnifiedDistError
+from .errors import LaunchError, NonFiniteLoss, UnifiedDistError, summary
 from .precision import resolve_mixed_precision
 from .training import GradientSync, PreparedOptimizer, PreparedScheduler
-
-DEFAULT_TIMEOUT_S = 600.0
 
 
 @dataclass
 class _Session:
+    """Everything one ``init`` set up; :func:`shutdown` drops it whole."""
+
     backend: Backend
     detection: Detection
     sync: GradientSync
@@ -37,10 +38,13 @@ class _Session:
     optimizers: List[PreparedOptimizer] = field(default_factory=list)
     prepared_from: dict = field(default_factory=dict)  # id(user's optimizer) -> PreparedOptimizer
     check_finite: bool = True
+    seed: int = 0  # the loaders' shuffle seed (seed_everything)
+    failed: bool = False  # an exception reached the top of the program (see _note_failure)
 
 
 _session: Optional[_Session] = None
-_seed: int = 0
+_hooks_installed = False
+_previous_excepthook: Any = None
 
 
 def _env_flag(name: str) -> bool:
@@ -97,9 +101,7 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     loaders = LoaderStack()
     _session = _Session(instance, detection, GradientSync(instance, loaders), loaders,
                         check_finite=os.environ.get("UNIFIED_DIST_CHECK_FINITE", "1") != "0")
-    atexit.register(_shutdown_at_exit)
-    if sys.excepthook is not _note_failure:
-        sys.excepthook = _note_failure
+    _install_exit_hooks()
 
 
 def _current() -> _Session:
@@ -109,7 +111,9 @@ def _current() -> _Session:
     return _session
 
 
-def _backend() -> Backend:
+def current_backend() -> Backend:
+    """The session's backend (initialising with defaults if needed): the seam unified_dist's own
+    layers (e.g. :mod:`unified_dist.elastic`) use to reach it; not part of the user API."""
     return _current().backend
 
 
@@ -121,13 +125,24 @@ def shutdown() -> None:
         session.backend.shutdown()
 
 
-_failed = False
+def _install_exit_hooks() -> None:
+    """Once per process: the ``atexit`` handler, and :func:`_note_failure` as ``sys.excepthook``
+    in front of the hook current now. A hook the user installs later replaces ours and is kept."""
+    global _hooks_installed, _previous_excepthook
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_shutdown_at_exit)
+    _previous_excepthook = sys.excepthook
+    sys.excepthook = _note_failure
 
 
-def _note_failure(exc_type: Any, exc: Any, tb: Any, _previous: Any = sys.excepthook) -> None:
-    global _failed
-    _failed = True
-    _previous(exc_type, exc, tb)
+def _note_failure(exc_type: Any, exc: Any, tb: Any) -> None:
+    """Mark the session failed (so :func:`_shutdown_at_exit` frees nothing), then call the hook
+    that was ``sys.excepthook`` when ours was installed."""
+    if _session is not None:
+        _session.failed = True
+    (_previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
 
 
 def _shutdown_at_exit() -> None:
@@ -137,7 +152,7 @@ def _shutdown_at_exit() -> None:
     Skipped after an uncaught exception: a reducer with a collective still pending on a lost
     peer cannot be freed, and the launcher must see this process end.
     """
-    if _session is not None and not _failed:
+    if _session is not None and not _session.failed:
         with contextlib.suppress(Exception):
             _session.backend.leave_at_exit()
 
@@ -145,7 +160,7 @@ def _shutdown_at_exit() -> None:
 # ---------------------------------------------------------------------- identity
 def backend_name() -> str:
     """``"torch"``, ``"accelerate"``, ``"horovod"`` or ``"single"``."""
-    return _backend().name
+    return current_backend().name
 
 
 def launcher() -> str:
@@ -156,22 +171,22 @@ def launcher() -> str:
 
 def rank() -> int:
     """Global rank of this process (0 on the main process)."""
-    return _backend().rank
+    return current_backend().rank
 
 
 def local_rank() -> int:
     """Rank of this process on its machine."""
-    return _backend().local_rank
+    return current_backend().local_rank
 
 
 def world_size() -> int:
     """Number of processes in the job."""
-    return _backend().world_size
+    return current_backend().world_size
 
 
 def device() -> torch.device:
     """The device this process should compute on."""
-    return _backend().device
+    return current_backend().device
 
 
 def is_main() -> bool:
@@ -186,12 +201,12 @@ def is_local_main() -> bool:
 
 def mixed_precision() -> str:
     """The active mixed-precision mode: ``"no"``, ``"bf16"`` or ``"fp16"``."""
-    return _backend().config.mixed_precision
+    return current_backend().config.mixed_precision
 
 
 def gradient_accumulation_steps() -> int:
     """Micro-batches per optimizer step, as given to :func:`init`."""
-    return _backend().config.gradient_accumulation_steps
+    return current_backend().config.gradient_accumulation_steps
 
 
 # ---------------------------------------------------------------------- preparation
@@ -222,7 +237,7 @@ def prepare(*objs: Any) -> Any:
             out[i] = prepared
         elif isinstance(obj, torch.utils.data.DataLoader):
             out[i] = PreparedDataLoader(obj, lambda: (backend.rank, backend.world_size), backend.device,
-                                        _seed, session.loaders)
+                                        session.seed, session.loaders)
         elif _is_scheduler(obj):
             # The scheduler must drive the optimizer that steps: Horovod's DistributedOptimizer is
             # a new object, and load_state_dict() replaces param_groups, so a scheduler left on
@@ -244,7 +259,7 @@ def _is_scheduler(obj: Any) -> bool:
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The original module inside a prepared model (for saving, ``save_pretrained``, inspection)."""
-    return _backend().unwrap(model)
+    return current_backend().unwrap(model)
 
 
 # ---------------------------------------------------------------------- training
@@ -308,18 +323,19 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
 
 def autocast() -> contextlib.AbstractContextManager:
     """Autocast for the configured mixed precision (a no-op for ``"no"``)."""
-    return _backend().autocast()
+    return current_backend().autocast()
 
 
 def seed_everything(seed: int, per_rank: bool = False) -> int:
     """Seed python, numpy and torch (plus ``per_rank`` adds the rank) and the loaders' shuffling.
 
     The loaders' shuffle seed is always ``seed`` itself, so every rank agrees on the order.
-    Call it before :func:`prepare`. Returns the seed used for the RNGs.
+    Call it after :func:`init` (it initialises with defaults otherwise) and before :func:`prepare`.
+    Returns the seed used for the RNGs.
     """
-    global _seed
-    _seed = int(seed)
-    value = _seed + (rank() if per_rank else 0)
+    session = _current()
+    session.seed = int(seed)
+    value = session.seed + (session.backend.rank if per_rank else 0)
     random.seed(value)
     with contextlib.suppress(ImportError):
         import numpy
@@ -335,12 +351,12 @@ def all_reduce(x: Any, op: str = "mean") -> Any:
 
     Returns new tensors; the input is never modified. ``mean`` is sum / world size on every backend.
     """
-    return collectives.all_reduce(_backend(), x, op)
+    return collectives.all_reduce(current_backend(), x, op)
 
 
 def all_gather(x: Any) -> Any:
     """Concatenate ``x`` from every rank along dim 0 in rank order; dim 0 may differ per rank."""
-    return collectives.all_gather(_backend(), x)
+    return collectives.all_gather(current_backend(), x)
 
 
 def gather_for_metrics(x: Any) -> Any:
@@ -355,13 +371,13 @@ def gather_for_metrics(x: Any) -> Any:
     info = loader.batch_info if loader is not None else None
     if info is None or info.real == info.padded:
         return gathered
-    return collectives.map_tensors(
+    return collectives.map_each(
         gathered, lambda t: t[:info.real] if t.shape[0] == info.padded else t, "gather_for_metrics")
 
 
 def all_gather_object(obj: Any) -> List[Any]:
     """Every rank's picklable ``obj`` as a list in rank order."""
-    return collectives.all_gather_object(_backend(), obj)
+    return collectives.all_gather_object(current_backend(), obj)
 
 
 def rng_states() -> List[Any]:
@@ -382,12 +398,12 @@ def restore_rng_states(states: List[Any]) -> None:
 
 def broadcast(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s value on every rank: a tensor (new tensor returned) or any picklable object."""
-    return collectives.broadcast(_backend(), obj, src)
+    return collectives.broadcast(current_backend(), obj, src)
 
 
 def barrier() -> None:
     """Wait until every rank arrives."""
-    collectives.barrier(_backend())
+    collectives.barrier(current_backend())
 
 
 def print(*args: Any, **kwargs: Any) -> None:  # noqa: A001 - mirrors builtins.print on purpose
@@ -415,16 +431,18 @@ def save(obj: Any, path: str) -> None:
 
     Prepared models are stored unwrapped (no ``module.`` prefix); optimizers, schedulers and
     loaders as their state dicts; tensors on the CPU. A failed write raises on every rank and
-    leaves any previous file at ``path`` intact.
+    leaves any previous file at ``path`` intact. The outcome travels as a collective (``save``):
+    check mode compares it across ranks and a lost peer raises :class:`PeerLost`.
     """
-    backend = _backend()
+    backend = current_backend()
     error = None
     if backend.rank == 0:
         try:
             checkpoint.write_atomic(checkpoint.to_state(obj, backend.unwrap), path)
         except Exception as exc:  # reported on every rank below, so no rank hangs
-            error = f"{type(exc).__name__}: {exc}"
-    error = backend.broadcast_object(error, 0) if backend.world_size > 1 else error
+            error = summary(exc)
+    if backend.world_size > 1:
+        error = collectives.broadcast(backend, error, 0, what="save")
     if error is not None:
         raise UnifiedDistError(f"saving {path} failed on the main process: {error}")
 
@@ -435,6 +453,8 @@ def save_checkpoint(obj: Any, directory: str, step: int, keep_last: Optional[int
     Older checkpoints are deleted only after the new one is completely written, so the last
     good checkpoint always survives a crash. Returns the new checkpoint's path.
     """
+    if keep_last is not None:
+        checkpoint.check_keep_last(keep_last)  # on every rank, before anyone waits for the write
     path = checkpoint.checkpoint_path(directory, step)
     save(obj, path)
     if keep_last is not None and rank() == 0:

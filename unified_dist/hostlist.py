@@ -1,17 +1,19 @@
 """SLURM's compressed host lists (``node[01-03,7],gpu-a[1-2]-ib``), expanded in Python.
 
 ``scontrol show hostnames`` does the same, but it is not on every compute image and needs the
-controller; a process started by ``srun`` only has the string. Pure and dependency-free.
+controller; a process started by ``srun`` only has the string. Pure (it imports only the errors).
 """
 from __future__ import annotations
 
 import re
 from typing import List
 
+from .errors import UnifiedDistError
+
 _BRACKET = re.compile(r"\[([^\[\]]*)\]")
 
 
-class HostListError(ValueError):
+class HostListError(UnifiedDistError, ValueError):
     """A host list that SLURM would not have written (unbalanced brackets, a bad range)."""
 
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import socket
 
+DEFAULT_MASTER_PORT = 29500
+"""The rendezvous port when neither the launcher nor the user names one (torch's own default)."""
+
 
 def free_port() -> int:
     """A TCP port on the loopback address that is free right now (the OS picks it)."""

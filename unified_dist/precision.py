@@ -6,6 +6,9 @@ from typing import Mapping, Optional
 from .errors import PrecisionError
 
 MODES = ("no", "bf16", "fp16")
+"""Every mixed-precision mode, for ``init``, ``unified-dist launch --mixed-precision`` and the variable below."""
+ENV_VAR = "UNIFIED_DIST_MIXED_PRECISION"
+"""The variable ``unified-dist launch`` sets for launchers without a precision flag of their own."""
 
 
 def resolve_mixed_precision(explicit: Optional[str], env: Mapping[str, str], cuda: bool) -> str:
@@ -13,7 +16,7 @@ def resolve_mixed_precision(explicit: Optional[str], env: Mapping[str, str], cud
 
     Raises :class:`PrecisionError` for an unknown mode or fp16 without a CUDA device.
     """
-    mode = explicit or env.get("ACCELERATE_MIXED_PRECISION") or env.get("UNIFIED_DIST_MIXED_PRECISION") or "no"
+    mode = explicit or env.get("ACCELERATE_MIXED_PRECISION") or env.get(ENV_VAR) or "no"
     mode = str(mode).strip().lower()
     if mode not in MODES:
         raise PrecisionError(f"unknown mixed precision {mode!r}; use one of {', '.join(MODES)}")

@@ -149,7 +149,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
             return
         self._finalized = False  # a step the user skipped must not leave the next one unfinalized
         if set_to_none:
-            self.optimizer.zero_grad()  # horovod's zero_grad() takes no argument; default is set_to_none
+            self.optimizer.zero_grad()  # no argument: a wrapped optimizer's may take none; default is set_to_none
             return
         for group in self.param_groups:
             for p in group["params"]:

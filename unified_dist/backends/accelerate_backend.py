@@ -8,7 +8,8 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from .base import Backend, Config, weighted
-from .process_group import destroy_at_exit, export_rendezvous, gather_stacked, join_default_group
+from .ddp_lifetime import DdpTracker
+from .process_group import TORCH_OPS, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
 
@@ -47,6 +48,7 @@ class AccelerateBackend(Backend):
 
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
+        self._ddp = DdpTracker()
         try:
             from accelerate import Accelerator
             from accelerate.utils import InitProcessGroupKwargs
@@ -95,7 +97,7 @@ class AccelerateBackend(Backend):
         from accelerate.state import AcceleratorState, GradientState
 
         self.accelerator.wait_for_everyone()  # nobody is still reducing when the reducers go
-        self.release_ddp()
+        self._ddp.release()
         if self._owns_group:
             self.accelerator.end_training()  # destroys the process group
         if self._owns_state:
@@ -103,11 +105,11 @@ class AccelerateBackend(Backend):
             GradientState._reset_state()
 
     def leave_at_exit(self) -> None:
-        super().leave_at_exit()
+        self._ddp.release()
         destroy_at_exit(self._owns_group)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        return self.track_ddp(self.accelerator.prepare_model(model))
+        return self._ddp.track(self.accelerator.prepare_model(model))
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
@@ -142,9 +144,7 @@ class AccelerateBackend(Backend):
             return tensor
         # accelerate.utils.reduce would clone the (already private) tensor once more and has no
         # max/min; Accelerate's group is torch.distributed's default group, so reduce in place there.
-        ops = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
-               "min": torch.distributed.ReduceOp.MIN}
-        torch.distributed.all_reduce(tensor, op=ops[op])
+        torch.distributed.all_reduce(tensor, op=TORCH_OPS[op])
         return tensor
 
     def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:

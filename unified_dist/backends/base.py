@@ -9,11 +9,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, ContextManager, List, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 
@@ -26,8 +25,12 @@ _TIMEOUT_WORDS = ("timed out", "timeout", "deadline exceeded", "stalled")
 _PEER_WORDS = ("connection closed by peer", "connection reset", "broken pipe", "connection refused",
                "socket closed")
 
-REDUCE_OPS = ("sum", "max", "min")
-"""Primitive reductions every backend implements; ``mean`` is ``sum`` divided by world size."""
+REDUCE_OPS = ("sum", "mean", "max", "min")
+"""What ``all_reduce`` accepts."""
+PRIMITIVE_OPS = tuple(op for op in REDUCE_OPS if op != "mean")
+"""Reductions every backend implements; ``mean`` is ``sum`` divided by world size."""
+DEFAULT_TIMEOUT_S = 600.0
+"""Seconds a collective may take when neither ``init(timeout=...)`` nor ``UNIFIED_DIST_TIMEOUT`` says."""
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Config:
 
     mixed_precision: str = "no"
     gradient_accumulation_steps: int = 1
-    timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+    timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
     debug: bool = False
 
 
@@ -57,32 +60,12 @@ class Backend(ABC):
     def __init__(self, detection: Detection, config: Config) -> None:
         self.detection = detection
         self.config = config
-        self._ddp_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-
-    def track_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Remember a DDP wrapper so :meth:`release_ddp` can free it before the group goes."""
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            self._ddp_models.add(model)
-        return model
-
-    def release_ddp(self) -> None:
-        """Free every tracked DDP reducer (the wrappers cannot train afterwards).
-
-        A reducer that outlives its process group, or lives into interpreter shutdown, lets
-        gloo's threads race the exit: "terminate called without an active exception" (SIGABRT)
-        in about one torchrun job in five on this machine. Freeing reducers first prevents it.
-        """
-        for model in list(self._ddp_models):
-            if hasattr(model, "reducer"):
-                del model.reducer
-        self._ddp_models = weakref.WeakSet()
-        gc.collect()
 
     def leave_at_exit(self) -> None:
         """At a clean interpreter exit, without communicating: free what the library's threads hold
-        while Python is still whole. Here the DDP reducers; backends that created a process group
-        also destroy it (:meth:`TorchBackend.leave_at_exit`)."""
-        self.release_ddp()
+        while Python is still whole (backends that own DDP reducers or a process group free them
+        too, see :mod:`unified_dist.backends.ddp_lifetime`). This default collects garbage."""
+        gc.collect()
 
     # ----------------------------------------------------------------- identity
     @property
@@ -184,31 +167,22 @@ class Backend(ABC):
     # ----------------------------------------------------------------- primitives
     @abstractmethod
     def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        """Reduce ``tensor`` (a private copy, may be modified) with op in :data:`REDUCE_OPS`; return the result."""
+        """Reduce ``tensor`` (a private copy, may be modified) with op in :data:`PRIMITIVE_OPS`; return the result."""
 
     @abstractmethod
     def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's ``tensor`` (same shape on all ranks) stacked on a new dim 0, in rank order."""
 
-    def all_gather_parts(self, tensor: torch.Tensor) -> List[torch.Tensor]:
-        """Every rank's ``tensor`` (at least 1-d; dim 0 may differ) in rank order.
+    gathers_uneven: bool = False
+    """True when the library gathers tensors whose dim 0 differs between ranks itself, keeping no
+    state between calls (:meth:`all_gather_uneven`). Otherwise the collectives layer builds that
+    gather from :meth:`all_gather_equal` and :meth:`broadcast_` (:mod:`unified_dist.uneven_gather`)."""
 
-        Mismatched trailing dims or dtypes raise the same ``CollectiveError`` on every rank.
-        """
-        return self._uneven().parts(tensor)
-
-    def all_gather_uneven(self, tensor: torch.Tensor) -> torch.Tensor:
-        """:meth:`all_gather_parts` concatenated along dim 0 (without a copy where it can)."""
-        return self._uneven()(tensor)
-
-    def _uneven(self) -> Any:
-        """The group's :class:`~unified_dist.uneven_gather.UnevenGather` over :meth:`all_gather_equal` and :meth:`broadcast_`."""
-        gatherer = self.__dict__.get("_uneven_gather")
-        if gatherer is None:
-            from ..uneven_gather import UnevenGather
-
-            gatherer = self._uneven_gather = UnevenGather(self.all_gather_equal, self.broadcast_, self.rank)
-        return gatherer
+    def all_gather_uneven(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """Only where :attr:`gathers_uneven`: every rank's ``tensor`` (at least 1-d; dim 0 may differ)
+        concatenated along dim 0 in rank order. Mismatched trailing dims or dtypes raise
+        :class:`~unified_dist.errors.ShapeMismatch` on every rank. Elsewhere ``None`` (nothing sent)."""
+        return None
 
     @abstractmethod
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:

@@ -5,13 +5,14 @@ import functools
 import os
 import pickle
 import time
-from typing import Any, List, Optional
+from typing import Any, Optional
 
 import torch
 
 from .base import Backend, Config
 from ..detection import Detection
-from ..errors import BackendNotInstalled, PeerLost, UnifiedDistError, peer_lost_message
+from ..errors import (BackendNotInstalled, PeerLost, ShapeMismatch, UnifiedDistError, deadline_passed, first_line,
+                      peer_lost_message)
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,6 +59,7 @@ class HorovodBackend(Backend):
     """Drives ``horovod.torch``: parameter/optimizer-state broadcast and ``DistributedOptimizer``."""
 
     name = "horovod"
+    gathers_uneven = True  # its coordinator exchanges dim 0 while negotiating; no state between calls
 
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
@@ -160,7 +162,7 @@ class HorovodBackend(Backend):
         while not self.hvd.poll(handle):
             now = time.monotonic()
             if now > deadline:
-                raise TimeoutError(f"timed out after {timeout:.0f}s waiting for the other ranks")
+                raise deadline_passed(timeout)  # the collectives layer names the collective
             # yield-spin first, as hvd.synchronize does (small collectives finish within a
             # few horovod cycles), then back off so a long wait does not burn a core
             if now - start > 0.005:
@@ -181,17 +183,12 @@ class HorovodBackend(Backend):
         # calls, which an elastic job whose membership changes needs.
         try:
             return self._wait(self.hvd.allgather_async(tensor))
+        except UnifiedDistError:
+            raise
         except Exception as exc:
             if "mismatch" not in str(exc).lower():
                 raise
-        from ..uneven_gather import shape_mismatch_error
-
-        # every rank got horovod's error: exchange fixed-size headers for the one-line message
-        raise shape_mismatch_error(self.all_gather_equal, tensor)
-
-    def all_gather_parts(self, tensor: torch.Tensor) -> List[torch.Tensor]:
-        lengths = self.all_gather_equal(torch.tensor([tensor.shape[0]], dtype=torch.int64)).reshape(-1).tolist()
-        return list(torch.split(self.all_gather_uneven(tensor), lengths))
+            raise ShapeMismatch(first_line(exc)) from exc  # every rank got it
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         return self._wait(self.hvd.broadcast_async_(tensor, root_rank=src))

@@ -27,7 +27,11 @@ import torch.distributed as dist
 
 from .base import Backend
 from ..errors import LaunchError
+from ..net import DEFAULT_MASTER_PORT
 
+
+TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+"""torch.distributed's op for each of :data:`~unified_dist.backends.base.PRIMITIVE_OPS`."""
 
 # torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -53,7 +57,7 @@ def export_rendezvous(detection: "Detection") -> None:
     """
     values = {"RANK": detection.rank, "WORLD_SIZE": detection.world_size, "LOCAL_RANK": detection.local_rank or 0,
               # single-node default: rendezvous on loopback, never on a public interface
-              "MASTER_ADDR": detection.master_addr or "127.0.0.1", "MASTER_PORT": detection.master_port or 29500}
+              "MASTER_ADDR": detection.master_addr or "127.0.0.1", "MASTER_PORT": detection.master_port or DEFAULT_MASTER_PORT}
     for key, value in values.items():
         os.environ.setdefault(key, str(value))
 

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend, Config
-from .process_group import destroy_at_exit, export_rendezvous, gather_stacked, join_default_group, local_rank_from_hosts
+from .ddp_lifetime import DdpTracker
+from .process_group import (TORCH_OPS, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group,
+                            local_rank_from_hosts)
 from ..detection import Detection
-
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 class TorchBackend(Backend):
@@ -22,6 +22,7 @@ class TorchBackend(Backend):
 
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
+        self._ddp = DdpTracker()
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             export_rendezvous(detection)
@@ -43,12 +44,12 @@ class TorchBackend(Backend):
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.barrier()  # nobody is still reducing when the reducers go
-            self.release_ddp()
+            self._ddp.release()
             if self._owns_group:
                 dist.destroy_process_group()
 
     def leave_at_exit(self) -> None:
-        super().leave_at_exit()
+        self._ddp.release()
         destroy_at_exit(self._owns_group)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -56,7 +57,7 @@ class TorchBackend(Backend):
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (e.g. an evaluation-only model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return self.track_ddp(torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids))
+        return self._ddp.track(torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids))
 
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -64,7 +65,7 @@ class TorchBackend(Backend):
         return super().no_sync(model)
 
     def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        dist.all_reduce(tensor, op=_OPS[op])
+        dist.all_reduce(tensor, op=TORCH_OPS[op])
         return tensor
 
     def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ import sysconfig
 from typing import Any, Dict, List, Mapping, Optional
 
 from . import launch
+from ..errors import summary as _first_line
 from ..registry import SPECS
 
 PACKAGES = ("unified_dist", *(spec.library for spec in SPECS.values() if spec.library), "transformers", "datasets")
@@ -25,11 +26,6 @@ def _version(package: str) -> str:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return NOT_INSTALLED
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
 def _backend_status(ok: bool, detail: str, fix: Optional[str], backend: str,

@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, NoReturn, Optional, Tuple
 
+from ..net import DEFAULT_MASTER_PORT
+from ..precision import ENV_VAR as ENV_MIXED_PRECISION, MODES as MIXED_PRECISION_MODES
 from .errors import UsageError
 from ..registry import LAUNCHED, SPECS
 
@@ -27,9 +29,6 @@ LAUNCHER_OF: Dict[str, str] = {name: SPECS[name].launcher for name in BACKENDS}
 INSTALL_FIX: Dict[str, str] = {name: SPECS[name].install_fix for name in BACKENDS}
 """How to get each backend's library and launcher, for error messages and ``unified-dist env``."""
 
-MIXED_PRECISION_MODES: Tuple[str, ...] = ("no", "bf16", "fp16")
-ENV_MIXED_PRECISION = "UNIFIED_DIST_MIXED_PRECISION"
-DEFAULT_MASTER_PORT = 29500
 
 
 @dataclass(frozen=True)
