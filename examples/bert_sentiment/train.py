@@ -186,7 +186,7 @@ def train(t: Training, state: LoopState) -> bool:
     """Train until the planned steps are done; True if --stop-after stopped it first."""
     t.model.train()
     window = LogWindow()
-    state.epoch = t.train_loader.epoch + 1
+    state.epoch = t.train_loader.epoch + 1  # also where a resumed run has no step left to take
     while optimizer_steps(t) < t.plan.total_steps and t.train_loader.epoch < t.args.epochs:
         state.epoch = t.train_loader.epoch + 1
         for batch in t.train_loader:
