@@ -49,9 +49,9 @@ def test_python_resumed_from_an_earlier_checkpoint_purges_the_steps_after_it(tmp
     args = [*TINY, "--batch-size", "8", "--grad-accum", "2", "--output-dir", str(out)]
     launch("python", SCRIPT, [*args, "--stop-after", "4", "--save-every", "2"], nproc=1, timeout=TIMEOUT).check()
     assert [e.step for e in read_tensorboard(out).Scalars("train/loss")] == [1, 2, 3, 4]
-    checkpoint = out / "checkpoints" / "step-0000002.pt"
+    checkpoint = out / "checkpoints" / "checkpoint-000000002.pt"
     second = launch("python", SCRIPT, [*args, "--resume", str(checkpoint)], nproc=1, timeout=TIMEOUT).check()
-    assert "step-0000002.pt: step 2" in second.output
+    assert "checkpoint-000000002.pt: step 2" in second.output
     files = sorted((out / "tensorboard").glob("events.out.tfevents.*"))
     assert len(files) == 2
     starts = [e.step for e in EventFileLoader(str(files[1])).Load() if e.HasField("session_log")]

@@ -1,0 +1,66 @@
+"""examples/minimal/train.py, the porting guide, unchanged under python, torchrun, accelerate launch
+and horovodrun (4 launches, about a minute on 2 busy cores).
+
+What must hold is arithmetic, not "it ran": data-parallel SGD with 2 processes x 16 examples takes
+the steps one process takes with 32, because the union of a step's two shards is the single
+process's batch (unified_dist's sharding) and the two gradients are averaged. So every launch ends
+with the single-process weights. Only the order of float32 sums differs: 1.5e-8 here; the bound,
+1e-6, still catches one wrong step (it moves a weight by about lr x gradient, ~1e-3). And the
+single process must really have learned the toy problem: the weights within 0.05 of the true
+linspace(-1, 1, 8), the mean squared error near the noise floor (0.1^2).
+
+The horovodrun case is skipped with its reason under UNIFIED_DIST_WITHOUT_HOROVOD=1 (tests/conftest.py).
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+from typing import Dict
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/launchers.py
+from launchers import ROOT, launch, unavailable  # noqa: E402
+
+SCRIPT = str(ROOT / "examples" / "minimal" / "train.py")
+TIMEOUT = 120  # seconds per launch; the whole process group is killed after it
+STEPS = 40
+FINAL = re.compile(r"final mse ([0-9.]+) on (\d+) examples after (\d+) steps")
+
+
+def _train(launcher: str, nproc: int, batch_size: int, out: Path) -> Dict:
+    """Launch the example; return its one summary line's numbers and its checkpoint."""
+    result = launch(launcher, SCRIPT, ["--steps", str(STEPS), "--batch-size", str(batch_size), "--output-dir",
+                                       str(out)], nproc=nproc, timeout=TIMEOUT).check()
+    finals = FINAL.findall(result.output)
+    assert len(finals) == 1, result.output[-3000:]  # ud.print: the main process only
+    mse, examples, steps = finals[0]
+    assert (int(examples), int(steps)) == (512, STEPS)  # gather_for_metrics: every example once
+    checkpoint = out / "checkpoints" / f"checkpoint-{STEPS:09d}.pt"  # ud.save_checkpoint's name
+    return {"mse": float(mse), "model": torch.load(checkpoint, weights_only=True)["model"]}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Dict:
+    """The reference: one process, batch 32."""
+    return _train("python", 1, 32, tmp_path_factory.mktemp("python"))
+
+
+def test_single_process_learns_the_true_weights(single: Dict) -> None:
+    weight, bias = single["model"]["weight"][0], single["model"]["bias"][0]
+    assert (weight - torch.linspace(-1, 1, 8)).abs().max() < 0.05 and abs(bias) < 0.05, single["model"]
+    assert 0.005 < single["mse"] < 0.02, single["mse"]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate", "horovodrun"])
+def test_two_processes_end_with_the_single_process_weights(launcher: str, single: Dict, tmp_path: Path) -> None:
+    module = {"accelerate": "accelerate", "horovodrun": "horovod"}.get(launcher)
+    if module and importlib.util.find_spec(module) is None:
+        unavailable(f"{module} is not installed (make setup)")
+    two = _train(launcher, 2, 16, tmp_path)
+    for name, reference in single["model"].items():
+        assert torch.allclose(two["model"][name], reference, rtol=0, atol=1e-6), (launcher, name)
+    assert two["mse"] == pytest.approx(single["mse"], abs=2e-6)  # printed with 6 decimals
