@@ -220,6 +220,11 @@ def mixed_precision() -> str:
     return current_backend().config.mixed_precision
 
 
+def sharding_mode() -> str:
+    """``"fsdp"`` when :func:`prepare` shards models (see :func:`init`), else ``"no"``."""
+    return current_backend().config.sharding.mode
+
+
 def gradient_accumulation_steps() -> int:
     """Micro-batches per optimizer step, as given to :func:`init`."""
     return current_backend().config.gradient_accumulation_steps
@@ -479,6 +484,16 @@ def _full_on_main(rank: int) -> Any:
         value = full_tensor(t.detach())
         return value.cpu() if rank == 0 else None
     return full
+
+
+def get_state_dict(model: torch.nn.Module) -> Optional[dict]:
+    """The model's full, unsharded state dict (unwrapped keys, CPU tensors) on the main process,
+    ``None`` on the others. Every rank must call it (gathering shards is a collective), e.g.
+    ``state = ud.get_state_dict(model)`` then ``if ud.is_main(): hf_model.save_pretrained(dir, state_dict=state)``.
+    """
+    backend = current_backend()
+    state = checkpoint.to_state(model, backend.unwrap, _full_on_main(backend.rank))
+    return state if backend.rank == 0 else None
 
 
 def save_sharded(obj: dict, directory: str) -> None:
