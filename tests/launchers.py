@@ -41,7 +41,8 @@ def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 "--main_process_port", str(free_port()), script, *args]
     if launcher == "accelerate-fsdp":  # Accelerate's FSDP flags (it refuses --multi_gpu beside --use_fsdp)
-        return [str(BIN / "accelerate"), "launch", "--use_fsdp", "--fsdp_version", "2", "--num_processes", str(nproc),
+        return [str(BIN / "accelerate"), "launch", "--use_fsdp", "--fsdp_version", "2",
+                "--fsdp_reshard_after_forward", "false", "--num_processes", str(nproc),
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 "--main_process_port", str(free_port()), script, *args]
     if launcher == "horovodrun":

@@ -480,6 +480,9 @@ def _sharded_training(steps, lr=0.05):
 
 @check("fsdp")
 def fsdp_shards_parameters_of_every_block():
+    """Every parameter a DTensor split on dim 0; each block its own FSDP unit; after a forward the
+    blocks' parameters are sharded again, or kept gathered until backward where the launch said
+    ``--fsdp_reshard_after_forward false`` (accelerate launch; torchrun keeps the default)."""
     model, _, _, _, _, _ = _sharded_training(1)
     inner = ud.unwrap(model)
     params = dict(inner.named_parameters())
@@ -487,6 +490,11 @@ def fsdp_shards_parameters_of_every_block():
     weight = params["blocks.0.linear.weight"]
     assert weight.to_local().shape[0] == -(-8 // ud.world_size()), weight.to_local().shape  # dim 0 split over ranks
     assert type(inner.blocks[0]).__name__.startswith("FSDP"), type(inner.blocks[0])
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true"
+    out = model(regression_data(2)[0])
+    after_forward = type(inner.blocks[0].linear.weight).__name__
+    ud.backward(out.sum())  # lets FSDP2 reshard; no step follows
+    assert after_forward == ("DTensor" if reshard else "Parameter"), (reshard, after_forward)
 
 
 @check("fsdp")
