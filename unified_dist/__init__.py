@@ -19,9 +19,10 @@ from .errors import (BackendNotInstalled, CheckpointError, CollectiveError, Coll
                      NonFiniteLoss, PeerLost, PrecisionError, UnifiedDistError, WorkerFailed)
 from .facade import (accumulate, all_gather, all_gather_object, all_reduce, autocast, backend_name, backward, barrier,
                      broadcast, clip_grad_norm_, device, gather_for_metrics, gradient_accumulation_steps,
-                     init, is_local_main, is_main, latest_checkpoint, launcher, load, local_rank, main_process_first,
-                     mixed_precision, prepare, sharding_mode, print, rank, restore_rng_states, rng_states, save, save_checkpoint, save_sharded, load_sharded, get_state_dict, seed_everything, shutdown,
+                     init, is_local_main, is_main, launcher, local_rank, main_process_first, mixed_precision, prepare,
+                     print, rank, restore_rng_states, rng_states, seed_everything, sharding_mode, shutdown,
                      sync_gradients, unwrap, world_size)
+from .saving import get_state_dict, latest_checkpoint, load, load_sharded, save, save_checkpoint, save_sharded
 
 __version__ = "0.1.0"
 

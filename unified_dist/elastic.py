@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from . import facade, nested, rng
+from . import facade, nested, rng, saving
 
 _OWN = ("_objects", "_values", "checkpoint_dir", "keep_last", "restored_from", "backend_state")
 
@@ -47,9 +47,9 @@ class ElasticState:
         self.keep_last = keep_last
         self.restored_from: Optional[str] = None
         self.backend_state: Any = None  # what the backend keeps for elastic runs (Horovod's State)
-        latest = facade.latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
+        latest = saving.latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
         if latest is not None:
-            self.apply(facade.load(latest))
+            self.apply(saving.load(latest))
             self.restored_from = latest
 
     # values as attributes ------------------------------------------------------
@@ -102,7 +102,7 @@ class ElasticState:
         state = self.snapshot()
         state["rng"] = facade.rng_states()  # every rank's generators (a collective: all ranks commit)
         del state["rng_local"]
-        return facade.save_checkpoint(state, self.checkpoint_dir, step, keep_last=self.keep_last)
+        return saving.save_checkpoint(state, self.checkpoint_dir, step, keep_last=self.keep_last)
 
     def commit(self) -> None:
         """Make the current state the one a failure rolls back to. Every rank calls it."""
