@@ -20,6 +20,7 @@ import torch
 from . import checkpoint, collectives, live, rng
 from .backends import Backend, Config, backend_class
 from .backends.base import DEFAULT_TIMEOUT_S
+from .compression import resolve_gradient_compression
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
 from .errors import LaunchError, NonFiniteLoss, UnifiedDistError, summary
@@ -65,12 +66,14 @@ def _resolve_timeout(timeout: Optional[float]) -> datetime.timedelta:
 
 def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None,
          gradient_accumulation_steps: int = 1, timeout: Optional[float] = None,
-         debug: Optional[bool] = None) -> None:
+         debug: Optional[bool] = None, gradient_compression: Optional[str] = None) -> None:
     """Join the job's process group through the detected (or given) backend.
 
     Idempotent: a second call with compatible arguments does nothing; asking for another
     backend or settings once initialised is an error (call :func:`shutdown` first).
     ``timeout`` (seconds, default ``UNIFIED_DIST_TIMEOUT`` or 600) bounds every collective.
+    ``gradient_compression`` (``"bf16"``, ``"fp16"``, default ``UNIFIED_DIST_GRADIENT_COMPRESSION``
+    or none) sends gradients in 16 bits (see :mod:`unified_dist.compression`).
     """
     global _session
     if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
@@ -96,6 +99,7 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
         gradient_accumulation_steps=gradient_accumulation_steps,
         timeout=_resolve_timeout(timeout),
         debug=_env_flag("UNIFIED_DIST_DEBUG") if debug is None else bool(debug),
+        gradient_compression=resolve_gradient_compression(gradient_compression, os.environ),
     )
     instance = backend_class(detection.backend)(detection, config)
     loaders = LoaderStack()
@@ -202,6 +206,11 @@ def is_local_main() -> bool:
 def mixed_precision() -> str:
     """The active mixed-precision mode: ``"no"``, ``"bf16"`` or ``"fp16"``."""
     return current_backend().config.mixed_precision
+
+
+def gradient_compression() -> Optional[str]:
+    """The format gradients travel in: ``"bf16"``, ``"fp16"`` or ``None`` (float32)."""
+    return current_backend().config.gradient_compression
 
 
 def gradient_accumulation_steps() -> int:

@@ -41,6 +41,7 @@ class Config:
     gradient_accumulation_steps: int = 1
     timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
     debug: bool = False
+    gradient_compression: Optional[str] = None  # "bf16", "fp16" or None (see unified_dist.compression)
 
 
 def weighted(loss: torch.Tensor, weight: Fraction) -> torch.Tensor:
@@ -102,6 +103,12 @@ class Backend(ABC):
     @abstractmethod
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move ``model`` to :attr:`device` and make its gradients averaged across ranks."""
+
+    def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Make the gradient averaging send ``config.gradient_compression``, the stack's own way
+        (a DDP hook on the wrapper :meth:`prepare_model` made, or what the backend's optimizer
+        wrapper takes). This default, for one process, sends nothing and returns ``model``."""
+        return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:

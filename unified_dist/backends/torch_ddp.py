@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend, Config
+from ..compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
 from .process_group import (TORCH_OPS, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group,
                             local_rank_from_hosts)
@@ -57,7 +58,12 @@ class TorchBackend(Backend):
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (e.g. an evaluation-only model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return self._ddp.track(torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        return self._ddp.track(self.apply_compression(ddp))
+
+    def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A DDP communication hook (torch's fp16/bf16 compress hooks)."""
+        return register_ddp_hook(model, self.config.gradient_compression)
 
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):

@@ -12,9 +12,10 @@ import os
 import shlex
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, NoReturn, Optional, Tuple
 
+from ..compression import ENV_VAR as ENV_COMPRESSION, MODES as COMPRESSION_MODES
 from ..net import DEFAULT_MASTER_PORT
 from ..precision import ENV_VAR as ENV_MIXED_PRECISION, MODES as MIXED_PRECISION_MODES
 from .errors import UsageError
@@ -51,6 +52,7 @@ class Plan:
     hosts: Optional[str] = None
     network_interface: Optional[str] = None
     mixed_precision: Optional[str] = None
+    gradient_compression: Optional[str] = None  # every launcher: UNIFIED_DIST_GRADIENT_COMPRESSION
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,10 @@ def build(plan: Plan, cuda: bool = False, environ: Mapping[str, str] = os.enviro
     if plan.mixed_precision is not None and plan.mixed_precision not in MIXED_PRECISION_MODES:
         raise UsageError(
             f"unknown mixed precision {plan.mixed_precision!r}; use one of {', '.join(MIXED_PRECISION_MODES)}")
-    return SPECS[plan.backend].load("command")(plan, cuda, environ)
+    command = SPECS[plan.backend].load("command")(plan, cuda, environ)
+    if plan.gradient_compression:  # no launcher has a flag of its own for it
+        command = replace(command, env={**command.env, ENV_COMPRESSION: plan.gradient_compression})
+    return command
 
 
 def _multi_node_address(plan: Plan) -> Tuple[str, int]:
@@ -244,6 +249,8 @@ def add_arguments(parser) -> None:
                         help="network interface (horovodrun --network-interface; GLOO_SOCKET_IFNAME for torch/accelerate)")
     parser.add_argument("--mixed-precision", choices=MIXED_PRECISION_MODES,
                         help="accelerate --mixed_precision, else UNIFIED_DIST_MIXED_PRECISION for the script")
+    parser.add_argument("--gradient-compression", choices=COMPRESSION_MODES,
+                        help=f"send gradients in 16 bits (sets {ENV_COMPRESSION} for the script)")
     parser.add_argument("--dry-run", action="store_true", help="print the command on stdout; do not run it")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs="...", help="arguments for the script")
@@ -256,7 +263,7 @@ def main(args) -> int:
     plan = Plan(backend=args.backend, script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port, hosts=args.hosts, network_interface=args.network_interface,
-                mixed_precision=args.mixed_precision)
+                mixed_precision=args.mixed_precision, gradient_compression=args.gradient_compression)
     command = build(plan, cuda=torch.cuda.is_available())
     check_machine(plan)
     if args.dry_run:
