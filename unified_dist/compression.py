@@ -45,7 +45,7 @@ def resolve_gradient_compression(explicit: Optional[str], env: Mapping[str, str]
     return mode
 
 
-def _bf16_compress_hook_gloo(state: Any, bucket: Any) -> Any:
+def _bf16_compress_hook_gloo(state, bucket):  # unannotated: DDP checks a hook's annotations
     """torch's ``bf16_compress_hook``: gloo reduces bfloat16 on the CPU; DDP's own check of that
     hook (by its name) asks for NCCL 2.10+, which only concerns GPUs."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
