@@ -42,6 +42,7 @@ demo: setup
 
 bench: setup
 	$(PY) bench/run.py --short
+	$(PY) bench/network.py --short  # needs root (network namespaces); skips with the reason otherwise
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -35,6 +35,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -185,6 +186,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    # SIGTERM (a timeout, a CI cancel) unwinds through the finally below, which removes the hosts
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     reason = multinode.cannot_make_namespaces()
     if reason:
         print(f"bench/network.py: skipped, cannot make the two namespace hosts: {reason}", file=sys.stderr)
