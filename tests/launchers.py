@@ -24,9 +24,9 @@ BIN = Path(sys.executable).parent
 LAUNCHERS = ("python", *(spec.launcher for spec in SPECS.values() if spec.launcher))
 """python, then every backend's own launcher in the registry's order (``command`` knows each)."""
 BACKEND_OF = {**{spec.launcher or "python": name for name, spec in SPECS.items()},
-              "srun": "torch", "mpirun": "torch", "legacy": "torch"}
+              "srun": "torch", "mpirun": "torch", "legacy": "torch", "accelerate-fsdp": "accelerate"}
 """The backend each launcher's workers run: the registry's launchers, plus those that start torch."""
-LAUNCHER_NAME = {"legacy": "torchrun"}  # what ud.launcher() reports, where it differs from the key
+LAUNCHER_NAME = {"legacy": "torchrun", "accelerate-fsdp": "accelerate"}  # what ud.launcher() reports, where it differs from the key
 
 
 def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2) -> List[str]:
@@ -38,6 +38,11 @@ def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2
         return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *args]
     if launcher == "accelerate":
         return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port()), script, *args]
+    if launcher == "accelerate-fsdp":  # Accelerate's FSDP flags (it refuses --multi_gpu beside --use_fsdp)
+        return [str(BIN / "accelerate"), "launch", "--use_fsdp", "--fsdp_version", "2",
+                "--fsdp_reshard_after_forward", "false", "--num_processes", str(nproc),
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 "--main_process_port", str(free_port()), script, *args]
     if launcher == "horovodrun":

@@ -56,3 +56,12 @@ def test_single_process_accepts_either_format_and_sends_nothing():
     backend = SingleProcessBackend(None, Config(gradient_compression="bf16"))
     model = torch.nn.Linear(2, 2)
     assert backend.prepare_model(model) is model
+
+
+def test_sharding_and_compression_together_are_refused():
+    try:
+        with pytest.raises(ud.UnifiedDistError, match="reduce-scatters instead") as err:
+            ud.init(sharding="fsdp", gradient_compression="bf16")
+        assert "\n" not in str(err.value)
+    finally:
+        ud.shutdown()

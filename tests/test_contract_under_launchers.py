@@ -53,7 +53,7 @@ def _run(launcher: str, suite: str, out: Path, env=None) -> dict:
 
 
 CASES = [(launcher, suite, fn.__name__)
-         for launcher in LAUNCHERS for suite, fns in contract_worker.CHECKS.items() for fn in fns]
+         for launcher in LAUNCHERS for suite, fns in contract_worker.CHECKS.items() if suite != "fsdp" for fn in fns]
 
 
 @pytest.mark.parametrize("launcher,suite,check", CASES, ids=["-".join(c) for c in CASES])
@@ -132,3 +132,62 @@ def test_contract_in_mp_spawn_workers_that_joined_a_tcp_group_themselves(check, 
     for r, data in _spawned["ranks"].items():
         assert data["identity"] == {"backend": "torch", "launcher": "existing", "world_size": 2, "rank": r}
         assert data["results"][check] == "ok", f"rank {r}: {data['results'][check]}"
+
+
+# FSDP2: torchrun with init(sharding="fsdp"), and accelerate launch --use_fsdp --fsdp_version 2
+# (the launcher's flags, not the code, turn sharding on there). Horovod refuses sharding
+# (tests/test_sharding_config.py). Before the launches this process writes a world-size-1
+# sharded checkpoint that the workers load (resharding 1 -> 2); afterwards it loads theirs.
+FSDP_LAUNCHERS = ("torchrun", "accelerate-fsdp")
+FSDP_CASES = [(launcher, fn.__name__) for launcher in FSDP_LAUNCHERS for fn in contract_worker.CHECKS["fsdp"]]
+
+
+@pytest.fixture(scope="session")
+def fsdp_dir(tmp_path_factory):
+    import torch
+
+    from unified_dist import sharded_checkpoint
+
+    out = tmp_path_factory.mktemp("fsdp")
+    model = contract_worker._BlockNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    torch.nn.functional.mse_loss(model(torch.randn(4, 5)), torch.randn(4, 1)).backward()
+    optimizer.step()
+    parts = sharded_checkpoint.split({"model": model, "optimizer": optimizer, "step": 11}, lambda m: m,
+                                     lambda o: o if isinstance(o, torch.optim.Optimizer) else None)
+    sharded_checkpoint.save(parts, str(out / "world1_sharded"), 0, lambda x: x, lambda: None)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, out / "world1_full.pt")
+    return out
+
+
+@pytest.mark.parametrize("launcher,check", FSDP_CASES, ids=["-".join(c) for c in FSDP_CASES])
+def test_fsdp_contract(launcher, check, fsdp_dir):
+    result, ranks = _run(launcher, "fsdp", fsdp_dir)
+    result.check()
+    assert sorted(ranks) == [0, 1], f"missing rank results:\n{result.output[-3000:]}"
+    for r, data in ranks.items():
+        assert data["identity"]["backend"] == BACKEND_OF[launcher] and data["identity"]["world_size"] == 2
+        assert data["results"][check] == "ok", f"rank {r}: {data['results'][check]}"
+
+
+@pytest.mark.parametrize("launcher", FSDP_LAUNCHERS)
+def test_shards_written_by_2_ranks_load_into_one_unsharded_process(launcher, fsdp_dir):
+    """save_sharded at world size 2 -> load_sharded at world size 1 equals the full checkpoint."""
+    import torch
+
+    from unified_dist import sharded_checkpoint
+
+    _run(launcher, "fsdp", fsdp_dir)
+    backend = BACKEND_OF[launcher]
+    full = torch.load(fsdp_dir / f"fsdp_full_{backend}.pt", weights_only=True)
+    model = contract_worker._BlockNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    parts = sharded_checkpoint.split({"model": model, "optimizer": optimizer}, lambda m: m,
+                                     lambda o: o if isinstance(o, torch.optim.Optimizer) else None)
+    assert sharded_checkpoint.load(parts, str(fsdp_dir / f"fsdp_sharded_{backend}")) == {"step": 2}
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, full["model"][name]), name
+    state = optimizer.state_dict()["state"]
+    for index, entry in full["optimizer"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(state[index][key], value), (index, key)

@@ -70,3 +70,36 @@ def test_hugging_face_no_split_modules_and_explicit_modules_choose_the_blocks():
 
 def test_sharding_is_off_by_default():
     assert not Sharding().enabled and Sharding("fsdp").enabled
+
+
+def test_sharding_under_horovod_is_a_one_line_error_before_horovod_starts(monkeypatch):
+    import unified_dist as ud
+
+    from unified_dist.backends.horovod_backend import HorovodBackend
+
+    def must_not_start(*args, **kwargs):
+        raise AssertionError("the Horovod backend started before sharding was refused")
+
+    monkeypatch.setattr(HorovodBackend, "__init__", must_not_start)
+    monkeypatch.delenv("UNIFIED_DIST_SHARDING", raising=False)
+    ud.shutdown()
+    with pytest.raises(UnifiedDistError) as info:
+        ud.init("horovod", sharding="fsdp")
+    message = str(info.value)
+    assert "has no sharding" in message and "torchrun, accelerate launch" in message and "\n" not in message
+
+
+def test_single_process_runs_a_sharded_script_unchanged(monkeypatch):
+    import unified_dist as ud
+
+    ud.shutdown()
+    ud.init("single", sharding="fsdp", sync_batchnorm=True)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+        prepared = ud.prepare(model)
+        assert prepared is model and isinstance(model[1], torch.nn.BatchNorm1d)  # one process: nothing to shard or sync
+        assert ud.sharding_mode() == "fsdp"
+        state = ud.get_state_dict(prepared)
+        assert list(state) == list(model.state_dict()) and all(t.device.type == "cpu" for t in state.values())
+    finally:
+        ud.shutdown()

@@ -21,17 +21,23 @@ from . import nested
 from .errors import CheckpointError, first_line
 
 
-def to_state(obj: Any, unwrap: Callable[[torch.nn.Module], torch.nn.Module]) -> Any:
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu()
+
+
+def to_state(obj: Any, unwrap: Callable[[torch.nn.Module], torch.nn.Module],
+             tensor: Callable[[torch.Tensor], Any] = _on_cpu) -> Any:
     """Plain, portable state: modules/optimizers/schedulers/loaders become their state dicts,
-    tensors move to the CPU, dicts become plain ``dict``/``OrderedDict`` without DDP's ``module.``."""
+    tensors become ``tensor(t)`` (a CPU copy by default), dicts become plain ``dict``/``OrderedDict``
+    without DDP's ``module.``. Tensors are visited in the same order on every rank."""
 
     def leaf(value: Any) -> Any:
         if isinstance(value, torch.nn.Module):
-            return to_state(unwrap(value).state_dict(), unwrap)
+            return to_state(unwrap(value).state_dict(), unwrap, tensor)
         if isinstance(value, torch.Tensor):
-            return value.detach().cpu()
+            return tensor(value)
         if hasattr(value, "state_dict") and callable(value.state_dict):
-            return to_state(value.state_dict(), unwrap)
+            return to_state(value.state_dict(), unwrap, tensor)
         return value
 
     return nested.map_leaves(leaf, obj, _plain)

@@ -13,11 +13,11 @@ import random
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
-from . import checkpoint, collectives, live, rng
+from . import checkpoint, collectives, live, rng, sharded_checkpoint
 from .backends import Backend, Config, backend_class
 from .backends.base import DEFAULT_TIMEOUT_S
 from .compression import resolve_gradient_compression
@@ -25,6 +25,8 @@ from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
 from .errors import LaunchError, NonFiniteLoss, UnifiedDistError, summary
 from .precision import resolve_mixed_precision
+from .sharding import full_tensor, resolve_sharding
+from .sync_batchnorm import ENV as SYNC_BATCHNORM_ENV
 from .training import GradientSync, PreparedOptimizer, PreparedScheduler
 
 
@@ -66,12 +68,19 @@ def _resolve_timeout(timeout: Optional[float]) -> datetime.timedelta:
 
 def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None,
          gradient_accumulation_steps: int = 1, timeout: Optional[float] = None,
-         debug: Optional[bool] = None, gradient_compression: Optional[str] = None) -> None:
+         debug: Optional[bool] = None, sharding: Optional[str] = None,
+         shard_modules: Optional[Sequence[Any]] = None, reshard_after_forward: Optional[bool] = None,
+         sync_batchnorm: Optional[bool] = None, gradient_compression: Optional[str] = None) -> None:
     """Join the job's process group through the detected (or given) backend.
 
     Idempotent: a second call with compatible arguments does nothing; asking for another
     backend or settings once initialised is an error (call :func:`shutdown` first).
     ``timeout`` (seconds, default ``UNIFIED_DIST_TIMEOUT`` or 600) bounds every collective.
+    ``sharding="fsdp"`` (or ``UNIFIED_DIST_SHARDING``, or ``accelerate launch --use_fsdp
+    --fsdp_version 2``) makes :func:`prepare` shard models with FSDP2 (see
+    :mod:`unified_dist.sharding`; ``shard_modules`` and ``reshard_after_forward`` tune it);
+    ``sync_batchnorm=True`` (or ``UNIFIED_DIST_SYNC_BATCHNORM=1``) makes it synchronise BatchNorm
+    statistics over the global batch (see :mod:`unified_dist.sync_batchnorm`).
     ``gradient_compression`` (``"bf16"``, ``"fp16"``, default ``UNIFIED_DIST_GRADIENT_COMPRESSION``
     or none) sends gradients in 16 bits (see :mod:`unified_dist.compression`).
     """
@@ -99,9 +108,20 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
         gradient_accumulation_steps=gradient_accumulation_steps,
         timeout=_resolve_timeout(timeout),
         debug=_env_flag("UNIFIED_DIST_DEBUG") if debug is None else bool(debug),
+        sharding=resolve_sharding(sharding, os.environ, shard_modules, reshard_after_forward),
+        sync_batchnorm=_env_flag(SYNC_BATCHNORM_ENV) if sync_batchnorm is None else bool(sync_batchnorm),
         gradient_compression=resolve_gradient_compression(gradient_compression, os.environ),
     )
-    instance = backend_class(detection.backend)(detection, config)
+    cls = backend_class(detection.backend)
+    if config.sharding.enabled and not cls.supports_sharding:
+        raise UnifiedDistError(
+            f"sharding='fsdp' needs torch.distributed, and {detection.launcher} runs the {cls.name} backend, which "
+            "has no sharding; launch with torchrun, accelerate launch, srun or mpirun, or use sharding='no'")
+    if config.sharding.enabled and config.gradient_compression:
+        raise UnifiedDistError(
+            f"gradient_compression={config.gradient_compression!r} compresses DDP's and Horovod's all-reduce; "
+            "sharding='fsdp' reduce-scatters instead: use one of the two")
+    instance = cls(detection, config)
     loaders = LoaderStack()
     _session = _Session(instance, detection, GradientSync(instance, loaders), loaders,
                         check_finite=os.environ.get("UNIFIED_DIST_CHECK_FINITE", "1") != "0")
@@ -208,6 +228,11 @@ def mixed_precision() -> str:
     return current_backend().config.mixed_precision
 
 
+def sharding_mode() -> str:
+    """``"fsdp"`` when :func:`prepare` shards models (see :func:`init`), else ``"no"``."""
+    return current_backend().config.sharding.mode
+
+
 def gradient_compression() -> Optional[str]:
     """The format gradients travel in: ``"bf16"``, ``"fp16"`` or ``None`` (float32)."""
     return current_backend().config.gradient_compression
@@ -223,18 +248,24 @@ def prepare(*objs: Any) -> Any:
     """Make models, optimizers, LR schedulers and DataLoaders ready; returned in the order given.
 
     One object in gives that object back (not a 1-tuple). Models are moved to :func:`device`
-    and their gradients averaged across ranks; optimizers step only when gradients are
-    synchronised; loaders are sharded (see :mod:`unified_dist.data`) and reshuffle each epoch.
+    and their gradients averaged across ranks (or sharded, with ``init(sharding="fsdp")``;
+    BatchNorm synchronised with ``init(sync_batchnorm=True)``); optimizers step only when
+    gradients are synchronised (an optimizer built on a model's parameters before this call
+    steps the prepared model's); loaders are sharded (see :mod:`unified_dist.data`) and
+    reshuffle each epoch.
     """
     session = _current()
     backend = session.backend
     models = [o for o in objs if isinstance(o, torch.nn.Module)]
     out: List[Any] = [None] * len(objs)
+    # models first (sharding replaces their parameters, which the optimizers must then step);
     # schedulers last, so they can be pointed at the optimizer prepared in the same call
-    order = sorted(range(len(objs)), key=lambda i: _is_scheduler(objs[i]))
+    order = sorted(range(len(objs)), key=lambda i: (not isinstance(objs[i], torch.nn.Module), _is_scheduler(objs[i])))
     for i in order:
         obj = objs[i]
         if isinstance(obj, torch.nn.Module):
+            if backend.config.sync_batchnorm:
+                obj = backend.convert_sync_batchnorm(obj)
             out[i] = backend.prepare_model(obj)
         elif isinstance(obj, PreparedOptimizer):
             out[i] = obj
@@ -321,13 +352,14 @@ def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0) ->
     """Clip the averaged gradients; returns the total norm, or ``None`` on a non-synchronising micro-step.
 
     Waits for gradient averaging first (Horovod averages asynchronously) and unscales fp16 gradients.
+    The norm is of the whole gradient, a plain tensor, also when the parameters are sharded.
     """
     session = _current()
     if not session.sync.sync_gradients:
         return None
     for optimizer in session.optimizers:
         optimizer.synchronize()
-    return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+    return full_tensor(torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type))
 
 
 def autocast() -> contextlib.AbstractContextManager:
@@ -445,15 +477,65 @@ def save(obj: Any, path: str) -> None:
     """
     backend = current_backend()
     error = None
+    state = None
+    if backend.config.sharding.enabled:  # gathering a shard is a collective: every rank walks the state
+        state = checkpoint.to_state(obj, backend.unwrap, _full_on_main(backend.rank))
     if backend.rank == 0:
         try:
-            checkpoint.write_atomic(checkpoint.to_state(obj, backend.unwrap), path)
+            checkpoint.write_atomic(state if state is not None else checkpoint.to_state(obj, backend.unwrap), path)
         except Exception as exc:  # reported on every rank below, so no rank hangs
             error = summary(exc)
     if backend.world_size > 1:
         error = collectives.broadcast(backend, error, 0, what="save")
     if error is not None:
         raise UnifiedDistError(f"saving {path} failed on the main process: {error}")
+
+
+def _full_on_main(rank: int) -> Any:
+    """Each tensor's full value on the CPU of rank 0; the other ranks take part and keep nothing."""
+    def full(t: torch.Tensor) -> Optional[torch.Tensor]:
+        value = full_tensor(t.detach())
+        return value.cpu() if rank == 0 else None
+    return full
+
+
+def get_state_dict(model: torch.nn.Module) -> Optional[dict]:
+    """The model's full, unsharded state dict (unwrapped keys, CPU tensors) on the main process,
+    ``None`` on the others. Every rank must call it (gathering shards is a collective), e.g.
+    ``state = ud.get_state_dict(model)`` then ``if ud.is_main(): hf_model.save_pretrained(dir, state_dict=state)``.
+    """
+    backend = current_backend()
+    state = checkpoint.to_state(model, backend.unwrap, _full_on_main(backend.rank))
+    return state if backend.rank == 0 else None
+
+
+def save_sharded(obj: dict, directory: str) -> None:
+    """Every rank writes its own shards of ``obj``'s model and optimizers to ``directory`` with
+    ``torch.distributed.checkpoint``; other values in ``obj`` are written beside them.
+
+    ``obj`` is a dict with exactly one model, e.g. ``{"model": model, "optimizer": optimizer,
+    "step": step}``. Atomic: a killed save leaves the previous checkpoint loadable. For models too
+    large to gather on one rank; :func:`save` writes one portable file instead.
+    """
+    backend = current_backend()
+    parts = sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer)
+    sharded_checkpoint.save(parts, directory, backend.rank,
+                            lambda value: collectives.broadcast(backend, value, 0, what="save_sharded"),
+                            lambda: collectives.barrier(backend))
+
+
+def load_sharded(obj: dict, directory: str) -> dict:
+    """Load what :func:`save_sharded` wrote into ``obj``'s model and optimizers, under any world
+    size and sharding (state is resharded on load); returns the other values that were saved."""
+    backend = current_backend()
+    return sharded_checkpoint.load(sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer), directory)
+
+
+def _torch_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer inside a prepared (or plain) optimizer; ``None`` for anything else."""
+    while isinstance(getattr(obj, "optimizer", None), torch.optim.Optimizer):
+        obj = obj.optimizer
+    return obj if isinstance(obj, torch.optim.Optimizer) else None
 
 
 def save_checkpoint(obj: Any, directory: str, step: int, keep_last: Optional[int] = 3) -> str:

@@ -4,6 +4,9 @@
 ``set_state_dict`` (keys by parameter name, so they survive re-sharding); other values in the
 object (step counters, RNG state, config) are written by the main process beside them.
 
+Under Horovod (no torch process group) every rank holds the whole state: rank 0 writes it and
+every rank reads it.
+
 Atomic like ``ud.save``: the shards go to a fresh ``<dir>.partial-<id>`` directory; only when
 every rank has finished does the main process swap it in (the previous checkpoint is renamed to
 ``<dir>.previous`` first and removed last). A job killed at any point leaves either the old or
@@ -67,7 +70,11 @@ def save(parts: Parts, directory: str, rank: int, agree: Callable[[Any], Any], b
 
     directory = os.path.abspath(directory)
     partial = agree(f"{directory}.partial-{uuid.uuid4().hex[:12]}")
-    dcp.save(_dcp_state(parts), checkpoint_id=partial)  # returns on every rank after the metadata is written
+    state = _dcp_state(parts)
+    # With a torch process group every rank writes its shards (DCP writes a replicated tensor once);
+    # without one (Horovod, one process) the state is whole on every rank and rank 0 writes it.
+    if torch.distributed.is_initialized() or rank == 0:
+        dcp.save(state, checkpoint_id=partial)
     if rank == 0:
         write_atomic(parts.extra, os.path.join(partial, EXTRA))
     barrier()

@@ -18,7 +18,8 @@ What ``sharding="fsdp"`` means (``ud.init(sharding=...)``, ``UNIFIED_DIST_SHARDI
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -143,19 +144,16 @@ def _shard_incoming_model_state(module: torch.nn.Module, state_dict: dict, prefi
             state_dict[prefix + key] = _as_shard_of(state_dict[prefix + key], like)
 
 
-def point_optimizer_at(optimizer: torch.optim.Optimizer, before: Sequence[torch.nn.Parameter],
-                       after: Sequence[torch.nn.Parameter]) -> None:
-    """Replace, in ``optimizer``'s groups, each parameter of ``before`` by the one at the same
-    position in ``after`` (FSDP2's new DTensor parameters); let full optimizer state load."""
-    if len(before) != len(after):
-        raise UnifiedDistError("sharding changed the number of parameters; prepare the model before "
-                               "building anything else on its parameters")
-    new_of = {id(old): new for old, new in zip(before, after)}
+def point_optimizer_at(optimizer: torch.optim.Optimizer,
+                       new_of: Callable[[torch.nn.Parameter], torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """Replace each parameter in ``optimizer``'s groups by ``new_of(parameter)`` (FSDP2's DTensor
+    parameter for one it replaced, else itself), and let ``load_state_dict`` take full state."""
     for group in optimizer.param_groups:
-        group["params"] = [new_of.get(id(p), p) for p in group["params"]]
+        group["params"] = [new_of(p) for p in group["params"]]
     if not getattr(optimizer, "_unified_dist_shard_hook", False):
         optimizer.register_load_state_dict_pre_hook(_shard_incoming_optimizer_state)
         optimizer._unified_dist_shard_hook = True
+    return optimizer
 
 
 def _shard_incoming_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -176,3 +174,14 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: Any) -> Iterator[None]:
+    """Backward passes inside accumulate unsharded gradients locally: no reduce-scatter until the
+    first backward after the block (FSDP2's ``set_requires_gradient_sync``)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

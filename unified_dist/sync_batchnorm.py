@@ -27,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+ENV = "UNIFIED_DIST_SYNC_BATCHNORM"
+"""``1`` turns ``init(sync_batchnorm=...)`` on when the code does not say."""
+
 Gather = Callable[[torch.Tensor], torch.Tensor]
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
 
@@ -127,10 +130,17 @@ def convert(module: torch.nn.Module, make: Callable[[_BatchNorm], torch.nn.Modul
     return module
 
 
-def portable_from(bn: _BatchNorm) -> SyncBatchNorm:
-    """A :class:`SyncBatchNorm` sharing ``bn``'s parameters and buffers (no copies)."""
-    sync = SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
-    for name, value in list(bn._parameters.items()) + list(bn._buffers.items()):
-        setattr(sync, name, value)
-    sync.train(bn.training)
-    return sync
+def sharing(cls: Callable[..., _BatchNorm]) -> Callable[[_BatchNorm], _BatchNorm]:
+    """A :func:`convert` factory: ``cls`` (a BatchNorm-like class) built with a BatchNorm's settings,
+    sharing its parameters and buffers (no copies), in its training mode."""
+    def make(bn: _BatchNorm) -> _BatchNorm:
+        sync = cls(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
+        for name, value in list(bn._parameters.items()) + list(bn._buffers.items()):
+            setattr(sync, name, value)
+        sync.train(bn.training)
+        return sync
+    return make
+
+
+portable_from = sharing(SyncBatchNorm)
+"""A :class:`SyncBatchNorm` sharing a BatchNorm's parameters and buffers."""

@@ -56,7 +56,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Parse the flags, join whatever launched us, run; a user's mistake is one line and exit 2."""
     args = parse_args(argv)
     try:
-        ud.init(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum)
+        ud.init(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum,
+                sharding=args.sharding)
     except ud.UnifiedDistError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -247,8 +248,9 @@ def finish(t: Training, state: LoopState) -> Dict[str, Any]:
     t.log.close()
     save_checkpoint(t, state)
     final_dir = os.path.join(t.paths.out, "final_model")
+    weights = ud.get_state_dict(t.model)  # on every rank: a sharded model's weights are gathered
     if ud.is_main():
-        ud.unwrap(t.model).save_pretrained(final_dir)
+        ud.unwrap(t.model).save_pretrained(final_dir, state_dict=weights)
         t.tokenizer.save_pretrained(final_dir)
     results = summarise(t, state)
     if ud.is_main():
@@ -452,7 +454,8 @@ def print_launch(args: argparse.Namespace, threads: int, global_batch: int) -> N
     """Who launched us, and the global batch (never silently multiplied by the world size)."""
     world = ud.world_size()
     ud.print(f"launcher {ud.launcher()} | backend {ud.backend_name()} | world size {world} | device {ud.device()} "
-             f"| {threads} torch thread(s) per process | mixed precision {ud.mixed_precision()}")
+             f"| {threads} torch thread(s) per process | mixed precision {ud.mixed_precision()} "
+             f"| sharding {ud.sharding_mode()}")
     ud.print(f"global batch = {args.batch_size} per process x {world} process(es) x {args.grad_accum} "
              f"grad-accum = {global_batch} examples per optimizer step")
 
@@ -738,6 +741,9 @@ def add_optimisation_flags(g: argparse._ArgumentGroup) -> None:
                    help="stop after this many optimizer steps (0 = run all --epochs); the LR schedule spans it")
     g.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default=None,
                    help="default: what the launcher says (accelerate launch --mixed_precision), else no")
+    g.add_argument("--sharding", choices=("no", "fsdp"), default=None,
+                   help="fsdp: shard parameters, gradients and optimizer state over the processes (FSDP2); "
+                        "default: what the launcher says (accelerate launch --use_fsdp), else no")
     g.add_argument("--seed", type=int, default=0, help="seed of initialisation, dropout and shuffling")
     g.add_argument("--no-dropout", action="store_true", help="set every dropout probability to 0 (parity tests)")
     g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,

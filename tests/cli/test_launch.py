@@ -96,3 +96,21 @@ def test_exit_status_is_the_launchers_and_the_printed_command_runs_the_same_horo
     assert printed == "+ horovodrun -np 1 -H localhost:1 --gloo python fail.py", printed
     native = subprocess.run(shlex.split(printed[2:]), cwd=tmp_path, env=child_env(), capture_output=True, timeout=60)
     assert result.returncode == native.returncode != 0, (result.returncode, native.returncode)
+
+
+@pytest.mark.parametrize("backend", ["torch", "accelerate"])
+def test_sharding_and_sync_batchnorm_reach_the_script_as_variables(backend):
+    from unified_dist.cli.launch import Plan, build
+
+    command = build(Plan(backend=backend, script="train.py", nproc=2, sharding="fsdp", sync_batchnorm=True),
+                    cuda=False, environ={})
+    assert command.env["UNIFIED_DIST_SHARDING"] == "fsdp" and command.env["UNIFIED_DIST_SYNC_BATCHNORM"] == "1"
+    assert command.line().startswith("UNIFIED_DIST_SHARDING=fsdp UNIFIED_DIST_SYNC_BATCHNORM=1 ")
+
+
+def test_sharding_under_horovod_is_refused_before_anything_starts():
+    from unified_dist.cli.errors import UsageError
+    from unified_dist.cli.launch import Plan, build
+
+    with pytest.raises(UsageError, match="horovod has no sharding; use --backend torch or accelerate"):
+        build(Plan(backend="horovod", script="train.py", nproc=2, sharding="fsdp"), cuda=False, environ={})

@@ -8,8 +8,10 @@ agree across launchers: the example's training loop is the same whatever started
 Each of torchrun, accelerate launch, horovodrun and python stops after step 3 and is continued to
 step 5 from a checkpoint written under another launcher (torchrun from its own, with
 ``--resume auto``): every backend writes a checkpoint that another backend and world size
-continues exactly (2 -> 2, 2 -> 4 under horovodrun -np 4, 2 -> 1 under python). srun, mpirun and
-the legacy torch.distributed.launch run the 5 steps uninterrupted: the reference.
+continues exactly (2 -> 2, 2 -> 4 under horovodrun -np 4, 2 -> 1 under python). torchrun shards the
+model with FSDP2 (``--sharding fsdp``); its checkpoints hold the full state, which accelerate continues
+unsharded. srun, mpirun and the legacy torch.distributed.launch run the 5 steps uninterrupted, unsharded:
+the reference.
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ TINY = ["--limit-train", "64", "--limit-eval", str(LIMIT_EVAL), "--max-length", 
 # launcher, processes, per-process batch and grad-accum giving a global batch of 16
 LAUNCHES = {
     # torchrun's launches also write TensorBoard (test_tensorboard_events_of_the_torchrun_launches)
-    "torchrun": ("torchrun", 2, ["--batch-size", "8", "--report-to", "tensorboard"]),
+    # and shard the model with FSDP2: same losses and weights as the unsharded runs, and a checkpoint
+    # that accelerate (unsharded) continues
+    "torchrun": ("torchrun", 2, ["--batch-size", "8", "--report-to", "tensorboard", "--sharding", "fsdp"]),
     "accelerate": ("accelerate", 2, ["--batch-size", "8"]),
     "horovodrun": ("horovodrun", 2, ["--batch-size", "8"]),
     "python": ("python", 1, ["--batch-size", "8", "--grad-accum", "2"]),
@@ -76,6 +80,7 @@ def test_launch_stop_and_continue_from_another_launchers_checkpoint(name: str, t
     first = launch(launcher, SCRIPT, [*args, *batch_args, "--stop-after", "3"], nproc=nproc, timeout=TIMEOUT).check()
     assert f"x {nproc} process(es) x" in first.output and "= 16 examples per optimizer step" in first.output
     assert "stopped after step 3" in first.output
+    assert f"| sharding {'fsdp' if '--sharding' in batch_args else 'no'}" in first.output
     rows = read_metrics(out)
     assert rows, first.output[-3000:]
     assert _identity(rows) == {(launcher, BACKEND_OF[launcher], nproc)}

@@ -1,6 +1,6 @@
 """Checks of the facade's contract, run inside every rank under a real launcher.
 
-    <launcher> tests/workers/contract_worker.py --suite core|accum|bf16 --out DIR [--adopt]
+    <launcher> tests/workers/contract_worker.py --suite core|accum|bf16|fsdp --out DIR [--adopt]
     python tests/workers/contract_worker.py --suite core --out DIR --spawn 2
 
 The ``core`` suite is the library's own contract list (:data:`unified_dist.cli.contract.CHECKS`,
@@ -32,11 +32,17 @@ CHECKS = {"core": list(contract.CHECKS)}
 """Each suite's checks in the order they run; a check's ``__name__`` is its test id."""
 
 
-def check(suite):
+def check(*suites):
     def register(fn):
-        CHECKS.setdefault(suite, []).append(fn)
+        for suite in suites:
+            CHECKS.setdefault(suite, []).append(fn)
         return fn
     return register
+
+
+def full(t):
+    """A sharded (DTensor) parameter's whole value; any other tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def close(a, b, atol=1e-6):
@@ -160,7 +166,7 @@ def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, **opt_kwargs):
 
 def _same_params(model, ref, atol=1e-6):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        close(p.detach().cpu(), q.detach(), atol=atol)
+        close(full(p.detach()).cpu(), q.detach(), atol=atol)
 
 
 @check("core")
@@ -169,7 +175,7 @@ def gradient_average_matches_single_process_adamw_3_steps():
     _same_params(model, ref, atol=1e-5)
 
 
-@check("accum")
+@check("accum", "fsdp")
 def accumulation_matches_single_process_sgd():
     """N ranks x 2 micro-batches x b == 1 process x 2*N*b, and only one step is taken."""
     assert ud.gradient_accumulation_steps() == 2
@@ -177,7 +183,7 @@ def accumulation_matches_single_process_sgd():
     _same_params(model, ref)
 
 
-@check("accum")
+@check("accum", "fsdp")
 def accumulation_matches_single_process_adamw_2_steps():
     model, ref = _facade_steps(2, 2, torch.optim.AdamW, 2, lr=0.05, weight_decay=0.1)
     _same_params(model, ref, atol=1e-5)
@@ -224,7 +230,7 @@ def ragged_last_batch_matches_single_process():
                         (2, 2 * w * 3 + 2 * w - 1)])  # every rank but the last has a full last batch
 
 
-@check("accum")
+@check("accum", "fsdp")
 def short_last_accumulation_window_matches_single_process():
     """An epoch ending with fewer than k micro-batches averages over what the window really had."""
     w = ud.world_size()
@@ -371,6 +377,189 @@ def bf16_autocast_trains_on_cpu():
     assert torch.equal(weights[0], weights[-1]), "ranks diverged"
 
 
+# ----------------------------------------------------------------- SyncBatchNorm (every suite inits with sync_batchnorm=True)
+def _bn_model():
+    torch.manual_seed(99)
+    return torch.nn.Sequential(torch.nn.Conv1d(3, 4, 1), torch.nn.BatchNorm1d(4), torch.nn.ReLU(),
+                               torch.nn.Conv1d(4, 2, 1), torch.nn.BatchNorm1d(2, momentum=None))
+
+
+@check("core")
+def sync_batchnorm_matches_single_process():
+    """Ranks with uneven batches (3, 5, ...) == BatchNorm on the concatenated batch: outputs, input
+    gradients, parameters after an SGD step, running statistics; plain BatchNorm state-dict keys."""
+    r, w = ud.rank(), ud.world_size()
+    sizes = [3 + 2 * (i % 2) for i in range(w)]
+    lo, hi = sum(sizes[:r]), sum(sizes[:r + 1])
+    g = torch.Generator().manual_seed(5)
+    x_all, grad_all = torch.randn(sum(sizes), 3, 6, generator=g), torch.randn(sum(sizes), 2, 6, generator=g)
+    ref = _bn_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    xr = x_all.clone().requires_grad_()
+    ref(xr)  # a first training forward moves the running statistics too
+    out_ref = ref(xr)
+    ((out_ref * grad_all).sum() / w).backward()  # the mean over ranks of each rank's own sum
+    ref_opt.step()
+    model = _bn_model()
+    model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    converted = [type(m).__name__ for m in ud.unwrap(model).modules() if "BatchNorm" in type(m).__name__]
+    x = x_all[lo:hi].clone().to(ud.device()).requires_grad_()
+    model(x)
+    out = model(x)
+    ud.backward((out * grad_all[lo:hi].to(ud.device())).sum())
+    opt.step()
+    ud.unwrap(model).eval()
+    ref.eval()
+    evaluated, evaluated_ref = model(x).detach().cpu(), ref(xr)[lo:hi].detach()
+    state, state_ref = ud.unwrap(model).state_dict(), ref.state_dict()
+    if w > 1:
+        assert all(name != "BatchNorm1d" for name in converted), converted
+    close(out.detach().cpu(), out_ref[lo:hi].detach(), atol=1e-5)
+    close(x.grad.cpu(), xr.grad[lo:hi] * w, atol=1e-5)
+    _same_params(ud.unwrap(model), ref, atol=1e-6)
+    assert list(state) == list(state_ref), (list(state), list(state_ref))
+    for key in state_ref:
+        close(state[key].cpu(), state_ref[key], atol=1e-5)
+    close(evaluated, evaluated_ref, atol=1e-5)
+
+
+# ----------------------------------------------------------------- FSDP2 (suite "fsdp": torchrun, accelerate launch --use_fsdp)
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+
+
+class _BlockNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4321)
+        self.inp = torch.nn.Linear(5, 8)
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _sharded_training(steps, lr=0.05):
+    """``steps`` AdamW steps of _BlockNet on 2 micro-batches of 2 per rank; returns the prepared
+    model and optimizer, the plain reference (1 process, batch 4 x world) and the last clip norms."""
+    w, k = ud.world_size(), ud.gradient_accumulation_steps()
+    per_rank = 2
+    x, y = regression_data(per_rank * w * k * steps)
+    ref = _BlockNet()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1)
+    model = _BlockNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=per_rank)
+    model, opt, loader = ud.prepare(model, opt, loader)
+    norms = []
+    for xb, yb in loader:
+        with ud.accumulate(model):
+            ud.backward(torch.nn.functional.mse_loss(model(xb), yb))
+            norm = ud.clip_grad_norm_(model.parameters(), 1e6)
+            if norm is not None:
+                norms.append(norm)
+            opt.step()
+            opt.zero_grad()
+    g = per_rank * w * k
+    ref_norms = []
+    for s in range(steps):
+        torch.nn.functional.mse_loss(ref(x[s * g:(s + 1) * g]), y[s * g:(s + 1) * g]).backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e6))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return model, opt, ref, ref_opt, norms, ref_norms
+
+
+@check("fsdp")
+def fsdp_shards_parameters_of_every_block():
+    """Every parameter a DTensor split on dim 0; each block its own FSDP unit; after a forward the
+    blocks' parameters are sharded again, or kept gathered until backward where the launch said
+    ``--fsdp_reshard_after_forward false`` (accelerate launch; torchrun keeps the default)."""
+    model, _, _, _, _, _ = _sharded_training(1)
+    inner = ud.unwrap(model)
+    params = dict(inner.named_parameters())
+    assert all(type(p).__name__ == "DTensor" for p in params.values()), {n: type(p).__name__ for n, p in params.items()}
+    weight = params["blocks.0.linear.weight"]
+    assert weight.to_local().shape[0] == -(-8 // ud.world_size()), weight.to_local().shape  # dim 0 split over ranks
+    assert type(inner.blocks[0]).__name__.startswith("FSDP"), type(inner.blocks[0])
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true"
+    out = model(regression_data(2)[0])
+    after_forward = type(inner.blocks[0].linear.weight).__name__
+    ud.backward(out.sum())  # lets FSDP2 reshard; no step follows
+    assert after_forward == ("DTensor" if reshard else "Parameter"), (reshard, after_forward)
+
+
+@check("fsdp")
+def fsdp_adamw_with_accumulation_matches_single_process():
+    """2 ranks x 2 micro-batches x 2 under FSDP2 == 1 process x batch 8, 3 AdamW steps. Tolerance
+    2e-6: float32 rounding of the reduce-scatter's other summation order (~1e-7 per gradient),
+    which AdamW's normalised update carries into the weights at lr 0.05 over 3 steps."""
+    model, _, ref, _, norms, ref_norms = _sharded_training(3)
+    for (name, p), q in zip(ud.unwrap(model).named_parameters(), ref.parameters()):
+        close(full(p.detach()).cpu(), q.detach(), atol=2e-6)
+    assert len(norms) == 3 and all(type(n) is torch.Tensor for n in norms), [type(n) for n in norms]
+    close(torch.stack(norms).cpu(), torch.stack(ref_norms), atol=1e-5)
+
+
+@check("fsdp")
+def fsdp_full_and_sharded_checkpoints(ctx):
+    """ud.save writes the full state (plain keys and shapes, loadable into an unsharded model);
+    the sharded model and optimizer load it back and continue exactly; save_sharded writes shards
+    that the test later loads at world size 1, and load_sharded reads the world-1 checkpoint the
+    test wrote before the launch (resharding 1 -> N)."""
+    out_dir = ctx.out
+    model, opt, ref, ref_opt, _, _ = _sharded_training(2)
+    tag = ud.backend_name()
+    full_path = os.path.join(out_dir, f"fsdp_full_{tag}.pt")
+    ud.save({"model": model, "optimizer": opt, "step": 2}, full_path)
+    ud.save_sharded({"model": model, "optimizer": opt, "step": 2}, os.path.join(out_dir, f"fsdp_sharded_{tag}"))
+    saved = ud.load(full_path)
+    plain = _BlockNet()
+    plain.load_state_dict(saved["model"])  # strict: the unsharded keys and shapes
+    _same_params(plain, ref, atol=2e-6)
+    # the sharded model and optimizer load the full checkpoint and take the same next step as the reference
+    model2 = _BlockNet()
+    model2, opt2 = ud.prepare(model2, torch.optim.AdamW(model2.parameters(), lr=0.05, weight_decay=0.1))
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["optimizer"])
+    ref2, ref2_opt = plain, torch.optim.AdamW(plain.parameters(), lr=0.05, weight_decay=0.1)
+    ref2_opt.load_state_dict(copy.deepcopy(saved["optimizer"]))  # torch shares loaded "step" tensors
+    x, y = regression_data(4 * ud.world_size())
+    lo = ud.rank() * 4
+    for micro in range(2):  # one accumulation window (the suite runs with gradient_accumulation_steps=2)
+        rows = slice(lo + 2 * micro, lo + 2 * micro + 2)
+        with ud.accumulate(model2):
+            ud.backward(torch.nn.functional.mse_loss(model2(x[rows]), y[rows]))
+            opt2.step()
+            opt2.zero_grad()
+    torch.nn.functional.mse_loss(ref2(x), y).backward()
+    ref2_opt.step()
+    _same_full_params(model2, ref2, atol=2e-6)
+    # resharding 1 -> N: the world-1 checkpoint written by the test before the launch
+    model3 = _BlockNet()
+    model3, opt3 = ud.prepare(model3, torch.optim.AdamW(model3.parameters(), lr=0.05))
+    extra = ud.load_sharded({"model": model3, "optimizer": opt3}, os.path.join(out_dir, "world1_sharded"))
+    expected = torch.load(os.path.join(out_dir, "world1_full.pt"), weights_only=True)
+    assert extra == {"step": 11}, extra
+    for name, p in ud.unwrap(model3).named_parameters():
+        close(full(p.detach()).cpu(), expected["model"][name], atol=0)
+    state = opt3.state_dict()["state"]
+    for index, entry in expected["optimizer"]["state"].items():
+        close(full(state[index]["exp_avg"]).cpu(), entry["exp_avg"], atol=0)
+
+
+def _same_full_params(model, ref, atol):
+    for (name, p), q in zip(ud.unwrap(model).named_parameters(), ref.parameters()):
+        close(full(p.detach()).cpu(), q.detach(), atol=atol)
 # ----------------------------------------------------------------- gradient compression
 def _compression_for(suite):
     """The bf16 suite also compresses gradients: bf16, or fp16 under horovodrun (no bf16 compressor there)."""
@@ -450,8 +639,12 @@ def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=N
     """Run ``suite``'s checks; with ``adopt``, inside a stack this process started before the facade."""
     if adopt:
         _start_native_stack(init_method, rank, world_size)
-    ud.init(gradient_accumulation_steps=2 if suite == "accum" else 1,
-            mixed_precision="bf16" if suite == "bf16" else None, gradient_compression=_compression_for(suite))
+    # every suite synchronises BatchNorm (only sync_batchnorm_matches_single_process has any);
+    # "fsdp" shards; under `accelerate launch --use_fsdp` the launcher says so, not the code
+    sharded = suite == "fsdp" and not os.environ.get("ACCELERATE_USE_FSDP")
+    ud.init(gradient_accumulation_steps=2 if suite in ("accum", "fsdp") else 1,
+            mixed_precision="bf16" if suite == "bf16" else None, sync_batchnorm=True,
+            sharding="fsdp" if sharded else None, gradient_compression=_compression_for(suite))
     results = {}
     context = contract.Context(out=out)
     for fn in CHECKS[suite]:
@@ -478,7 +671,7 @@ def _spawned(rank, world_size, port, suite, out):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--suite", choices=["core", "accum", "bf16"], required=True)
+    parser.add_argument("--suite", choices=["core", "accum", "bf16", "fsdp"], required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--adopt", action="store_true",
                         help="start the launcher's own stack (dist.init_process_group, Accelerate's "

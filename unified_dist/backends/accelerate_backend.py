@@ -10,6 +10,7 @@ import torch
 from .base import Backend, Config, weighted
 from ..compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
+from .fsdp import FsdpModels
 from .process_group import TORCH_OPS, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
@@ -77,6 +78,10 @@ class AccelerateBackend(Backend):
             step_scheduler_with_optimizer=False,
             kwargs_handlers=[InitProcessGroupKwargs(timeout=config.timeout)],
         )
+        # Accelerate's own FSDP (accelerate launch --use_fsdp) only runs on GPUs: on a CPU it keeps
+        # DistributedType.MULTI_CPU and would wrap the model in DDP. The facade shards with torch's
+        # fully_shard itself on every device, so the meaning is the same everywhere.
+        self._fsdp = FsdpModels(config.sharding, config.mixed_precision)
 
     @property
     def rank(self) -> int:
@@ -110,6 +115,8 @@ class AccelerateBackend(Backend):
         destroy_at_exit(self._owns_group)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self._fsdp.enabled and any(p.requires_grad for p in model.parameters()):
+            return self._fsdp.prepare(model.to(self.device))
         return self._ddp.track(self.apply_compression(self.accelerator.prepare_model(model)))
 
     def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -119,7 +126,12 @@ class AccelerateBackend(Backend):
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
-        return self.accelerator.prepare_optimizer(optimizer)
+        return self.accelerator.prepare_optimizer(self._fsdp.adopt(optimizer))
+
+    def convert_sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.device.type == "cuda" and self.world_size > 1:
+            return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # torch's kernels; CUDA only
+        return super().convert_sync_batchnorm(model)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return super().unwrap(self.accelerator.unwrap_model(model))
@@ -129,7 +141,7 @@ class AccelerateBackend(Backend):
         self.accelerator.backward(weighted(loss, weight * self.config.gradient_accumulation_steps))
 
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
-        return self.accelerator.no_sync(model)
+        return self._fsdp.no_sync(model) or self.accelerator.no_sync(model)
 
     def set_sync_gradients(self, sync: bool) -> None:
         self.accelerator.sync_gradients = sync  # AcceleratedOptimizer skips step() when False

@@ -17,6 +17,8 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from ..detection import Detection
+from .. import sync_batchnorm
+from ..sharding import Sharding
 from ..errors import PeerLost, UnifiedDistError, collective_timeout, peer_lost_message
 
 # torch.distributed raises DistBackendError/RuntimeError for everything gloo and nccl report: the
@@ -41,6 +43,8 @@ class Config:
     gradient_accumulation_steps: int = 1
     timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
     debug: bool = False
+    sharding: Sharding = Sharding()
+    sync_batchnorm: bool = False
     gradient_compression: Optional[str] = None  # "bf16", "fp16" or None (see unified_dist.compression)
 
 
@@ -57,6 +61,8 @@ class Backend(ABC):
     """One distributed stack. Constructing it joins the process group; ``shutdown`` leaves it."""
 
     name: str = "?"
+    supports_sharding: bool = True
+    """Whether ``sharding="fsdp"`` can run on this stack (Horovod has no sharding)."""
 
     def __init__(self, detection: Detection, config: Config) -> None:
         self.detection = detection
@@ -103,6 +109,14 @@ class Backend(ABC):
     @abstractmethod
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move ``model`` to :attr:`device` and make its gradients averaged across ranks."""
+
+    def convert_sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` with every BatchNorm1d/2d/3d computing batch statistics over the global batch
+        (``init(sync_batchnorm=True)``); the portable :mod:`unified_dist.sync_batchnorm` here, a
+        stack's own implementation where one runs on this device (CUDA). Unchanged for one process."""
+        if self.world_size == 1:
+            return model
+        return sync_batchnorm.convert(model, sync_batchnorm.portable_from)
 
     def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
         """Make the gradient averaging send ``config.gradient_compression``, the stack's own way

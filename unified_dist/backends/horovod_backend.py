@@ -10,6 +10,7 @@ from typing import Any, Optional
 import torch
 
 from .base import Backend, Config
+from .. import sync_batchnorm
 from ..detection import Detection
 from ..errors import (BackendNotInstalled, PeerLost, ShapeMismatch, UnifiedDistError, deadline_passed, first_line,
                       peer_lost_message)
@@ -59,6 +60,7 @@ class HorovodBackend(Backend):
     """Drives ``horovod.torch``: parameter/optimizer-state broadcast and ``DistributedOptimizer``."""
 
     name = "horovod"
+    supports_sharding = False
     gathers_uneven = True  # its coordinator exchanges dim 0 while negotiating; no state between calls
 
     def __init__(self, detection: Detection, config: Config) -> None:
@@ -100,6 +102,11 @@ class HorovodBackend(Backend):
         if not self.elastic:
             self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model
+
+    def convert_sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.device.type == "cuda" and self.world_size > 1:  # hvd.SyncBatchNorm refuses CPU tensors
+            return sync_batchnorm.convert(model, sync_batchnorm.sharing(self.hvd.SyncBatchNorm))
+        return super().convert_sync_batchnorm(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
@@ -215,3 +222,4 @@ class HorovodBackend(Backend):
 
     def barrier(self) -> None:
         self.all_reduce_(torch.zeros(1), "sum")
+

@@ -1,7 +1,7 @@
 """torch.distributed + DistributedDataParallel, as started by ``torchrun``."""
 from __future__ import annotations
 
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Optional
 
 import torch
 import torch.distributed as dist
@@ -9,6 +9,7 @@ import torch.distributed as dist
 from .base import Backend, Config
 from ..compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
+from .fsdp import FsdpModels
 from .process_group import (TORCH_OPS, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group,
                             local_rank_from_hosts)
 from ..detection import Detection
@@ -24,6 +25,7 @@ class TorchBackend(Backend):
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
         self._ddp = DdpTracker()
+        self._fsdp = FsdpModels(config.sharding, config.mixed_precision)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             export_rendezvous(detection)
@@ -57,6 +59,8 @@ class TorchBackend(Backend):
         model = model.to(self.device)
         if not any(p.requires_grad for p in model.parameters()):
             return model  # nothing to synchronise (e.g. an evaluation-only model)
+        if self._fsdp.enabled:
+            return self._fsdp.prepare(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
         return self._ddp.track(self.apply_compression(ddp))
@@ -65,10 +69,19 @@ class TorchBackend(Backend):
         """A DDP communication hook (torch's fp16/bf16 compress hooks)."""
         return register_ddp_hook(model, self.config.gradient_compression)
 
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        return self._fsdp.adopt(optimizer)
+
+    def convert_sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
+        if self.device.type == "cuda" and self.world_size > 1:
+            return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # torch's kernels; CUDA only
+        return super().convert_sync_batchnorm(model)
+
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return model.no_sync()
-        return super().no_sync(model)
+        return self._fsdp.no_sync(model) or super().no_sync(model)
 
     def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         dist.all_reduce(tensor, op=TORCH_OPS[op])

@@ -4,7 +4,8 @@
 machine; :func:`run` prints it and replaces this process with the launcher, so the launcher
 owns the terminal, receives Ctrl-C, and its exit status is the command's. The launched script
 sees what the native launcher gives it, plus ``UNIFIED_DIST_MIXED_PRECISION`` where the
-launcher has no mixed-precision flag (torchrun, horovodrun).
+launcher has no mixed-precision flag (torchrun, horovodrun), and ``UNIFIED_DIST_SHARDING`` /
+``UNIFIED_DIST_SYNC_BATCHNORM`` for ``--sharding`` / ``--sync-batchnorm`` (no launcher has those).
 """
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ from typing import Dict, List, Mapping, NoReturn, Optional, Tuple
 
 from ..compression import ENV_VAR as ENV_COMPRESSION, MODES as COMPRESSION_MODES
 from ..net import DEFAULT_MASTER_PORT
+from ..backends import backend_class
 from ..precision import ENV_VAR as ENV_MIXED_PRECISION, MODES as MIXED_PRECISION_MODES
+from ..sharding import ENV as SHARDING_ENV, MODES as SHARDING_MODES
+from ..sync_batchnorm import ENV as SYNC_BATCHNORM_ENV
 from .errors import UsageError
 from ..registry import LAUNCHED, SPECS
 
@@ -52,6 +56,8 @@ class Plan:
     hosts: Optional[str] = None
     network_interface: Optional[str] = None
     mixed_precision: Optional[str] = None
+    sharding: Optional[str] = None
+    sync_batchnorm: bool = False
     gradient_compression: Optional[str] = None  # every launcher: UNIFIED_DIST_GRADIENT_COMPRESSION
 
 
@@ -86,10 +92,12 @@ def build(plan: Plan, cuda: bool = False, environ: Mapping[str, str] = os.enviro
     if plan.mixed_precision is not None and plan.mixed_precision not in MIXED_PRECISION_MODES:
         raise UsageError(
             f"unknown mixed precision {plan.mixed_precision!r}; use one of {', '.join(MIXED_PRECISION_MODES)}")
+    if plan.sharding is not None and plan.sharding not in SHARDING_MODES:
+        raise UsageError(f"unknown sharding {plan.sharding!r}; use one of {', '.join(SHARDING_MODES)}")
+    if plan.sharding == "fsdp" and not backend_class(plan.backend).supports_sharding:
+        raise UsageError(f"--sharding fsdp: {plan.backend} has no sharding; use --backend torch or accelerate")
     command = SPECS[plan.backend].load("command")(plan, cuda, environ)
-    if plan.gradient_compression:  # no launcher has a flag of its own for it
-        command = replace(command, env={**command.env, ENV_COMPRESSION: plan.gradient_compression})
-    return command
+    return replace(command, env={**command.env, **_settings_env(plan)})
 
 
 def _multi_node_address(plan: Plan) -> Tuple[str, int]:
@@ -113,6 +121,16 @@ def _socket_env(plan: Plan, cuda: bool) -> Dict[str, str]:
 
 def _precision_env(plan: Plan) -> Dict[str, str]:
     return {ENV_MIXED_PRECISION: plan.mixed_precision} if plan.mixed_precision else {}
+
+
+def _settings_env(plan: Plan) -> Dict[str, str]:
+    """The facade's settings that no launcher has a flag for, as the script's environment."""
+    env = {SHARDING_ENV: plan.sharding} if plan.sharding else {}
+    if plan.sync_batchnorm:
+        env[SYNC_BATCHNORM_ENV] = "1"
+    if plan.gradient_compression:
+        env[ENV_COMPRESSION] = plan.gradient_compression
+    return env
 
 
 def torchrun_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
@@ -249,6 +267,10 @@ def add_arguments(parser) -> None:
                         help="network interface (horovodrun --network-interface; GLOO_SOCKET_IFNAME for torch/accelerate)")
     parser.add_argument("--mixed-precision", choices=MIXED_PRECISION_MODES,
                         help="accelerate --mixed_precision, else UNIFIED_DIST_MIXED_PRECISION for the script")
+    parser.add_argument("--sharding", choices=SHARDING_MODES,
+                        help="fsdp: shard models with FSDP2 (torch, accelerate), as UNIFIED_DIST_SHARDING")
+    parser.add_argument("--sync-batchnorm", action="store_true",
+                        help="BatchNorm statistics over the global batch, as UNIFIED_DIST_SYNC_BATCHNORM=1")
     parser.add_argument("--gradient-compression", choices=COMPRESSION_MODES,
                         help=f"send gradients in 16 bits (sets {ENV_COMPRESSION} for the script)")
     parser.add_argument("--dry-run", action="store_true", help="print the command on stdout; do not run it")
@@ -263,7 +285,8 @@ def main(args) -> int:
     plan = Plan(backend=args.backend, script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port, hosts=args.hosts, network_interface=args.network_interface,
-                mixed_precision=args.mixed_precision, gradient_compression=args.gradient_compression)
+                mixed_precision=args.mixed_precision, sharding=args.sharding, sync_batchnorm=args.sync_batchnorm,
+                gradient_compression=args.gradient_compression)
     command = build(plan, cuda=torch.cuda.is_available())
     check_machine(plan)
     if args.dry_run:
