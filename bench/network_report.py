@@ -73,7 +73,8 @@ def main() -> int:
     src = Path(args.results)
     data = json.loads(src.read_text())
     md = Path(args.md) if args.md else src.with_suffix(".md")
-    png = Path(args.png) if args.png else src.with_name(src.stem + "_efficiency.png")
+    base, short = (src.stem[:-len("_short")], "_short") if src.stem.endswith("_short") else (src.stem, "")
+    png = Path(args.png) if args.png else src.with_name(f"{base}_efficiency{short}.png")  # *_short.* is ignored
     plot(data, png)
     md.write_text("\n".join([*table(data), "", f"![efficiency against link rate]({png.name})", ""]))
     print(f"wrote {md} and {png}")
