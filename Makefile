@@ -42,6 +42,8 @@ demo: setup
 
 bench: setup
 	$(PY) bench/run.py --short
+	$(PY) bench/network.py --short  # needs root (network namespaces); skips with the reason otherwise
+	if [ -f bench/results/network_short.json ]; then $(PY) bench/network_report.py bench/results/network_short.json; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -19,8 +19,9 @@ from .errors import (BackendNotInstalled, CheckpointError, CollectiveError, Coll
                      NonFiniteLoss, PeerLost, PrecisionError, UnifiedDistError, WorkerFailed)
 from .facade import (accumulate, all_gather, all_gather_object, all_reduce, autocast, backend_name, backward, barrier,
                      broadcast, clip_grad_norm_, device, gather_for_metrics, gradient_accumulation_steps,
-                     init, is_local_main, is_main, launcher, local_rank, main_process_first, mixed_precision, prepare,
-                     print, rank, restore_rng_states, rng_states, seed_everything, sharding_mode, shutdown,
+                     gradient_compression, init, is_local_main, is_main, launcher, local_rank, main_process_first,
+                     mixed_precision, prepare, print, rank, restore_rng_states, rng_states, seed_everything,
+                     sharding_mode, shutdown,
                      sync_gradients, unwrap, world_size)
 from .saving import get_state_dict, latest_checkpoint, load, load_sharded, save, save_checkpoint, save_sharded
 
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init", "shutdown", "backend_name", "launcher", "rank", "local_rank", "world_size", "device",
-    "is_main", "is_local_main", "mixed_precision", "sharding_mode", "gradient_accumulation_steps",
+    "is_main", "is_local_main", "mixed_precision", "sharding_mode", "gradient_accumulation_steps", "gradient_compression",
     "prepare", "unwrap", "backward", "accumulate", "sync_gradients", "clip_grad_norm_", "autocast",
     "seed_everything", "rng_states", "restore_rng_states", "all_reduce", "all_gather", "all_gather_object", "gather_for_metrics", "broadcast", "barrier",
     "print", "main_process_first", "ElasticState", "elastic_run", "save", "save_checkpoint", "latest_checkpoint", "load", "save_sharded", "load_sharded", "get_state_dict",

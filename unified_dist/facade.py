@@ -20,6 +20,7 @@ import torch
 from . import collectives, live, rng
 from .backends import Backend, Config, backend_class
 from .backends.base import DEFAULT_TIMEOUT_S
+from .compression import resolve_gradient_compression
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
 from .errors import LaunchError, NonFiniteLoss, UnifiedDistError
@@ -69,7 +70,7 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
          gradient_accumulation_steps: int = 1, timeout: Optional[float] = None,
          debug: Optional[bool] = None, sharding: Optional[str] = None,
          shard_modules: Optional[Sequence[Any]] = None, reshard_after_forward: Optional[bool] = None,
-         sync_batchnorm: Optional[bool] = None) -> None:
+         sync_batchnorm: Optional[bool] = None, gradient_compression: Optional[str] = None) -> None:
     """Join the job's process group through the detected (or given) backend.
 
     Idempotent: a second call with compatible arguments does nothing; asking for another
@@ -80,6 +81,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     :mod:`unified_dist.sharding`; ``shard_modules`` and ``reshard_after_forward`` tune it);
     ``sync_batchnorm=True`` (or ``UNIFIED_DIST_SYNC_BATCHNORM=1``) makes it synchronise BatchNorm
     statistics over the global batch (see :mod:`unified_dist.sync_batchnorm`).
+    ``gradient_compression`` (``"bf16"``, ``"fp16"``, default ``UNIFIED_DIST_GRADIENT_COMPRESSION``
+    or none) sends gradients in 16 bits (see :mod:`unified_dist.compression`).
     """
     global _session
     if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
@@ -107,12 +110,17 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
         debug=_env_flag("UNIFIED_DIST_DEBUG") if debug is None else bool(debug),
         sharding=resolve_sharding(sharding, os.environ, shard_modules, reshard_after_forward),
         sync_batchnorm=_env_flag(SYNC_BATCHNORM_ENV) if sync_batchnorm is None else bool(sync_batchnorm),
+        gradient_compression=resolve_gradient_compression(gradient_compression, os.environ),
     )
     cls = backend_class(detection.backend)
     if config.sharding.enabled and not cls.supports_sharding:
         raise UnifiedDistError(
             f"sharding='fsdp' needs torch.distributed, and {detection.launcher} runs the {cls.name} backend, which "
             "has no sharding; launch with torchrun, accelerate launch, srun or mpirun, or use sharding='no'")
+    if config.sharding.enabled and config.gradient_compression:
+        raise UnifiedDistError(
+            f"gradient_compression={config.gradient_compression!r} compresses DDP's and Horovod's all-reduce; "
+            "sharding='fsdp' reduce-scatters instead: use one of the two")
     instance = cls(detection, config)
     loaders = LoaderStack()
     _session = _Session(instance, detection, GradientSync(instance, loaders), loaders,
@@ -223,6 +231,11 @@ def mixed_precision() -> str:
 def sharding_mode() -> str:
     """``"fsdp"`` when :func:`prepare` shards models (see :func:`init`), else ``"no"``."""
     return current_backend().config.sharding.mode
+
+
+def gradient_compression() -> Optional[str]:
+    """The format gradients travel in: ``"bf16"``, ``"fp16"`` or ``None`` (float32)."""
+    return current_backend().config.gradient_compression
 
 
 def gradient_accumulation_steps() -> int:

@@ -24,6 +24,7 @@ import traceback
 import torch
 
 import unified_dist as ud
+from unified_dist import compression as contract_compression
 from unified_dist.cli import contract
 from unified_dist.cli.contract import regression_data, tiny_model
 
@@ -559,6 +560,55 @@ def fsdp_full_and_sharded_checkpoints(ctx):
 def _same_full_params(model, ref, atol):
     for (name, p), q in zip(ud.unwrap(model).named_parameters(), ref.parameters()):
         close(full(p.detach()).cpu(), q.detach(), atol=atol)
+# ----------------------------------------------------------------- gradient compression
+def _compression_for(suite):
+    """The bf16 suite also compresses gradients: bf16, or fp16 under horovodrun (no bf16 compressor there)."""
+    if suite != "bf16":
+        return None
+    return "fp16" if os.environ.get("HOROVOD_RANK") else "bf16"
+
+
+def _per_sample_grad_mean_abs(x, y):
+    """Elementwise mean over samples of |d loss_s / d p| at the reference's initial parameters."""
+    model = tiny_model()
+    total = [torch.zeros_like(p) for p in model.parameters()]
+    for s in range(len(x)):
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x[s:s + 1]), y[s:s + 1]).backward()
+        for t, p in zip(total, model.parameters()):
+            t += p.grad.abs()
+    return [t / len(x) for t in total]
+
+
+@check("bf16")
+def compressed_sgd_step_matches_single_process_within_format_precision():
+    """One SGD step (lr 0.5) of N ranks with compressed gradients vs one float32 process.
+
+    Tolerance, per element: the averaged gradient sum_i g_i/N is computed from N rank
+    gradients each rounded to the format (relative error <= d = 2^-bits: 2^-8 for bf16's 8
+    significant bits, 2^-11 for fp16's 11), divided by N and summed in the format (N-1 sums
+    and one division, each rounded: <= d * sum_i |g_i| / N each); so
+    |error| <= (N + 1) * d * mean_i |g_i| <= (N + 1) * d * mean_s |g_s| (a rank's gradient is
+    the mean of its samples'), and the parameter moves by lr times that, plus 1e-6 for float32.
+    The check also asserts the compression ran: with N > 1 the result must differ from the float32
+    reference by more than float32 rounding (1e-6); one process sends nothing and must match it.
+    """
+    w, lr, b = ud.world_size(), 0.5, 4
+    mode = ud.gradient_compression()
+    assert mode == _compression_for("bf16"), mode
+    model, ref = _facade_steps(b, 1, torch.optim.SGD, 1, lr=lr)
+    x, y = regression_data(b * w)
+    delta = 2.0 ** -contract_compression.SIGNIFICANT_BITS[mode]
+    worst = 0.0
+    for p, q, g in zip(model.parameters(), ref.parameters(), _per_sample_grad_mean_abs(x, y)):
+        diff = (p.detach().cpu().double() - q.detach().double()).abs()
+        bound = lr * (w + 1) * delta * g.double() + 1e-6
+        assert bool((diff <= bound).all()), f"{mode}: off by {float((diff - bound).max()):+.3g} beyond the bound"
+        worst = max(worst, float(diff.max()))
+    if w > 1:
+        assert worst > 1e-6, f"{mode} compression did not change the result (max diff {worst:.3g}): the hook did not run"
+    else:
+        assert worst <= 1e-6, f"one process sends nothing, yet differs by {worst:.3g}"
 
 
 def _start_native_stack(init_method=None, rank=None, world_size=None):
@@ -594,7 +644,7 @@ def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=N
     sharded = suite == "fsdp" and not os.environ.get("ACCELERATE_USE_FSDP")
     ud.init(gradient_accumulation_steps=2 if suite in ("accum", "fsdp") else 1,
             mixed_precision="bf16" if suite == "bf16" else None, sync_batchnorm=True,
-            sharding="fsdp" if sharded else None)
+            sharding="fsdp" if sharded else None, gradient_compression=_compression_for(suite))
     results = {}
     context = contract.Context(out=out)
     for fn in CHECKS[suite]:

@@ -8,6 +8,7 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from .base import Backend, Config, weighted
+from ..compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels
 from .process_group import TORCH_OPS, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group
@@ -116,7 +117,12 @@ class AccelerateBackend(Backend):
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self._fsdp.enabled and any(p.requires_grad for p in model.parameters()):
             return self._fsdp.prepare(model.to(self.device))
-        return self._ddp.track(self.accelerator.prepare_model(model))
+        return self._ddp.track(self.apply_compression(self.accelerator.prepare_model(model)))
+
+    def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The hook on the DDP wrapper Accelerate made (its own ``comm_hook=BF16`` kwarg hands DDP
+        torch's bf16 hook, which DDP refuses without NCCL, so on CPU it could not run)."""
+        return register_ddp_hook(model, self.config.gradient_compression)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:

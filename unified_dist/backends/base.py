@@ -45,6 +45,7 @@ class Config:
     debug: bool = False
     sharding: Sharding = Sharding()
     sync_batchnorm: bool = False
+    gradient_compression: Optional[str] = None  # "bf16", "fp16" or None (see unified_dist.compression)
 
 
 def weighted(loss: torch.Tensor, weight: Fraction) -> torch.Tensor:
@@ -116,6 +117,12 @@ class Backend(ABC):
         if self.world_size == 1:
             return model
         return sync_batchnorm.convert(model, sync_batchnorm.portable_from)
+
+    def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Make the gradient averaging send ``config.gradient_compression``, the stack's own way
+        (a DDP hook on the wrapper :meth:`prepare_model` made, or what the backend's optimizer
+        wrapper takes). This default, for one process, sends nothing and returns ``model``."""
+        return model
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:

@@ -66,6 +66,7 @@ class HorovodBackend(Backend):
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
         self.hvd = _import_horovod()
+        self.apply_compression(None)  # an unsupported format fails before anyone joins
         seconds = max(1, int(config.timeout.total_seconds()))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
         self._owns_horovod = not self.hvd.is_initialized()  # a user's own hvd.init() stays running
@@ -121,7 +122,16 @@ class HorovodBackend(Backend):
         named = list(model.named_parameters()) if model is not None else None
         return hvd.DistributedOptimizer(
             optimizer, named_parameters=named, op=hvd.Average,
-            backward_passes_per_step=self.config.gradient_accumulation_steps)
+            backward_passes_per_step=self.config.gradient_accumulation_steps,
+            compression=self.apply_compression(model))
+
+    def apply_compression(self, model: Optional[torch.nn.Module]) -> Any:
+        """Horovod compresses in its ``DistributedOptimizer``: the ``compression=`` it takes."""
+        mode = self.config.gradient_compression
+        if mode == "bf16":
+            raise UnifiedDistError("Horovod's torch build has no bf16 gradient compression (its allreduce refuses "
+                                   "bfloat16 tensors); use gradient_compression='fp16' under horovodrun")
+        return self.hvd.Compression.fp16 if mode == "fp16" else self.hvd.Compression.none
 
     def finalize_gradients(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
         optimizer.synchronize()  # DistributedOptimizer averages asynchronously, hooked on backward

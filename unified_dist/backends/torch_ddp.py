@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend, Config
+from ..compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels
 from .process_group import (TORCH_OPS, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group,
@@ -61,7 +62,12 @@ class TorchBackend(Backend):
         if self._fsdp.enabled:
             return self._fsdp.prepare(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return self._ddp.track(torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        return self._ddp.track(self.apply_compression(ddp))
+
+    def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A DDP communication hook (torch's fp16/bf16 compress hooks)."""
+        return register_ddp_hook(model, self.config.gradient_compression)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:

@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, NoReturn, Optional, Tuple
 
+from ..compression import ENV_VAR as ENV_COMPRESSION, MODES as COMPRESSION_MODES
 from ..net import DEFAULT_MASTER_PORT
 from ..backends import backend_class
 from ..precision import ENV_VAR as ENV_MIXED_PRECISION, MODES as MIXED_PRECISION_MODES
@@ -57,6 +58,7 @@ class Plan:
     mixed_precision: Optional[str] = None
     sharding: Optional[str] = None
     sync_batchnorm: bool = False
+    gradient_compression: Optional[str] = None  # every launcher: UNIFIED_DIST_GRADIENT_COMPRESSION
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ def _settings_env(plan: Plan) -> Dict[str, str]:
     env = {SHARDING_ENV: plan.sharding} if plan.sharding else {}
     if plan.sync_batchnorm:
         env[SYNC_BATCHNORM_ENV] = "1"
+    if plan.gradient_compression:
+        env[ENV_COMPRESSION] = plan.gradient_compression
     return env
 
 
@@ -267,6 +271,8 @@ def add_arguments(parser) -> None:
                         help="fsdp: shard models with FSDP2 (torch, accelerate), as UNIFIED_DIST_SHARDING")
     parser.add_argument("--sync-batchnorm", action="store_true",
                         help="BatchNorm statistics over the global batch, as UNIFIED_DIST_SYNC_BATCHNORM=1")
+    parser.add_argument("--gradient-compression", choices=COMPRESSION_MODES,
+                        help=f"send gradients in 16 bits (sets {ENV_COMPRESSION} for the script)")
     parser.add_argument("--dry-run", action="store_true", help="print the command on stdout; do not run it")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs="...", help="arguments for the script")
@@ -279,7 +285,8 @@ def main(args) -> int:
     plan = Plan(backend=args.backend, script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port, hosts=args.hosts, network_interface=args.network_interface,
-                mixed_precision=args.mixed_precision, sharding=args.sharding, sync_batchnorm=args.sync_batchnorm)
+                mixed_precision=args.mixed_precision, sharding=args.sharding, sync_batchnorm=args.sync_batchnorm,
+                gradient_compression=args.gradient_compression)
     command = build(plan, cuda=torch.cuda.is_available())
     check_machine(plan)
     if args.dry_run:

@@ -1,0 +1,85 @@
+"""bench/network.py's results JSON as a markdown table and a plot of efficiency against link rate.
+
+    python bench/network_report.py [RESULTS_JSON] [--md FILE] [--png FILE]
+
+Defaults: bench/results/network.json -> bench/results/network.md and network_efficiency.png.
+Every row comes from the JSON, which records the commit, the command lines and the tc settings.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from network import rate_bits  # noqa: E402  (bench/network.py)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def table(data: dict) -> list:
+    one = data["one_host"]
+    lines = [f"Commit `{data['commit']}`, `{data['command']}`; load average before/after "
+             f"{data['load_before'][0]:.2f}/{data.get('load_after', [float('nan')])[0]:.2f}; 1 host alone: "
+             f"{one['samples_per_s']:.2f} samples/s ({one['median_step_s']:.3f} s/step, compute only); "
+             f"{data['settings']['steps']} timed steps after {data['settings']['warmup']} warm-up, batch "
+             f"{data['settings']['batch_size']} x {data['settings']['max_length']} tokens per process; "
+             f"link: `{data['rows'][0]['tc'][0].split(' ', 4)[-1] if data['rows'] else ''}` on both sides.", "",
+             "| rate | delay | backend | compression | samples/s | efficiency | MB/step on the wire "
+             "| ring all-reduce bound s | efficiency at the bound, no overlap | serialised all-reduce s "
+             "| step s (1 host) | comm hidden |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        hidden = "–" if r["comm_hidden_fraction"] is None else f"{r['comm_hidden_fraction']:.2f}"
+        lines.append(f"| {r['rate']} | {r['delay']} | {r['backend']} | {r['compression'] or 'none'} | "
+                     f"{r['samples_per_s']:.2f} | **{r['efficiency']:.2f}** | {r['wire_bytes_per_step'] / 1e6:.1f} | "
+                     f"{r['ring_allreduce_bound_s']:.3f} | {r['efficiency_if_not_overlapped_at_bound']:.2f} | "
+                     f"{r['serialised_allreduce_s']:.3f} | {r['median_step_s']:.3f} ({r['median_step_s_1host']:.3f}) | "
+                     f"{hidden} |")
+    return lines
+
+
+def plot(data: dict, png: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    series = {}
+    for r in data["rows"]:
+        series.setdefault((r["backend"], r["compression"] or "none"), []).append((rate_bits(r["rate"]), r["efficiency"]))
+    for (backend, comp), points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] / 1e9 for p in points], [p[1] for p in points], marker="o",
+                linestyle="-" if comp == "none" else "--", label=f"{backend}, {comp}")
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate, Gbit/s (tbf on both sides)")
+    ax.set_ylabel("scaling efficiency, 2 hosts x 1 process")
+    ax.set_ylim(0, 1.05)
+    ax.axhline(0.9, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_title("MiniLM-L6 training step over a limited link")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="?", default=str(RESULTS / "network.json"))
+    p.add_argument("--md", default=None)
+    p.add_argument("--png", default=None)
+    args = p.parse_args()
+    src = Path(args.results)
+    data = json.loads(src.read_text())
+    md = Path(args.md) if args.md else src.with_suffix(".md")
+    base, short = (src.stem[:-len("_short")], "_short") if src.stem.endswith("_short") else (src.stem, "")
+    png = Path(args.png) if args.png else src.with_name(f"{base}_efficiency{short}.png")  # *_short.* is ignored
+    plot(data, png)
+    md.write_text("\n".join([*table(data), "", f"![efficiency against link rate]({png.name})", ""]))
+    print(f"wrote {md} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,47 @@
+"""bench/network.py's arithmetic and link settings, without making hosts (the run itself is a benchmark)."""
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def network():
+    spec = importlib.util.spec_from_file_location("bench_network", ROOT / "bench" / "network.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_network"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rates_in_tc_units(network):
+    assert network.rate_bits("10gbit") == 10e9
+    assert network.rate_bits("200mbit") == 200e6
+    with pytest.raises(SystemExit, match="NUMBER"):
+        network.rate_bits("1GB/s")
+
+
+def test_token_bucket_on_both_sides_with_netem_only_when_asked(network):
+    (tbf,) = network.tc_commands("1gbit", "0ms")
+    assert tbf == ["tc", "qdisc", "add", "dev", "udnet0", "root", "tbf", "rate", "1gbit", "burst", "250000",
+                   "latency", "50ms"]
+    assert network.tc_commands("200mbit", "0ms")[0][10] == str(64 * 1024)  # never below 64 KiB
+    netem, child = network.tc_commands("1gbit", "1ms")
+    assert netem[5:11] == ["root", "handle", "1:", "netem", "delay", "1ms"]
+    assert child[5:7] == ["parent", "1:"] and "tbf" in child
+
+
+def test_row_bound_efficiency_and_hidden_share(network):
+    job = {"world_size": 2, "compression": "bf16", "grad_numel": 1_000_000, "backend": "torch",
+           "launcher": "torchrun", "compression_per_rank": ["bf16", "bf16"], "commands": [], "samples_per_s": 15.0,
+           "median_step_s": 1.5, "serialised_allreduce_s": 1.0, "wire_bytes_per_step": 4e6, "steps": 3, "warmup": 1,
+           "batch_size": 16, "max_length": 64, "job_wall_s": 1.0}
+    one = {"samples_per_s": 10.0, "median_step_s": 1.0}
+    row = network.summarise(job, one, "8mbit", "0ms", [])
+    assert row["grad_bytes"] == 2_000_000
+    assert row["ring_allreduce_bound_s"] == pytest.approx(2.0)  # 2(N-1)/N x 2 MB at 1 MB/s
+    assert row["efficiency"] == pytest.approx(0.75)
+    assert row["comm_hidden_fraction"] == pytest.approx(0.5)  # (1 + 1 - 1.5) / 1
