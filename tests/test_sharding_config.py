@@ -103,3 +103,12 @@ def test_single_process_runs_a_sharded_script_unchanged(monkeypatch):
         assert list(state) == list(model.state_dict()) and all(t.device.type == "cpu" for t in state.values())
     finally:
         ud.shutdown()
+
+
+@pytest.mark.parametrize("mode,param,reduce", [("no", None, None), ("bf16", torch.bfloat16, torch.float32),
+                                               ("fp16", torch.float16, torch.float32)])
+def test_mixed_precision_becomes_fsdp2s_policy_with_float32_gradient_reduction(mode, param, reduce):
+    from unified_dist.sharding import _policy
+
+    policy = _policy(mode)
+    assert (policy.param_dtype, policy.reduce_dtype) == (param, reduce)
