@@ -1,7 +1,7 @@
 """The facade's contract across two hosts (network namespaces), under every multi-node launch line.
 
 Two nodes x one process each. Each (launch, suite) runs tests/workers/contract_worker.py's
-``core`` or ``accum`` checks once, through tests/multinode/node_worker.py which also records the
+``core`` checks (every launch line) or ``accum`` checks (one native line per backend) once, through tests/multinode/node_worker.py which also records the
 host each rank ran on; every check must be "ok" on both ranks, and the ranks must have run on
 different hosts. Launches:
 
@@ -44,7 +44,11 @@ def run_once(name: str, suite: str, hosts, ssh) -> Tuple[JobResult, Path]:
     return _runs[(name, suite)]
 
 
-CASES = [(name, suite) for name in LAUNCHES for suite in SUITES]
+ACCUM_LINES = ("torchrun-static", "accelerate", "horovodrun")
+"""The launch lines that also run the ``accum`` suite over two hosts: one native line per backend.
+Accumulation's arithmetic does not depend on how the job met (static or c10d rendezvous, or the
+same native line built by ``unified-dist launch``); every line runs ``core`` over the network."""
+CASES = [(name, suite) for name in LAUNCHES for suite in SUITES if suite == "core" or name in ACCUM_LINES]
 
 
 @pytest.mark.parametrize("name,suite", CASES, ids=[f"{n}-{s}" for n, s in CASES])
