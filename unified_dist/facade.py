@@ -24,6 +24,7 @@ from .compression import resolve_gradient_compression
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
 from .errors import LaunchError, NonFiniteLoss, UnifiedDistError
+from .flags import is_set
 from .precision import resolve_mixed_precision
 from .sharding import full_tensor, resolve_sharding
 from .sync_batchnorm import ENV as SYNC_BATCHNORM_ENV
@@ -51,7 +52,7 @@ _previous_excepthook: Any = None
 
 
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return is_set(os.environ.get(name))
 
 
 def _resolve_timeout(timeout: Optional[float]) -> datetime.timedelta:

@@ -52,7 +52,9 @@ def get_state_dict(model: torch.nn.Module) -> Optional[dict]:
     ``state = ud.get_state_dict(model)`` then ``if ud.is_main(): hf_model.save_pretrained(dir, state_dict=state)``.
     """
     backend = current_backend()
-    state = checkpoint.to_state(model, backend.unwrap, _full_on_main(backend.rank))
+    if not backend.config.sharding.enabled:  # nothing to gather: only the main process walks
+        return checkpoint.to_state(model, backend.unwrap) if backend.rank == 0 else None
+    state = checkpoint.to_state(model, backend.unwrap, _full_on_main(backend.rank))  # a collective
     return state if backend.rank == 0 else None
 
 

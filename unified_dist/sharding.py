@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, S
 import torch
 
 from .errors import LaunchError, UnifiedDistError
+from .flags import is_set
 
 MODES = ("no", "fsdp")
 ENV = "UNIFIED_DIST_SHARDING"
@@ -45,10 +46,6 @@ class Sharding:
         return self.mode == "fsdp"
 
 
-def _flag(value: Optional[str], default: bool) -> bool:
-    return default if value is None else value.strip().lower() in ("1", "true", "yes", "on")
-
-
 def resolve_sharding(explicit: Optional[str], env: Mapping[str, str], modules: Optional[Sequence[Any]] = None,
                      reshard_after_forward: Optional[bool] = None) -> Sharding:
     """``init(sharding=...)`` > ``accelerate launch --use_fsdp`` > ``UNIFIED_DIST_SHARDING`` > ``"no"``.
@@ -56,7 +53,7 @@ def resolve_sharding(explicit: Optional[str], env: Mapping[str, str], modules: O
     Raises :class:`UnifiedDistError` for an unknown mode, and :class:`LaunchError` when the code
     turns sharding off under ``accelerate launch --use_fsdp`` or Accelerate asks for FSDP version 1.
     """
-    from_accelerate = _flag(env.get("ACCELERATE_USE_FSDP"), False)
+    from_accelerate = is_set(env.get("ACCELERATE_USE_FSDP"), False)
     if from_accelerate and env.get("FSDP_VERSION", "1").strip() != "2":
         raise LaunchError("accelerate launch --use_fsdp asks for FSDP version "
                           f"{env.get('FSDP_VERSION', '1')}; unified_dist shards with FSDP2: add --fsdp_version 2")
@@ -68,7 +65,7 @@ def resolve_sharding(explicit: Optional[str], env: Mapping[str, str], modules: O
         raise LaunchError(f"init(sharding={explicit!r}) contradicts accelerate launch --use_fsdp; "
                           "drop one of them")
     if reshard_after_forward is None:
-        reshard_after_forward = _flag(env.get("FSDP_RESHARD_AFTER_FORWARD") if from_accelerate else None, True)
+        reshard_after_forward = is_set(env.get("FSDP_RESHARD_AFTER_FORWARD") if from_accelerate else None, True)
     return Sharding(mode, tuple(modules) if modules else None, bool(reshard_after_forward))
 
 

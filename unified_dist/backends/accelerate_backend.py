@@ -128,11 +128,6 @@ class AccelerateBackend(Backend):
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
         return self.accelerator.prepare_optimizer(self._fsdp.adopt(optimizer))
 
-    def convert_sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.device.type == "cuda" and self.world_size > 1:
-            return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # torch's kernels; CUDA only
-        return super().convert_sync_batchnorm(model)
-
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return super().unwrap(self.accelerator.unwrap_model(model))
 

@@ -116,7 +116,14 @@ class Backend(ABC):
         stack's own implementation where one runs on this device (CUDA). Unchanged for one process."""
         if self.world_size == 1:
             return model
+        if self.device.type == "cuda":
+            return self.cuda_sync_batchnorm(model)
         return sync_batchnorm.convert(model, sync_batchnorm.portable_from)
+
+    def cuda_sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
+        """:meth:`convert_sync_batchnorm` for CUDA modules: torch's ``SyncBatchNorm`` (its own
+        kernels over the default process group, CUDA only). A stack with its own class overrides."""
+        return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
     def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
         """Make the gradient averaging send ``config.gradient_compression``, the stack's own way

@@ -103,10 +103,9 @@ class HorovodBackend(Backend):
             self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model
 
-    def convert_sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.device.type == "cuda" and self.world_size > 1:  # hvd.SyncBatchNorm refuses CPU tensors
-            return sync_batchnorm.convert(model, sync_batchnorm.sharing(self.hvd.SyncBatchNorm))
-        return super().convert_sync_batchnorm(model)
+    def cuda_sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
+        # hvd.SyncBatchNorm (refuses CPU tensors, hence only here) averages over Horovod's ranks
+        return sync_batchnorm.convert(model, sync_batchnorm.sharing(self.hvd.SyncBatchNorm))
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:

@@ -73,11 +73,6 @@ class TorchBackend(Backend):
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
         return self._fsdp.adopt(optimizer)
 
-    def convert_sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self.device.type == "cuda" and self.world_size > 1:
-            return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # torch's kernels; CUDA only
-        return super().convert_sync_batchnorm(model)
-
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return model.no_sync()
