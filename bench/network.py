@@ -1,7 +1,7 @@
 """Scaling over a bandwidth-limited link: 2 hosts x 1 process against 1 host alone, per backend.
 
     python bench/network.py [--rates 10gbit,1gbit,200mbit] [--backends torch,accelerate,horovod]
-                            [--compression none,bf16] [--steps 10] [--warmup 2] [--delay 0ms]
+                            [--compression none,bf16] [--bucket-mb default,4,100] [--steps 10] [--warmup 2] [--delay 0ms]
                             [--short] [--out FILE]
 
 The two hosts are the network namespaces of tools/netns_hosts.sh (192.0.2.1 and 192.0.2.2 over
@@ -30,6 +30,7 @@ hidden = (t1 + c - t2) / c (1: all communication hidden behind compute; 0: none)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -50,6 +51,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / 
 import provenance  # noqa: E402  (bench/provenance.py)
 import multinode  # noqa: E402  (tests/multinode/multinode.py: the hosts and the multi-node launch lines)
 from launchers import BIN  # noqa: E402
+from unified_dist.buckets import ENV_VAR as BUCKET_VAR  # noqa: E402
 from unified_dist.compression import ENV_VAR as COMPRESSION_VAR  # noqa: E402
 
 WORKER = "bench/network_worker.py"
@@ -128,15 +130,20 @@ def baseline(hosts, args, tmp: Path) -> dict:
     return run_job(hosts, "1host", [(0, argv, {})], out)
 
 
-def two_hosts(hosts, ssh, backend: str, compression: Optional[str], args, tmp: Path) -> dict:
+def two_hosts(hosts, ssh, backend: str, compression: Optional[str], args, tmp: Path,
+              bucket_mb: Optional[str] = None) -> dict:
     fmt = SIXTEEN_BIT.get(backend, compression) if compression else None
-    out = tmp / f"network_{backend}_{fmt or 'none'}.json"
+    out = tmp / f"network_{backend}_{fmt or 'none'}_{bucket_mb or 'default'}.json"
     commands = multinode.launch_commands(LAUNCH[backend], hosts, "", [], ssh if backend == "horovod" else None)
     script = worker_args(out, args)
     env = {COMPRESSION_VAR: fmt} if fmt else {}
+    if bucket_mb is not None:
+        env[BUCKET_VAR] = bucket_mb
     # launch_commands ends each line with the script and its arguments: put ours there
     commands = [(host, [*argv[:-1], *script], {**extra, **env}) for host, argv, extra in commands]
-    return run_job(hosts, f"{backend}-{fmt or 'none'}", commands, out)
+    job = run_job(hosts, f"{backend}-{fmt or 'none'}-{bucket_mb or 'default'}", commands, out)
+    job["bucket_mb"] = bucket_mb
+    return job
 
 
 def summarise(job: dict, one_host: dict, rate: str, delay: str, tc: List[str]) -> dict:
@@ -149,6 +156,7 @@ def summarise(job: dict, one_host: dict, rate: str, delay: str, tc: List[str]) -
     return {
         "backend": job["backend"], "launcher": job["launcher"], "rate": rate, "delay": delay,
         "compression": job["compression"], "compression_per_rank": job["compression_per_rank"],
+        "bucket_mb": job.get("bucket_mb"),  # None: the stack's own (DDP 25 MiB, Horovod 128 MiB fusion buffer)
         "tc": tc, "commands": job["commands"],
         "samples_per_s": job["samples_per_s"], "samples_per_s_1host": one_host["samples_per_s"],
         "efficiency": job["samples_per_s"] / (n * one_host["samples_per_s"]),
@@ -169,6 +177,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rates", default="10gbit,1gbit,200mbit")
     p.add_argument("--backends", default="torch,accelerate,horovod")
     p.add_argument("--compression", default="none,bf16", help="none and/or bf16 (Horovod: fp16)")
+    p.add_argument("--bucket-mb", default="default",
+                   help="comma-separated MiB per fused reduction (UNIFIED_DIST_BUCKET_MB), 'default' for the stack's own")
     p.add_argument("--delay", default="0ms", help="netem delay added on each side (needs netem in the kernel)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -213,11 +223,12 @@ def main() -> int:
         for rate in args.rates.split(","):
             tc = limit_link(hosts, rate, args.delay)
             for backend in backends:
-                for compression in args.compression.split(","):
-                    job = two_hosts(hosts, ssh, backend, None if compression == "none" else compression, args, tmp)
+                for compression, bucket in itertools.product(args.compression.split(","), args.bucket_mb.split(",")):
+                    job = two_hosts(hosts, ssh, backend, None if compression == "none" else compression, args, tmp,
+                                    None if bucket == "default" else bucket)
                     row = summarise(job, one_host, rate, args.delay, tc)
                     record["rows"].append(row)
-                    print(f"{rate:>8} {backend:<10} {row['compression'] or 'none':<5} "
+                    print(f"{rate:>8} {backend:<10} {row['compression'] or 'none':<5} bucket {bucket:>7} "
                           f"{row['samples_per_s']:6.2f} samples/s  efficiency {row['efficiency']:.2f}  "
                           f"{row['wire_bytes_per_step'] / 1e6:7.1f} MB/step on the wire  bound "
                           f"{row['ring_allreduce_bound_s']:.2f} s  serialised all-reduce "

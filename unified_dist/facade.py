@@ -20,6 +20,7 @@ import torch
 from . import collectives, live, rng
 from .backends import Backend, Config, backend_class
 from .backends.base import DEFAULT_TIMEOUT_S
+from .buckets import resolve_bucket_mb
 from .compression import resolve_gradient_compression
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
@@ -71,7 +72,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
          gradient_accumulation_steps: int = 1, timeout: Optional[float] = None,
          debug: Optional[bool] = None, sharding: Optional[str] = None,
          shard_modules: Optional[Sequence[Any]] = None, reshard_after_forward: Optional[bool] = None,
-         sync_batchnorm: Optional[bool] = None, gradient_compression: Optional[str] = None) -> None:
+         sync_batchnorm: Optional[bool] = None, gradient_compression: Optional[str] = None,
+         bucket_mb: Optional[float] = None) -> None:
     """Join the job's process group through the detected (or given) backend.
 
     Idempotent: a second call with compatible arguments does nothing; asking for another
@@ -83,7 +85,9 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     ``sync_batchnorm=True`` (or ``UNIFIED_DIST_SYNC_BATCHNORM=1``) makes it synchronise BatchNorm
     statistics over the global batch (see :mod:`unified_dist.sync_batchnorm`).
     ``gradient_compression`` (``"bf16"``, ``"fp16"``, default ``UNIFIED_DIST_GRADIENT_COMPRESSION``
-    or none) sends gradients in 16 bits (see :mod:`unified_dist.compression`).
+    or none) sends gradients in 16 bits (see :mod:`unified_dist.compression`). ``bucket_mb``
+    (default ``UNIFIED_DIST_BUCKET_MB`` or each stack's own) sizes the fused gradient reductions:
+    DDP's buckets, Horovod's fusion buffer (see :mod:`unified_dist.buckets`).
     """
     global _session
     if not isinstance(gradient_accumulation_steps, int) or gradient_accumulation_steps < 1:
@@ -112,6 +116,7 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
         sharding=resolve_sharding(sharding, os.environ, shard_modules, reshard_after_forward),
         sync_batchnorm=_env_flag(SYNC_BATCHNORM_ENV) if sync_batchnorm is None else bool(sync_batchnorm),
         gradient_compression=resolve_gradient_compression(gradient_compression, os.environ),
+        bucket_mb=resolve_bucket_mb(bucket_mb, os.environ),
     )
     cls = backend_class(detection.backend)
     if config.sharding.enabled and not cls.supports_sharding:

@@ -8,6 +8,7 @@ from typing import Any, ContextManager, Optional
 import torch
 
 from .base import Backend, Config, weighted
+from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels
@@ -53,7 +54,7 @@ class AccelerateBackend(Backend):
         self._ddp = DdpTracker()
         try:
             from accelerate import Accelerator
-            from accelerate.utils import InitProcessGroupKwargs
+            from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
         except ImportError as exc:
             raise BackendNotInstalled(
                 f"backend 'accelerate' needs the accelerate package ({exc}); install it with "
@@ -76,7 +77,8 @@ class AccelerateBackend(Backend):
             mixed_precision=config.mixed_precision,
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             step_scheduler_with_optimizer=False,
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=config.timeout)],
+            kwargs_handlers=[InitProcessGroupKwargs(timeout=config.timeout),
+                             DistributedDataParallelKwargs(**ddp_kwargs(config.bucket_mb))],
         )
         # Accelerate's own FSDP (accelerate launch --use_fsdp) only runs on GPUs: on a CPU it keeps
         # DistributedType.MULTI_CPU and would wrap the model in DDP. The facade shards with torch's

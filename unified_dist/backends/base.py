@@ -46,6 +46,7 @@ class Config:
     sharding: Sharding = Sharding()
     sync_batchnorm: bool = False
     gradient_compression: Optional[str] = None  # "bf16", "fp16" or None (see unified_dist.compression)
+    bucket_mb: Optional[float] = None  # MiB per fused reduction; None: each stack's own (unified_dist.buckets)
 
 
 def weighted(loss: torch.Tensor, weight: Fraction) -> torch.Tensor:

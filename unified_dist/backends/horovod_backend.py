@@ -11,6 +11,7 @@ import torch
 
 from .base import Backend, Config
 from .. import sync_batchnorm
+from ..buckets import horovod_env
 from ..detection import Detection
 from ..errors import (BackendNotInstalled, PeerLost, ShapeMismatch, UnifiedDistError, deadline_passed, first_line,
                       peer_lost_message)
@@ -69,6 +70,7 @@ class HorovodBackend(Backend):
         self.apply_compression(None)  # an unsupported format fails before anyone joins
         seconds = max(1, int(config.timeout.total_seconds()))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
+        os.environ.update(horovod_env(config.bucket_mb, os.environ))  # read by hvd.init()
         self._owns_horovod = not self.hvd.is_initialized()  # a user's own hvd.init() stays running
         self.hvd.init()
         if torch.cuda.is_available():

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Backend, Config
+from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels
@@ -62,7 +63,8 @@ class TorchBackend(Backend):
         if self._fsdp.enabled:
             return self._fsdp.prepare(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
+                                                        **ddp_kwargs(self.config.bucket_mb))
         return self._ddp.track(self.apply_compression(ddp))
 
     def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:

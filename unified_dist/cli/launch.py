@@ -16,6 +16,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, NoReturn, Optional, Tuple
 
+from ..buckets import ENV_VAR as ENV_BUCKET_MB, resolve_bucket_mb
 from ..compression import ENV_VAR as ENV_COMPRESSION, MODES as COMPRESSION_MODES
 from ..net import DEFAULT_MASTER_PORT
 from ..backends import backend_class
@@ -59,6 +60,7 @@ class Plan:
     sharding: Optional[str] = None
     sync_batchnorm: bool = False
     gradient_compression: Optional[str] = None  # every launcher: UNIFIED_DIST_GRADIENT_COMPRESSION
+    bucket_mb: Optional[float] = None  # every launcher: UNIFIED_DIST_BUCKET_MB
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,8 @@ def _settings_env(plan: Plan) -> Dict[str, str]:
         env[SYNC_BATCHNORM_ENV] = "1"
     if plan.gradient_compression:
         env[ENV_COMPRESSION] = plan.gradient_compression
+    if plan.bucket_mb is not None:
+        env[ENV_BUCKET_MB] = f"{plan.bucket_mb:g}"
     return env
 
 
@@ -273,6 +277,8 @@ def add_arguments(parser) -> None:
                         help="BatchNorm statistics over the global batch, as UNIFIED_DIST_SYNC_BATCHNORM=1")
     parser.add_argument("--gradient-compression", choices=COMPRESSION_MODES,
                         help=f"send gradients in 16 bits (sets {ENV_COMPRESSION} for the script)")
+    parser.add_argument("--bucket-mb", type=float, metavar="MIB",
+                        help=f"MiB per fused gradient reduction: DDP's buckets, Horovod's fusion buffer (sets {ENV_BUCKET_MB})")
     parser.add_argument("--dry-run", action="store_true", help="print the command on stdout; do not run it")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs="...", help="arguments for the script")
@@ -286,7 +292,7 @@ def main(args) -> int:
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port, hosts=args.hosts, network_interface=args.network_interface,
                 mixed_precision=args.mixed_precision, sharding=args.sharding, sync_batchnorm=args.sync_batchnorm,
-                gradient_compression=args.gradient_compression)
+                gradient_compression=args.gradient_compression, bucket_mb=resolve_bucket_mb(args.bucket_mb, {}))
     command = build(plan, cuda=torch.cuda.is_available())
     check_machine(plan)
     if args.dry_run:

@@ -1,0 +1,62 @@
+"""One bucket-size setting for every stack (unified_dist.buckets): what it resolves to, what DDP
+and Horovod get, and the refusals. The real launches (DDP under torchrun/accelerate, Horovod's
+fusion buffer under horovodrun) run in bench/network.py's tuning rows."""
+import pytest
+
+from unified_dist.buckets import ENV_VAR, HOROVOD_VAR, ddp_kwargs, horovod_env, resolve_bucket_mb
+from unified_dist.errors import UnifiedDistError
+
+
+def test_explicit_beats_the_variable_and_none_keeps_the_stacks_default():
+    assert resolve_bucket_mb(None, {}) is None
+    assert resolve_bucket_mb(None, {ENV_VAR: " "}) is None
+    assert resolve_bucket_mb(None, {ENV_VAR: "4"}) == 4.0
+    assert resolve_bucket_mb(8, {ENV_VAR: "4"}) == 8.0
+    assert ddp_kwargs(None) == {} and ddp_kwargs(2.5) == {"bucket_cap_mb": 2.5}
+
+
+@pytest.mark.parametrize("bad", ["many", "0", "-1", "nan"])
+def test_a_bad_size_is_one_line(bad):
+    with pytest.raises(UnifiedDistError) as info:
+        resolve_bucket_mb(None, {ENV_VAR: bad})
+    assert "MiB" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_horovod_gets_its_fusion_buffer_in_bytes_and_a_contradiction_is_refused():
+    assert horovod_env(None, {HOROVOD_VAR: "123"}) == {}
+    assert horovod_env(4, {}) == {HOROVOD_VAR: str(4 * 2 ** 20)}
+    assert horovod_env(4, {HOROVOD_VAR: str(4 * 2 ** 20)}) == {HOROVOD_VAR: str(4 * 2 ** 20)}
+    with pytest.raises(UnifiedDistError, match="fusion-threshold-mb"):
+        horovod_env(4, {HOROVOD_VAR: "67108864"})
+
+
+def test_torch_backend_builds_ddp_with_the_bucket_size(monkeypatch):
+    import torch
+
+    from unified_dist.backends.base import Config
+    from unified_dist.backends.torch_ddp import TorchBackend
+
+    seen = {}
+
+    class FakeDDP(torch.nn.Module):
+        def __init__(self, module, **kwargs):
+            super().__init__()
+            self.module = module
+            seen.update(kwargs)
+
+    backend = TorchBackend.__new__(TorchBackend)
+    backend.config = Config(bucket_mb=3.0)
+    backend._fsdp = type("NoFsdp", (), {"enabled": False})()
+    backend._ddp = type("Tracker", (), {"track": staticmethod(lambda m: m)})()
+    monkeypatch.setattr(TorchBackend, "device", torch.device("cpu"))
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", FakeDDP)
+    monkeypatch.setattr(TorchBackend, "apply_compression", lambda self, m: m)
+    backend.prepare_model(torch.nn.Linear(2, 2))
+    assert seen["bucket_cap_mb"] == 3.0
+
+
+def test_launch_passes_the_size_to_the_script_as_the_variable():
+    from unified_dist.cli.launch import Plan, build
+
+    command = build(Plan(backend="torch", script="train.py", nproc=2, bucket_mb=4.0), cuda=False)
+    assert command.env[ENV_VAR] == "4"

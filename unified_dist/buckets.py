@@ -1,0 +1,56 @@
+"""How many gradient bytes go out in one reduction: DDP's bucket size and Horovod's fusion buffer,
+one setting (``ud.init(bucket_mb=...)``, ``UNIFIED_DIST_BUCKET_MB``).
+
+Each stack reduces gradients in fused groups while backward still runs: DDP fills buckets of
+``bucket_cap_mb`` (torch and Accelerate), Horovod fuses what is ready each cycle into a buffer of
+``HOROVOD_FUSION_THRESHOLD`` bytes. Smaller groups start sending earlier and overlap more of
+backward; larger ones pay less per-message latency. ``None`` keeps each stack's own default
+(DDP 25 MiB with a 1 MiB first bucket, Horovod 128 MiB and a 1 ms cycle), which the network
+benchmark measured against the alternatives (BENCHMARKS.md, "Tuning").
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+from .errors import UnifiedDistError
+
+ENV_VAR = "UNIFIED_DIST_BUCKET_MB"
+HOROVOD_VAR = "HOROVOD_FUSION_THRESHOLD"
+MIB = 1 << 20
+
+
+def resolve_bucket_mb(explicit: Optional[float], env: Mapping[str, str]) -> Optional[float]:
+    """``init(bucket_mb=...)`` > ``UNIFIED_DIST_BUCKET_MB`` > ``None`` (each stack's default).
+
+    Returns a positive number of MiB or ``None``; raises :class:`UnifiedDistError` otherwise.
+    """
+    raw: Any = explicit if explicit is not None else env.get(ENV_VAR, "").strip() or None
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise UnifiedDistError(f"bucket size {raw!r} is not a number of MiB (e.g. bucket_mb=25)") from None
+    if not value > 0:
+        raise UnifiedDistError(f"bucket size must be a positive number of MiB, got {raw!r}")
+    return value
+
+
+def ddp_kwargs(bucket_mb: Optional[float]) -> Dict[str, Any]:
+    """Keyword arguments for ``DistributedDataParallel`` (and Accelerate's DDP kwargs handler)."""
+    return {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
+
+
+def horovod_env(bucket_mb: Optional[float], env: Mapping[str, str]) -> Dict[str, str]:
+    """Variables to set before ``hvd.init()``: the fusion buffer in bytes. A different
+    ``HOROVOD_FUSION_THRESHOLD`` (or ``horovodrun --fusion-threshold-mb``) already set is an error,
+    so neither setting is silently ignored."""
+    if bucket_mb is None:
+        return {}
+    wanted = str(int(bucket_mb * MIB))
+    given = env.get(HOROVOD_VAR)
+    if given is not None and given.strip() != wanted:
+        raise UnifiedDistError(
+            f"bucket_mb={bucket_mb:g} asks for a {wanted}-byte fusion buffer but {HOROVOD_VAR}={given} is set "
+            "(horovodrun --fusion-threshold-mb): keep one of the two")
+    return {HOROVOD_VAR: wanted}
