@@ -1,17 +1,22 @@
-"""Wall time to 80% validation accuracy: examples/bert_sentiment vs Hugging Face Trainer.
+"""Wall time to a validation-accuracy threshold: examples/bert_sentiment vs Hugging Face Trainer.
 
 Same model (offline MiniLM-L6), same splits and training subset, max length, global batch, AdamW
-with linear warm-up/decay, epochs, and threads (the machine's cores shared by the processes).
-Time is measured from process start (imports, data, tokenisation included) to each evaluation
-on the validation split (decisions never look at the test split). Writes bench/results/accuracy.json.
+with linear warm-up/decay, epochs, precision, and threads (the machine's cores shared by the
+processes). Time is measured from process start (imports, data, tokenisation included) to each
+evaluation on the **validation** split, every ``--eval-every`` optimizer steps; the threshold is a
+validation accuracy (decisions never look at the test split, which each run evaluates once, at
+its end, for the reported final accuracy). Every configuration runs once per seed (``--seeds``,
+the same seeds on both sides) and is reported as mean +- sample standard deviation and range.
+Writes bench/results/accuracy.json.
 
-    python bench/time_to_accuracy.py [--eval-every 16]
+    python bench/time_to_accuracy.py [--seeds 0,1,2] [--eval-every 8] [--threshold 0.8] [--only NAMES]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -44,19 +49,19 @@ def curve_from_metrics(path: Path):
     return curve
 
 
-def example_args(out: Path, nproc: int, eval_every: int, extra: tuple = ()) -> list:
+def example_args(out: Path, nproc: int, eval_every: int, extra: tuple = (), seed: int = COMMON["seed"]) -> list:
     """The example's flags for the shared settings (unit-tested against the Trainer's read-back)."""
     return ["--output-dir", str(out), "--epochs", str(COMMON["epochs"]), "--lr", str(COMMON["lr"]),
             "--max-length", str(COMMON["max_length"]), "--limit-train", str(COMMON["limit_train"]),
             "--batch-size", str(COMMON["batch_size"] // nproc), "--eval-every", str(eval_every),
-            "--seed", str(COMMON["seed"]), "--warmup-ratio", str(COMMON["warmup_ratio"]),
+            "--seed", str(seed), "--warmup-ratio", str(COMMON["warmup_ratio"]),
             "--weight-decay", str(COMMON["weight_decay"]), "--max-grad-norm", str(COMMON["max_grad_norm"]),
             "--no-progress", *extra]
 
 
-def run_example(name: str, nproc: int, eval_every: int, extra: tuple = ()) -> dict:
-    out = RESULTS / "tmp" / f"tta_{name}"
-    args = example_args(out, nproc, eval_every, extra)
+def run_example(name: str, nproc: int, eval_every: int, seed: int, extra: tuple = ()) -> dict:
+    out = RESULTS / "tmp" / f"tta_{name}_s{seed}"
+    args = example_args(out, nproc, eval_every, extra, seed)
     script = str(EXAMPLE / "train.py")
     if nproc == 1:
         cmd = [sys.executable, script, *args]
@@ -66,9 +71,11 @@ def run_example(name: str, nproc: int, eval_every: int, extra: tuple = ()) -> di
     subprocess.run(cmd, cwd=ROOT, env=env(), check=True, stdout=subprocess.DEVNULL)
     wall = time.time() - start
     curve = curve_from_metrics(out / "metrics.jsonl")
-    effective = example_effective(json.loads((out / "results.json").read_text()))
-    return {"effective": effective, "cmd": " ".join(cmd[:1] + [Path(c).name if c == script else c for c in cmd[1:]]).replace(str(ROOT) + "/", ""),
-            "curve": curve, "wall_s": wall, "final_accuracy": curve[-1][1]}
+    results = json.loads((out / "results.json").read_text())
+    return {"effective": example_effective(results),
+            "cmd": " ".join(cmd[:1] + [Path(c).name if c == script else c for c in cmd[1:]]).replace(str(ROOT) + "/", ""),
+            "curve": curve, "wall_s": wall, "final_validation_accuracy": curve[-1][1],
+            "test_accuracy": results["test_accuracy"], "test_examples": results["test_examples"]}
 
 
 TRAINER = r'''
@@ -91,10 +98,12 @@ train = sentiment_data.limit(splits.train, cfg["limit_train"])
 tok = lambda b: tokenizer(b["text"], truncation=True, max_length=cfg["max_length"])
 train = train.map(tok, batched=True, remove_columns=["text"]).rename_column("label", "labels")
 validation = splits.validation.map(tok, batched=True, remove_columns=["text"]).rename_column("label", "labels")
+test = splits.test.map(tok, batched=True, remove_columns=["text"]).rename_column("label", "labels")
 curve = []
 class Clock(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kw):
-        curve.append((time.time() - T0, metrics["eval_accuracy"]))
+        if "eval_accuracy" in metrics:  # the validation split; the test split's is read below
+            curve.append((time.time() - T0, metrics["eval_accuracy"]))
 def accuracy(p):
     return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
 args = TrainingArguments(**cfg["training_arguments"])
@@ -103,10 +112,12 @@ trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=vali
 trainer.train()
 if not curve or curve[-1][0] < time.time() - T0 - 1:
     trainer.evaluate()
+test_accuracy = trainer.evaluate(test, metric_key_prefix="test")["test_accuracy"]
 sys.path.insert(0, sys.argv[3])
 from time_to_accuracy import trainer_effective
 effective = trainer_effective(args, trainer.state.max_steps, cfg, len(train))
-json.dump({"curve": curve, "effective": effective}, open(cfg["result"], "w"))
+json.dump({"curve": curve, "effective": effective, "test_accuracy": test_accuracy, "test_examples": len(test)},
+          open(cfg["result"], "w"))
 '''
 
 
@@ -155,11 +166,11 @@ def hyperparameter_differences(trainer: dict, example: dict, ablation: tuple = (
             if k not in ablation and not same(trainer.get(k), example.get(k))}
 
 
-def run_trainer(eval_every: int, group_by_length: bool = False) -> dict:
-    out = RESULTS / "tmp" / ("tta_trainer_grouped" if group_by_length else "tta_trainer")
+def run_trainer(eval_every: int, seed: int, group_by_length: bool = False, bf16: bool = False) -> dict:
+    out = RESULTS / "tmp" / f"tta_trainer{'_grouped' if group_by_length else ''}{'_bf16' if bf16 else ''}_s{seed}"
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(COMMON, out=str(out), cache=str(out / "cache"), eval_every=eval_every, result=str(out / "r.json"),
-               threads=os.cpu_count(), group_by_length=group_by_length)
+               threads=os.cpu_count(), group_by_length=group_by_length, seed=seed, bf16=bf16)
     cfg["training_arguments"] = trainer_arguments(cfg)
     start = time.time()
     subprocess.run([sys.executable, "-c", TRAINER, json.dumps(cfg), str(EXAMPLE), str(ROOT / "bench")], cwd=ROOT, env=env(), check=True,
@@ -167,64 +178,100 @@ def run_trainer(eval_every: int, group_by_length: bool = False) -> dict:
     wall = time.time() - start
     result = json.loads((out / "r.json").read_text())
     curve = result["curve"]
-    return {"effective": result["effective"], "cmd": "transformers.Trainer" + (", train_sampling_strategy=group_by_length" if group_by_length else "") + " (bench/time_to_accuracy.py)", "curve": curve, "wall_s": wall,
-            "final_accuracy": curve[-1][1]}
+    return {"effective": result["effective"],
+            "cmd": "transformers.Trainer" + (", train_sampling_strategy=group_by_length" if group_by_length else "")
+                   + (", bf16=True" if bf16 else "") + " (bench/time_to_accuracy.py)",
+            "curve": curve, "wall_s": wall, "final_validation_accuracy": curve[-1][1],
+            "test_accuracy": result["test_accuracy"], "test_examples": result["test_examples"]}
 
 
-def time_to(curve, target=0.8):
+def time_to(curve, target: float):
+    """Seconds from process start to the first evaluation at or above ``target`` (None: never)."""
     return next((t for t, acc in curve if acc >= target), None)
+
+
+def spread(values: list) -> dict:
+    """Mean, sample standard deviation, min and max of the values that are not None, and how many there were."""
+    got = [v for v in values if v is not None]
+    return {"n": len(got), "of": len(values), "mean": statistics.mean(got) if got else None,
+            "std": statistics.stdev(got) if len(got) > 1 else None,
+            "min": min(got) if got else None, "max": max(got) if got else None}
+
+
+def plan(cores: int) -> dict:
+    """Configuration name -> (the run for one seed and evaluation interval, the reference it is
+    compared with, the settings it may change against that reference)."""
+    trainer, trainer_bf16 = "Trainer, fp32 (1 process, %d threads)" % cores, "Trainer, bf16 (1 process, %d threads)" % cores
+    bf16 = ("--mixed-precision", "bf16")
+    return {
+        trainer: (lambda seed, ev: run_trainer(ev, seed), trainer, ()),
+        "example, fp32 (python, 1 process, %d threads)" % cores:
+            (lambda seed, ev: run_example("single", 1, ev, seed), trainer, ("group_by_length",)),
+        trainer_bf16: (lambda seed, ev: run_trainer(ev, seed, bf16=True), trainer_bf16, ()),
+        "example, bf16 (python, 1 process, %d threads)" % cores:
+            (lambda seed, ev: run_example("bf16", 1, ev, seed, bf16), trainer_bf16, ("group_by_length",)),
+        # what makes it fast: each ablation changes one thing against the example's defaults
+        "ablation: example, fp32, without --group-by-length":
+            (lambda seed, ev: run_example("no_grouping", 1, ev, seed, ("--no-group-by-length",)), trainer, ()),
+        # not in the default run (--only): the multi-process example and the Trainer's own length grouping
+        "extra: example, fp32 (torchrun, %d processes x 1 thread)" % cores:
+            (lambda seed, ev: run_example("torchrun", cores, ev, seed), trainer, ("group_by_length",)),
+        "extra: Trainer, fp32, train_sampling_strategy=group_by_length":
+            (lambda seed, ev: run_trainer(ev, seed, group_by_length=True), trainer, ("group_by_length",)),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--eval-every", type=int, default=16, help="optimizer steps between validation evaluations")
-    p.add_argument("--only", default=None, help="comma-separated name fragments: rerun only these (others kept)")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds; every configuration runs once per seed")
+    p.add_argument("--eval-every", type=int, default=8, help="optimizer steps between validation evaluations")
+    p.add_argument("--threshold", type=float, default=0.80, help="validation accuracy to reach")
+    p.add_argument("--only", default=None,
+                   help="comma-separated name fragments (default: every configuration not named 'extra')")
     args = p.parse_args()
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
     record = provenance.start()
-    cores = os.cpu_count()
-    plan = {
-        f"Trainer (1 process, {cores} threads)": lambda: run_trainer(args.eval_every),
-        f"example, python (1 process, {cores} threads)": lambda: run_example("single", 1, args.eval_every),
-        f"example, torchrun ({cores} processes x 1 thread)": lambda: run_example("torchrun", cores, args.eval_every),
-        # what makes it fast: each ablation changes one thing against the example's defaults
-        "ablation: example without --group-by-length": lambda: run_example(
-            "no_grouping", 1, args.eval_every, ("--no-group-by-length",)),
-        "ablation: example with --mixed-precision bf16": lambda: run_example(
-            "bf16", 1, args.eval_every, ("--mixed-precision", "bf16")),
-        "ablation: Trainer with train_sampling_strategy=group_by_length": lambda: run_trainer(args.eval_every, group_by_length=True),
-    }
-    wanted = [name for name in plan if args.only is None or any(w in name for w in args.only.split(","))]
-    previous = json.loads((RESULTS / "accuracy.json").read_text())["runs"] if args.only and \
-        (RESULTS / "accuracy.json").exists() else {}
-    runs = dict(previous)
-    for name in wanted:
-        print(f"running {name}", flush=True)
-        runs[name] = plan[name]()
-    for r in runs.values():
-        r["time_to_80"] = time_to(r["curve"])
-    # every side must have run with the same settings, but for the ablation it names
-    reference = runs.get(f"Trainer (1 process, {cores} threads)", {}).get("effective")
-    ablations = {"without --group-by-length": ("group_by_length",), "bf16": ("bf16",),
-                 "group_by_length": ("group_by_length",)}
-    for name, r in runs.items():
-        if reference is None or "effective" not in r:
-            continue
-        allowed = next((keys for fragment, keys in ablations.items() if name.startswith("ablation") and fragment in name), ())
-        allowed += ("group_by_length",) if name.startswith("example") else ()  # the example's default vs Trainer's
-        r["hyperparameter_differences"] = hyperparameter_differences(reference, r["effective"], allowed)
-        if r["hyperparameter_differences"]:
-            raise SystemExit(f"{name}: settings differ from the Trainer's: {r['hyperparameter_differences']}")
-    trainer_t = runs.get(f"Trainer (1 process, {cores} threads)", {}).get("time_to_80")
-    best = min((r["time_to_80"] for name, r in runs.items() if name.startswith("example") and r["time_to_80"]),
-               default=None)
-    ratio = best / trainer_t if best and trainer_t else None
+    seeds = [int(s) for s in args.seeds.split(",")]
+    configs = plan(os.cpu_count())
+    wanted = [name for name in configs if (any(w in name for w in args.only.split(",")) if args.only
+                                          else not name.startswith("extra"))]
+    runs = {}
+    for seed in seeds:  # seed-major: a slow drift of the machine spreads over every configuration alike
+        for name in wanted:
+            print(f"running {name}, seed {seed}", flush=True)
+            run = configs[name][0](seed, args.eval_every)
+            run["seed"] = seed
+            run["time_to_threshold"] = time_to(run["curve"], args.threshold)
+            runs.setdefault(name, []).append(run)
+    # every run must have had the settings of its reference run (same seed), but for what it may change
+    for name, per_seed in runs.items():
+        reference, allowed = configs[name][1], configs[name][2]
+        for run in per_seed:
+            ref = next((r for r in runs.get(reference, []) if r["seed"] == run["seed"]), None)
+            if ref is None or ref is run:
+                continue
+            run["hyperparameter_differences"] = hyperparameter_differences(ref["effective"], run["effective"], allowed)
+            if run["hyperparameter_differences"]:
+                raise SystemExit(f"{name}, seed {run['seed']}: settings differ from {reference}'s: "
+                                 f"{run['hyperparameter_differences']}")
+    summary = {name: {"time_to_threshold_s": spread([r["time_to_threshold"] for r in per_seed]),
+                      "test_accuracy": spread([r["test_accuracy"] for r in per_seed]),
+                      "final_validation_accuracy": spread([r["final_validation_accuracy"] for r in per_seed]),
+                      "wall_s": spread([r["wall_s"] for r in per_seed]), "reference": configs[name][1]}
+               for name, per_seed in runs.items()}
+    for name, s in summary.items():
+        ref = summary.get(s["reference"])
+        mine, theirs = s["time_to_threshold_s"], (ref or {}).get("time_to_threshold_s", {})
+        reached = mine["n"] == mine["of"] and theirs.get("n") == theirs.get("of")
+        s["time_ratio_vs_reference"] = mine["mean"] / theirs["mean"] if reached and theirs.get("mean") else None
     (RESULTS / "accuracy.json").write_text(json.dumps(provenance.finish(
-        {**record, "settings": COMMON, "eval_every": args.eval_every, "runs": runs, "ratio_vs_trainer": ratio}),
-        indent=1))
-    for name, r in runs.items():
-        print(f"{name}: time to 80% {r['time_to_80']}, final {r['final_accuracy']:.4f}, wall {r['wall_s']:.0f}s")
-    print(f"ratio example/Trainer: {ratio}")
+        {**record, "settings": COMMON, "seeds": seeds, "eval_every": args.eval_every, "threshold": args.threshold,
+         "threshold_split": "validation", "summary": summary, "runs": runs}), indent=1))
+    for name, s in summary.items():
+        t, a = s["time_to_threshold_s"], s["test_accuracy"]
+        print(f"{name}: to {args.threshold:.0%} validation in {t['n']}/{t['of']} runs, mean {t['mean']} s "
+              f"(std {t['std']}); test accuracy {a['mean']:.4f} (std {a['std']}); "
+              f"ratio vs {s['reference']}: {s['time_ratio_vs_reference']}")
 
 
 if __name__ == "__main__":
