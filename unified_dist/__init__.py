@@ -12,20 +12,30 @@
 The same script runs under python, torchrun, accelerate launch, horovodrun, srun and mpirun,
 in a process that already joined a group, or started from Python with ``ud.launch(fn)``.
 """
-from .checkmode import CollectiveMismatch
-from .elastic import ElasticState, elastic_run
-from .spawn import launch
-from .errors import (BackendNotInstalled, CheckpointError, CollectiveError, CollectiveTimeout, LaunchError,
-                     NonFiniteLoss, PeerLost, PrecisionError, UnifiedDistError, WorkerFailed)
-from .facade import (accumulate, all_gather, all_gather_object, all_reduce, autocast, backend_name, backward, barrier,
-                     broadcast, clip_grad_norm_, device, gather_for_metrics, gradient_accumulation_steps,
-                     gradient_compression, init, is_local_main, is_main, launcher, local_rank, main_process_first,
-                     mixed_precision, prepare, print, rank, restore_rng_states, rng_states, seed_everything,
-                     sharding_mode, shutdown,
-                     sync_gradients, unwrap, world_size)
-from .saving import get_state_dict, latest_checkpoint, load, load_sharded, save, save_checkpoint, save_sharded
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any, Dict
 
 __version__ = "0.1.0"
+
+_FROM: Dict[str, str] = {
+    **dict.fromkeys(["CollectiveMismatch"], ".checkmode"),
+    **dict.fromkeys(["ElasticState", "elastic_run"], ".elastic"),
+    **dict.fromkeys(["launch"], ".spawn"),
+    **dict.fromkeys(["BackendNotInstalled", "CheckpointError", "CollectiveError", "CollectiveTimeout", "LaunchError",
+                     "NonFiniteLoss", "PeerLost", "PrecisionError", "UnifiedDistError", "WorkerFailed"], ".errors"),
+    **dict.fromkeys(["accumulate", "all_gather", "all_gather_object", "all_reduce", "autocast", "backend_name",
+                     "backward", "barrier", "broadcast", "clip_grad_norm_", "device", "gather_for_metrics",
+                     "gradient_accumulation_steps", "gradient_compression", "init", "is_local_main", "is_main",
+                     "launcher", "local_rank", "main_process_first", "mixed_precision", "prepare", "print", "rank",
+                     "restore_rng_states", "rng_states", "seed_everything", "sharding_mode", "shutdown",
+                     "sync_gradients", "unwrap", "world_size"], ".facade"),
+    **dict.fromkeys(["get_state_dict", "latest_checkpoint", "load", "load_sharded", "save", "save_checkpoint",
+                     "save_sharded"], ".saving"),
+}
+"""Where each public name lives. They are imported on first use (PEP 562), so ``import unified_dist``
+and the ``unified-dist`` command start without importing torch until something needs it."""
 
 __all__ = [
     "init", "shutdown", "backend_name", "launcher", "rank", "local_rank", "world_size", "device",
@@ -36,3 +46,31 @@ __all__ = [
     "UnifiedDistError", "BackendNotInstalled", "CollectiveError", "CollectiveMismatch", "CollectiveTimeout",
     "PeerLost", "LaunchError", "NonFiniteLoss", "PrecisionError", "CheckpointError", "WorkerFailed", "launch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _FROM.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unified_dist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from .checkmode import CollectiveMismatch  # noqa: F401
+    from .elastic import ElasticState, elastic_run  # noqa: F401
+    from .errors import (BackendNotInstalled, CheckpointError, CollectiveError, CollectiveTimeout,  # noqa: F401
+                         LaunchError, NonFiniteLoss, PeerLost, PrecisionError, UnifiedDistError, WorkerFailed)
+    from .facade import (accumulate, all_gather, all_gather_object, all_reduce, autocast, backend_name,  # noqa: F401
+                         backward, barrier, broadcast, clip_grad_norm_, device, gather_for_metrics,
+                         gradient_accumulation_steps, gradient_compression, init, is_local_main, is_main, launcher,
+                         local_rank, main_process_first, mixed_precision, prepare, print, rank, restore_rng_states,
+                         rng_states, seed_everything, sharding_mode, shutdown, sync_gradients, unwrap, world_size)
+    from .saving import (get_state_dict, latest_checkpoint, load, load_sharded, save, save_checkpoint,  # noqa: F401
+                         save_sharded)
+    from .spawn import launch  # noqa: F401

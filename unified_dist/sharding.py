@@ -24,10 +24,8 @@ from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, S
 import torch
 
 from .errors import LaunchError, UnifiedDistError
-from .flags import is_set
+from .flags import SHARDING_ENV as ENV, SHARDING_MODES as MODES, is_set
 
-MODES = ("no", "fsdp")
-ENV = "UNIFIED_DIST_SHARDING"
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-ENV = "UNIFIED_DIST_SYNC_BATCHNORM"
-"""``1`` turns ``init(sync_batchnorm=...)`` on when the code does not say."""
+from .flags import SYNC_BATCHNORM_ENV as ENV  # "1" turns init(sync_batchnorm=...) on when the code does not say
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]

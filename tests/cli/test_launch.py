@@ -34,6 +34,7 @@ def workdir(tmp_path):
 
 
 def _dry_run(cli, cwd, *args):
+    """``unified-dist launch --dry-run ARGS``, in this process (``cli_in_process``): the one line it prints."""
     result = cli("launch", "--dry-run", *args, cwd=cwd)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("\n") == 1, result.stdout
@@ -41,20 +42,20 @@ def _dry_run(cli, cwd, *args):
 
 
 @pytest.mark.parametrize("backend", list(SINGLE))
-def test_dry_run_single_node(cli, workdir, backend):
-    assert _dry_run(cli, workdir, "--backend", backend, "--nproc", "2", "train.py", "--lr", "3") == SINGLE[backend]
+def test_dry_run_single_node(cli_in_process, workdir, backend):
+    assert _dry_run(cli_in_process, workdir, "--backend", backend, "--nproc", "2", "train.py", "--lr", "3") == SINGLE[backend]
 
 
 @pytest.mark.parametrize("backend", list(MULTI_NODE))
-def test_dry_run_multi_node(cli, workdir, backend):
+def test_dry_run_multi_node(cli_in_process, workdir, backend):
     flags, expected = MULTI_NODE[backend]
-    line = _dry_run(cli, workdir, "--backend", backend, "--nproc", "2", *flags, "--mixed-precision", "bf16",
+    line = _dry_run(cli_in_process, workdir, "--backend", backend, "--nproc", "2", *flags, "--mixed-precision", "bf16",
                     "train.py", "two words")
     assert line == expected
 
 
-def test_dry_run_accelerate_one_process_is_not_multi_gpu(cli, workdir):
-    line = _dry_run(cli, workdir, "--backend", "accelerate", "train.py")
+def test_dry_run_accelerate_one_process_is_not_multi_gpu(cli_in_process, workdir):
+    line = _dry_run(cli_in_process, workdir, "--backend", "accelerate", "train.py")
     assert line == "accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no train.py"
 
 

@@ -5,13 +5,16 @@ each launch to seconds. Every launch uses the same global batch of 16 (python: 8
 two processes: 8 each; four processes: 4 each) and ``--no-dropout``, so the logged losses must
 agree across launchers: the example's training loop is the same whatever started it.
 
-Each of torchrun, accelerate launch, horovodrun and python stops after step 3 and is continued to
-step 5 from a checkpoint written under another launcher (torchrun from its own, with
-``--resume auto``): every backend writes a checkpoint that another backend and world size
-continues exactly (2 -> 2, 2 -> 4 under horovodrun -np 4, 2 -> 1 under python). torchrun shards the
-model with FSDP2 (``--sharding fsdp``); its checkpoints hold the full state, which accelerate continues
-unsharded. srun, mpirun and the legacy torch.distributed.launch run the 5 steps uninterrupted, unsharded:
-the reference.
+Each of torchrun, accelerate launch and horovodrun stops after step 3, and python after step 4
+(saving step 3 on the way), and is continued to step 5 from a step-3 checkpoint written under
+another launcher (torchrun from its own, with ``--resume auto``): every backend writes a checkpoint
+that another backend and world size continues exactly (2 -> 2, 2 -> 4 under horovodrun -np 4,
+2 -> 1 under python). torchrun shards the model with FSDP2 (``--sharding fsdp``); its checkpoints hold
+the full state, which accelerate continues unsharded. srun, mpirun and the legacy
+torch.distributed.launch run the 5 steps uninterrupted, unsharded: the reference.
+
+torchrun and python also write TensorBoard: python's step 4 is logged by both of its runs, so the
+resumed writer must purge the first run's copy (``test_tensorboard_*`` below).
 """
 from __future__ import annotations
 
@@ -41,8 +44,9 @@ LAUNCHES = {
     "torchrun": ("torchrun", 2, ["--batch-size", "8", "--report-to", "tensorboard", "--sharding", "fsdp"]),
     "accelerate": ("accelerate", 2, ["--batch-size", "8"]),
     "horovodrun": ("horovodrun", 2, ["--batch-size", "8"]),
-    "python": ("python", 1, ["--batch-size", "8", "--grad-accum", "2"]),
+    "python": ("python", 1, ["--batch-size", "8", "--grad-accum", "2", "--report-to", "tensorboard"]),
 }
+STOP = {"python": ["--stop-after", "4", "--save-every", "3"]}  # others: --stop-after 3 (which saves step 3)
 # whose step-3 checkpoint each launch continues (None: its own, through --resume auto), and how
 CONTINUES = {"torchrun": None, "accelerate": "torchrun", "horovodrun": "accelerate", "python": "horovodrun"}
 CONTINUED_AS = {"horovodrun": ("horovodrun", 4, ["--batch-size", "4"])}  # a different world size
@@ -77,14 +81,17 @@ def test_launch_stop_and_continue_from_another_launchers_checkpoint(name: str, t
     out = tmp_path / "run"
     args = [*TINY, "--output-dir", str(out)]
 
-    first = launch(launcher, SCRIPT, [*args, *batch_args, "--stop-after", "3"], nproc=nproc, timeout=TIMEOUT).check()
+    stop = STOP.get(name, ["--stop-after", "3"])
+    stopped_at = int(stop[1])
+    first = launch(launcher, SCRIPT, [*args, *batch_args, *stop], nproc=nproc, timeout=TIMEOUT).check()
     assert f"x {nproc} process(es) x" in first.output and "= 16 examples per optimizer step" in first.output
-    assert "stopped after step 3" in first.output
+    assert f"stopped after step {stopped_at}" in first.output
     assert f"| sharding {'fsdp' if '--sharding' in batch_args else 'no'}" in first.output
     rows = read_metrics(out)
     assert rows, first.output[-3000:]
     assert _identity(rows) == {(launcher, BACKEND_OF[launcher], nproc)}
-    assert [r["step"] for r in rows] == [1, 2, 3] and {r["type"] for r in rows} == {"train"}
+    # stopping at the epoch's last step (4) comes before its end-of-epoch validation
+    assert [r["step"] for r in rows] == list(range(1, stopped_at + 1)) and {r["type"] for r in rows} == {"train"}
     assert all(r["loss"] > 0 and r["lr"] >= 0 and r["samples_per_s"] > 0 and r["epoch"] == 1 for r in rows)
     assert (out / "checkpoints" / "checkpoint-000000003.pt").is_file()
     assert not (out / "results.json").exists()
@@ -103,8 +110,9 @@ def test_launch_stop_and_continue_from_another_launchers_checkpoint(name: str, t
     assert "resumed from" in second.output and "checkpoint-000000003.pt: step 3" in second.output
     assert f"x {nproc2} process(es) x" in second.output and "trained with global batch" not in second.output
     rows2 = read_metrics(out)
-    assert rows2[:len(rows)] == rows  # history up to the checkpoint kept
-    new = rows2[len(rows):]
+    kept = [r for r in rows if r["step"] <= 3]
+    assert rows2[:len(kept)] == kept  # history up to the checkpoint kept, python's first step 4 dropped
+    new = rows2[len(kept):]
     assert _identity(new) == {(launcher2, BACKEND_OF[launcher2], nproc2)}
     assert [r["step"] for r in new if r["type"] == "train"] == [4, 5]
     evals = [r for r in new if r["type"] == "eval"]
@@ -179,6 +187,28 @@ def test_tensorboard_events_of_the_torchrun_launches() -> None:
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one per launch, main process only
     assert [e.step for e in read_tensorboard(out).Scalars("train/loss")] == [1, 2, 3, 4, 5]
     check_against_metrics(out, "torchrun", 2)
+
+
+def test_tensorboard_purges_what_python_logged_after_the_checkpoint_it_resumed_from() -> None:
+    """python (1 process) logged steps 1-4, then continued from
+    horovodrun's step-3 checkpoint: the resumed writer's ``purge_step`` (4: checkpoint step + 1)
+    makes TensorBoard's reader drop the first run's step 4, so every step is there once, as in
+    metrics.jsonl, which the example trims the same way."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard_events import check_against_metrics, read_tensorboard
+
+    if "python" not in OUTPUTS:
+        pytest.fail("needs the python launch of the test above (run the whole file)")
+    out = OUTPUTS["python"]
+    files = sorted((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(files) == 2
+    first = [e.step for e in EventFileLoader(str(files[0])).Load() if e.summary.value
+             and e.summary.value[0].tag == "train/loss"]
+    assert first == [1, 2, 3, 4]  # the first run's copy of step 4 is in its file ...
+    starts = [e.step for e in EventFileLoader(str(files[1])).Load() if e.HasField("session_log")]
+    assert starts == [4]  # ... and the resumed writer purges from step 4
+    assert [e.step for e in read_tensorboard(out).Scalars("train/loss")] == [1, 2, 3, 4, 5]
+    check_against_metrics(out, "python", 1)
 
 
 def _final_weights(out: Path) -> dict:

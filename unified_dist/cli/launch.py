@@ -19,10 +19,8 @@ from typing import Dict, List, Mapping, NoReturn, Optional, Tuple
 from ..buckets import ENV_VAR as ENV_BUCKET_MB, resolve_bucket_mb
 from ..compression import ENV_VAR as ENV_COMPRESSION, MODES as COMPRESSION_MODES
 from ..net import DEFAULT_MASTER_PORT
-from ..backends import backend_class
 from ..precision import ENV_VAR as ENV_MIXED_PRECISION, MODES as MIXED_PRECISION_MODES
-from ..sharding import ENV as SHARDING_ENV, MODES as SHARDING_MODES
-from ..sync_batchnorm import ENV as SYNC_BATCHNORM_ENV
+from ..flags import SHARDING_ENV, SHARDING_MODES, SYNC_BATCHNORM_ENV
 from .errors import UsageError
 from ..registry import LAUNCHED, SPECS
 
@@ -81,8 +79,16 @@ def build(plan: Plan, cuda: bool = False, environ: Mapping[str, str] = os.enviro
     """The native command for ``plan`` on a machine with (``cuda``) or without a GPU.
 
     Pure apart from reading ``environ`` for the default mixed precision; raises
-    :class:`UsageError` for a plan no launcher can honour.
+    :class:`UsageError` for a plan no launcher can honour (:func:`check_plan`).
     """
+    check_plan(plan)
+    command = SPECS[plan.backend].load("command")(plan, cuda, environ)
+    return replace(command, env={**command.env, **_settings_env(plan)})
+
+
+def check_plan(plan: Plan) -> None:
+    """Raise :class:`UsageError` for a plan no launcher can honour (no torch needed, except to ask
+    whether the backend can shard)."""
     if plan.backend not in BACKENDS:
         raise UsageError(f"unknown backend {plan.backend!r}; choose one of {', '.join(BACKENDS)}")
     if plan.nproc < 1:
@@ -96,10 +102,8 @@ def build(plan: Plan, cuda: bool = False, environ: Mapping[str, str] = os.enviro
             f"unknown mixed precision {plan.mixed_precision!r}; use one of {', '.join(MIXED_PRECISION_MODES)}")
     if plan.sharding is not None and plan.sharding not in SHARDING_MODES:
         raise UsageError(f"unknown sharding {plan.sharding!r}; use one of {', '.join(SHARDING_MODES)}")
-    if plan.sharding == "fsdp" and not backend_class(plan.backend).supports_sharding:
+    if plan.sharding == "fsdp" and not _backend_class(plan.backend).supports_sharding:
         raise UsageError(f"--sharding fsdp: {plan.backend} has no sharding; use --backend torch or accelerate")
-    command = SPECS[plan.backend].load("command")(plan, cuda, environ)
-    return replace(command, env={**command.env, **_settings_env(plan)})
 
 
 def _multi_node_address(plan: Plan) -> Tuple[str, int]:
@@ -123,6 +127,12 @@ def _socket_env(plan: Plan, cuda: bool) -> Dict[str, str]:
 
 def _precision_env(plan: Plan) -> Dict[str, str]:
     return {ENV_MIXED_PRECISION: plan.mixed_precision} if plan.mixed_precision else {}
+
+
+def _backend_class(name: str):
+    from ..backends import backend_class  # imports torch: only when a plan asks what the backend can do
+
+    return backend_class(name)
 
 
 def _settings_env(plan: Plan) -> Dict[str, str]:
@@ -286,15 +296,16 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     """Build, check and print the command; run it unless ``--dry-run``."""
-    import torch  # already loaded by unified_dist; only asked whether there is a GPU
-
     plan = Plan(backend=args.backend, script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port, hosts=args.hosts, network_interface=args.network_interface,
                 mixed_precision=args.mixed_precision, sharding=args.sharding, sync_batchnorm=args.sync_batchnorm,
                 gradient_compression=args.gradient_compression, bucket_mb=resolve_bucket_mb(args.bucket_mb, {}))
+    build(plan)  # every usage error (the builders check theirs too), and the machine's, before
+    check_machine(plan)  # torch's import (seconds): a mistake is answered at once
+    import torch  # only asked whether there is a GPU
+
     command = build(plan, cuda=torch.cuda.is_available())
-    check_machine(plan)
     if args.dry_run:
         print(command.line())
         return 0

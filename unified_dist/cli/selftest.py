@@ -199,13 +199,13 @@ def add_arguments(parser) -> None:
 
 def main(args) -> int:
     """Run the self-test under every chosen backend; 0 if every row passed, else 1."""
-    import torch
-
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
     if args.timeout <= 0:
         raise UsageError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     backends = choose_backends(args.backend)
+    import torch  # after the usage checks: only asked whether there is a GPU
+
     runs = [run_backend(b, args.nproc, args.timeout, cuda=torch.cuda.is_available()) for b in backends]
     rows = [row for run in runs for row in run.rows]
     print(table(rows))
