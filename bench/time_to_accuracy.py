@@ -243,6 +243,8 @@ def main() -> None:
             run["seed"] = seed
             run["time_to_threshold"] = time_to(run["curve"], args.threshold)
             runs.setdefault(name, []).append(run)
+            partial = {**record, "partial": True, "seeds": seeds, "eval_every": args.eval_every, "runs": runs}
+            (RESULTS / "accuracy_partial.json").write_text(json.dumps(partial, indent=1))  # survives a later failure
     # every run must have had the settings of its reference run (same seed), but for what it may change
     for name, per_seed in runs.items():
         reference, allowed = configs[name][1], configs[name][2]
@@ -264,6 +266,7 @@ def main() -> None:
         mine, theirs = s["time_to_threshold_s"], (ref or {}).get("time_to_threshold_s", {})
         reached = mine["n"] == mine["of"] and theirs.get("n") == theirs.get("of")
         s["time_ratio_vs_reference"] = mine["mean"] / theirs["mean"] if reached and theirs.get("mean") else None
+    (RESULTS / "accuracy_partial.json").unlink(missing_ok=True)
     (RESULTS / "accuracy.json").write_text(json.dumps(provenance.finish(
         {**record, "settings": COMMON, "seeds": seeds, "eval_every": args.eval_every, "threshold": args.threshold,
          "threshold_split": "validation", "summary": summary, "runs": runs}), indent=1))
