@@ -228,11 +228,21 @@ def main() -> None:
     p.add_argument("--threshold", type=float, default=0.80, help="validation accuracy to reach")
     p.add_argument("--only", default=None,
                    help="comma-separated name fragments (default: every configuration not named 'extra')")
+    p.add_argument("--from-partial", action="store_true",
+                   help="run nothing: summarise accuracy_partial.json (a run stopped early) over the seeds "
+                        "every configuration completed, into accuracy.json")
     args = p.parse_args()
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
+    configs = plan(os.cpu_count())
+    if args.from_partial:
+        partial = json.loads((RESULTS / "accuracy_partial.json").read_text())
+        complete = set.intersection(*({r["seed"] for r in rs} for rs in partial["runs"].values()))
+        runs = {name: [r for r in rs if r["seed"] in complete] for name, rs in partial["runs"].items()}
+        record = {k: partial[k] for k in ("commit", "command", "load_before")}
+        record["stopped_early"] = f"seeds {partial['seeds']} planned; {sorted(complete)} completed by every configuration"
+        return summarise(record, runs, configs, sorted(complete), partial["eval_every"], args.threshold)
     record = provenance.start()
     seeds = [int(s) for s in args.seeds.split(",")]
-    configs = plan(os.cpu_count())
     wanted = [name for name in configs if (any(w in name for w in args.only.split(",")) if args.only
                                           else not name.startswith("extra"))]
     runs = {}
@@ -245,6 +255,16 @@ def main() -> None:
             runs.setdefault(name, []).append(run)
             partial = {**record, "partial": True, "seeds": seeds, "eval_every": args.eval_every, "runs": runs}
             (RESULTS / "accuracy_partial.json").write_text(json.dumps(partial, indent=1))  # survives a later failure
+    summarise(record, runs, configs, seeds, args.eval_every, args.threshold)
+    (RESULTS / "accuracy_partial.json").unlink(missing_ok=True)
+
+
+def summarise(record: dict, runs: dict, configs: dict, seeds: list, eval_every: int, threshold: float) -> None:
+    """Check every run's settings against its reference, then write accuracy.json with the
+    per-configuration statistics (and print them)."""
+    for per_seed in runs.values():
+        for run in per_seed:
+            run["time_to_threshold"] = time_to(run["curve"], threshold)
     # every run must have had the settings of its reference run (same seed), but for what it may change
     for name, per_seed in runs.items():
         reference, allowed = configs[name][1], configs[name][2]
@@ -266,13 +286,12 @@ def main() -> None:
         mine, theirs = s["time_to_threshold_s"], (ref or {}).get("time_to_threshold_s", {})
         reached = mine["n"] == mine["of"] and theirs.get("n") == theirs.get("of")
         s["time_ratio_vs_reference"] = mine["mean"] / theirs["mean"] if reached and theirs.get("mean") else None
-    (RESULTS / "accuracy_partial.json").unlink(missing_ok=True)
     (RESULTS / "accuracy.json").write_text(json.dumps(provenance.finish(
-        {**record, "settings": COMMON, "seeds": seeds, "eval_every": args.eval_every, "threshold": args.threshold,
+        {**record, "settings": COMMON, "seeds": seeds, "eval_every": eval_every, "threshold": threshold,
          "threshold_split": "validation", "summary": summary, "runs": runs}), indent=1))
     for name, s in summary.items():
         t, a = s["time_to_threshold_s"], s["test_accuracy"]
-        print(f"{name}: to {args.threshold:.0%} validation in {t['n']}/{t['of']} runs, mean {t['mean']} s "
+        print(f"{name}: to {threshold:.0%} validation in {t['n']}/{t['of']} runs, mean {t['mean']} s "
               f"(std {t['std']}); test accuracy {a['mean']:.4f} (std {a['std']}); "
               f"ratio vs {s['reference']}: {s['time_ratio_vs_reference']}")
 
