@@ -239,7 +239,9 @@ def main() -> None:
         complete = set.intersection(*({r["seed"] for r in rs} for rs in partial["runs"].values()))
         runs = {name: [r for r in rs if r["seed"] in complete] for name, rs in partial["runs"].items()}
         record = {k: partial[k] for k in ("commit", "command", "load_before")}
-        record["stopped_early"] = f"seeds {partial['seeds']} planned; {sorted(complete)} completed by every configuration"
+        never = [name for name in configs if name not in runs and name in partial.get("wanted", configs)]
+        record["stopped_early"] = (f"seeds {partial['seeds']} planned; {sorted(complete)} completed by every "
+                                   f"configuration that ran; none completed: {never or 'none'}")
         return summarise(record, runs, configs, sorted(complete), partial["eval_every"], args.threshold)
     record = provenance.start()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -251,9 +253,9 @@ def main() -> None:
             print(f"running {name}, seed {seed}", flush=True)
             run = configs[name][0](seed, args.eval_every)
             run["seed"] = seed
-            run["time_to_threshold"] = time_to(run["curve"], args.threshold)
             runs.setdefault(name, []).append(run)
-            partial = {**record, "partial": True, "seeds": seeds, "eval_every": args.eval_every, "runs": runs}
+            partial = {**record, "partial": True, "seeds": seeds, "eval_every": args.eval_every, "wanted": wanted,
+                       "runs": runs}
             (RESULTS / "accuracy_partial.json").write_text(json.dumps(partial, indent=1))  # survives a later failure
     summarise(record, runs, configs, seeds, args.eval_every, args.threshold)
     (RESULTS / "accuracy_partial.json").unlink(missing_ok=True)

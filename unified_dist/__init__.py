@@ -37,15 +37,7 @@ _FROM: Dict[str, str] = {
 """Where each public name lives. They are imported on first use (PEP 562), so ``import unified_dist``
 and the ``unified-dist`` command start without importing torch until something needs it."""
 
-__all__ = [
-    "init", "shutdown", "backend_name", "launcher", "rank", "local_rank", "world_size", "device",
-    "is_main", "is_local_main", "mixed_precision", "sharding_mode", "gradient_accumulation_steps", "gradient_compression",
-    "prepare", "unwrap", "backward", "accumulate", "sync_gradients", "clip_grad_norm_", "autocast",
-    "seed_everything", "rng_states", "restore_rng_states", "all_reduce", "all_gather", "all_gather_object", "gather_for_metrics", "broadcast", "barrier",
-    "print", "main_process_first", "ElasticState", "elastic_run", "save", "save_checkpoint", "latest_checkpoint", "load", "save_sharded", "load_sharded", "get_state_dict",
-    "UnifiedDistError", "BackendNotInstalled", "CollectiveError", "CollectiveMismatch", "CollectiveTimeout",
-    "PeerLost", "LaunchError", "NonFiniteLoss", "PrecisionError", "CheckpointError", "WorkerFailed", "launch",
-]
+__all__ = list(_FROM)
 
 
 def __getattr__(name: str) -> Any:

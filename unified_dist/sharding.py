@@ -27,7 +27,6 @@ from .errors import LaunchError, UnifiedDistError
 from .flags import SHARDING_ENV as ENV, SHARDING_MODES as MODES, is_set
 
 
-
 @dataclass(frozen=True)
 class Sharding:
     """The sharding a job runs with: ``mode`` ``"no"`` or ``"fsdp"``; ``modules`` the block
