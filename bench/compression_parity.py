@@ -8,9 +8,10 @@ For each backend, examples/bert_sentiment/train.py runs twice with 2 processes u
 ``UNIFIED_DIST_GRADIENT_COMPRESSION`` (bf16; fp16 on Horovod, which has no bf16 compressor), the
 same seed, no dropout. Reported: the largest relative difference of the logged per-step losses
 (the stated tolerance: 1e-4 over the first steps; a bf16-rounded gradient moves each AdamW update
-by about 2^-8 of the learning rate, which changes these losses by ~1e-6), and the test accuracy of
-both runs and their difference in points (target: within 0.5 points). ``--short``: 8 steps on 256
-training and 50 test examples (the loss check only); the default is the example's full epoch.
+by about 2^-8 of the learning rate, which changes these losses by ~1e-6; later steps compound the
+rounding and are reported, not checked), and the test accuracy of both runs and their difference
+in points (target: within 0.5 points). The run exits 1 when either check fails. ``--short``: 8 steps
+on 256 training and 50 test examples (the loss check only); the default is the example's full epoch.
 The results JSON (default bench/results/compression_parity[_short].json) records the commit and
 the command lines.
 """
@@ -36,6 +37,8 @@ SHORT = ["--max-steps", "8", "--limit-train", "256", "--limit-eval", "50", "--ma
 COMMON = ["--no-dropout", "--log-every", "1", "--no-progress", "--eval-every", "0"]
 SIXTEEN_BIT = {"horovod": "fp16"}  # Horovod has no bf16 compressor (unified_dist.compression)
 LOSS_RTOL = 1e-4
+FIRST_STEPS = 8  # the loss tolerance holds over the first steps; later, rounding differences compound
+ACCURACY_POINTS = 0.5  # full run: compressed test accuracy within this many points of float32
 
 
 def run_example(backend: str, fmt: str, args: list, out: Path) -> dict:
@@ -68,13 +71,18 @@ def main() -> int:
             fmt = SIXTEEN_BIT.get(backend, args.format) if args.format == "bf16" else args.format
             plain = run_example(backend, "none", example_args, tmp / f"{backend}-none")
             packed = run_example(backend, fmt, example_args, tmp / f"{backend}-{fmt}")
-            worst = max(abs(a - b) / abs(a) for a, b in zip(plain["losses"], packed["losses"]))
-            row = {"backend": backend, "compression": fmt, "max_loss_rel_diff": worst,
+            rel = [abs(a - b) / abs(a) for a, b in zip(plain["losses"], packed["losses"])]
+            worst = max(rel[:FIRST_STEPS])
+            points = 100 * (packed["test_accuracy"] - plain["test_accuracy"])
+            row = {"backend": backend, "compression": fmt, "max_loss_rel_diff": worst, "first_steps": FIRST_STEPS,
+                   "max_loss_rel_diff_all_steps": max(rel), "steps": len(rel),
                    "losses_within_tolerance": worst <= LOSS_RTOL and len(plain["losses"]) == len(packed["losses"]),
-                   "accuracy_points_diff": 100 * (packed["test_accuracy"] - plain["test_accuracy"]),
+                   "accuracy_points_diff": points,
+                   "accuracy_within_target": None if args.short else abs(points) <= ACCURACY_POINTS,
                    "float32": plain, "compressed": packed}
             record["rows"].append(row)
-            print(f"{backend} {fmt}: max loss rel diff {worst:.2e} over {len(plain['losses'])} steps; test accuracy "
+            print(f"{backend} {fmt}: max loss rel diff {worst:.2e} over the first {FIRST_STEPS} steps "
+                  f"({max(rel):.2e} over all {len(rel)}); test accuracy "
                   f"{plain['test_accuracy']:.4f} -> {packed['test_accuracy']:.4f} "
                   f"({row['accuracy_points_diff']:+.2f} points)", flush=True)
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +90,8 @@ def main() -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out.write_text(json.dumps(provenance.finish(record), indent=1))
-    return 0 if all(r["losses_within_tolerance"] for r in record["rows"]) else 1
+    return 0 if all(r["losses_within_tolerance"] and r["accuracy_within_target"] is not False
+                    for r in record["rows"]) else 1
 
 
 if __name__ == "__main__":

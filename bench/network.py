@@ -1,7 +1,8 @@
 """Scaling over a bandwidth-limited link: 2 hosts x 1 process against 1 host alone, per backend.
 
     python bench/network.py [--rates 10gbit,1gbit,200mbit] [--backends torch,accelerate,horovod]
-                            [--compression none,bf16] [--bucket-mb default,4,100] [--steps 10] [--warmup 2] [--delay 0ms]
+                            [--compression none,bf16] [--bucket-mb default,4,100] [--accum 1] [--steps 10] [--warmup 2]
+                            [--delay 0ms]
                             [--short] [--out FILE]
 
 The two hosts are the network namespaces of tools/netns_hosts.sh (192.0.2.1 and 192.0.2.2 over
@@ -24,7 +25,10 @@ bytes at that rate: 2(N-1)/N x bytes / rate, and the efficiency that time would 
 were not overlapped at all), and the overlap: with t1 the 1-host step (compute only), t2 the
 2-host step and c a serialised all-reduce of the gradient's size measured in the same job,
 hidden = (t1 + c - t2) / c (1: all communication hidden behind compute; 0: none).
-``--compression bf16`` runs Horovod with fp16 (its only 16-bit compressor, see
+``--accum A`` accumulates A micro-batches per optimizer step (``ud.init(gradient_accumulation_steps=A)``,
+the one-host baseline too): one all-reduce per A micro-batches, and the per-step figures above
+are then per optimizer step (A micro-batches; the mean, not the median, since the micro-batch
+times alternate between with and without communication). ``--compression bf16`` runs Horovod with fp16 (its only 16-bit compressor, see
 :mod:`unified_dist.compression`); each row records the format that ran.
 """
 from __future__ import annotations
@@ -108,7 +112,7 @@ def clear_link(hosts: "multinode.Hosts", name: str) -> None:
 def worker_args(out: Path, args: argparse.Namespace) -> List[str]:
     return [WORKER, "--out", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup),
             "--comm-reps", str(args.comm_reps), "--batch-size", str(args.batch_size),
-            "--max-length", str(args.max_length)]
+            "--max-length", str(args.max_length), "--accum", str(args.accum)]
 
 
 def run_job(hosts, name: str, commands, out: Path) -> dict:
@@ -148,15 +152,19 @@ def two_hosts(hosts, ssh, backend: str, compression: Optional[str], args, tmp: P
 
 def summarise(job: dict, one_host: dict, rate: str, delay: str, tc: List[str]) -> dict:
     """One results row: throughput, efficiency, wire bytes, the bandwidth bound, the overlap."""
-    n = job["world_size"]
+    n, k = job["world_size"], job.get("accum", 1)
     elem = {None: 4, "bf16": 2, "fp16": 2}[job["compression"]]
     grad_bytes = job["grad_numel"] * elem
     bound_s = 2 * (n - 1) / n * grad_bytes / (rate_bits(rate) / 8)
-    t1, t2, comm = one_host["median_step_s"], job["median_step_s"], job["serialised_allreduce_s"]
+    # per optimizer step; with accumulation the micro-batch times alternate, so their mean
+    t1, t2 = ((one_host["median_step_s"], job["median_step_s"]) if k == 1
+              else (k * one_host["mean_step_s"], k * job["mean_step_s"]))
+    comm = job["serialised_allreduce_s"]
     return {
         "backend": job["backend"], "launcher": job["launcher"], "rate": rate, "delay": delay,
         "compression": job["compression"], "compression_per_rank": job["compression_per_rank"],
         "bucket_mb": job.get("bucket_mb"),  # None: the stack's own (DDP 25 MiB, Horovod 128 MiB fusion buffer)
+        "accum": k,  # micro-batches per optimizer step (one all-reduce each); step figures are per optimizer step
         "tc": tc, "commands": job["commands"],
         "samples_per_s": job["samples_per_s"], "samples_per_s_1host": one_host["samples_per_s"],
         "efficiency": job["samples_per_s"] / (n * one_host["samples_per_s"]),
@@ -179,6 +187,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compression", default="none,bf16", help="none and/or bf16 (Horovod: fp16)")
     p.add_argument("--bucket-mb", default="default",
                    help="comma-separated MiB per fused reduction (UNIFIED_DIST_BUCKET_MB), 'default' for the stack's own")
+    p.add_argument("--accum", type=int, default=1,
+                   help="micro-batches per optimizer step (gradient_accumulation_steps; --steps/--warmup count micro-batches)")
     p.add_argument("--delay", default="0ms", help="netem delay added on each side (needs netem in the kernel)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -228,7 +238,7 @@ def main() -> int:
                                     None if bucket == "default" else bucket)
                     row = summarise(job, one_host, rate, args.delay, tc)
                     record["rows"].append(row)
-                    print(f"{rate:>8} {backend:<10} {row['compression'] or 'none':<5} bucket {bucket:>7} "
+                    print(f"{rate:>8} {backend:<10} {row['compression'] or 'none':<5} bucket {bucket:>7} accum {row['accum']} "
                           f"{row['samples_per_s']:6.2f} samples/s  efficiency {row['efficiency']:.2f}  "
                           f"{row['wire_bytes_per_step'] / 1e6:7.1f} MB/step on the wire  bound "
                           f"{row['ring_allreduce_bound_s']:.2f} s  serialised all-reduce "

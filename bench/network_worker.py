@@ -1,13 +1,17 @@
 """The example's training step, timed on one rank per host, with the bytes it put on the wire.
 
-    <launcher> bench/network_worker.py --out FILE [--steps N] [--warmup W] [--comm-reps K]
+    <launcher> bench/network_worker.py --out FILE [--steps N] [--warmup W] [--comm-reps K] [--accum A]
 
 Every rank trains the example's model (bench/step/facade.py's step: prepare, accumulate,
 backward, clip, AdamW) on its own batches. After ``--warmup`` steps, all ranks meet at a
 barrier, read their interface's byte counters (``/sys/class/net/<NIC>/statistics``, the
 namespace's own under ``ip netns exec``), run ``--steps`` steps, meet again and read them again:
-throughput = world x batch x steps / elapsed, bytes per step = every rank's transmitted bytes
-summed (each byte crosses the link once) / steps.
+throughput = world x batch x steps / elapsed, bytes per optimizer step = every rank's
+transmitted bytes summed (each byte crosses the link once) / optimizer steps.
+
+``--accum A`` runs ``ud.init(gradient_accumulation_steps=A)``: a "step" is then one micro-batch,
+the gradient is reduced once per A of them (one optimizer step), and ``--steps``/``--warmup``
+must be multiples of A so the timed window holds whole optimizer steps.
 
 Then ``--comm-reps`` serialised all-reduces of the gradient's size (in the compressed format
 when compression is on), alone: the communication time the step would pay if none of it
@@ -44,7 +48,11 @@ def parse_args():
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--comm-reps", type=int, default=3)
     p.add_argument("--nic", default="udnet0")
-    return p.parse_args()
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    args = p.parse_args()
+    if args.steps % args.accum or args.warmup % args.accum:
+        p.error(f"--steps {args.steps} and --warmup {args.warmup} must be multiples of --accum {args.accum}")
+    return args
 
 
 def wire_bytes(nic):
@@ -72,7 +80,7 @@ def serialised_comm_s(numel, compression, reps):
 
 def main():
     args = parse_args()
-    ud.init()
+    ud.init(gradient_accumulation_steps=args.accum)
     rank, world = ud.rank(), ud.world_size()
     model, batches = model_and_batches(args, rank, world)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -98,11 +106,12 @@ def main():
         steps = len(step_times)
         with open(args.out, "w") as f:
             json.dump({"backend": ud.backend_name(), "launcher": ud.launcher(), "world_size": world,
-                       "compression": ud.gradient_compression(), "compression_per_rank": formats, "steps": steps, "warmup": args.warmup,
+                       "compression": ud.gradient_compression(), "compression_per_rank": formats, "steps": steps,
+                       "warmup": args.warmup, "accum": args.accum, "mean_step_s": elapsed / steps,
                        "batch_size": args.batch_size, "max_length": args.max_length, "grad_numel": numel,
                        "elapsed_s": elapsed, "samples_per_s": world * args.batch_size * steps / elapsed,
                        "median_step_s": statistics.median(step_times), "step_times_s": step_times,
-                       "tx_bytes_per_rank": sent, "wire_bytes_per_step": sum(sent) / steps,
+                       "tx_bytes_per_rank": sent, "wire_bytes_per_step": sum(sent) / (steps // args.accum),
                        "serialised_allreduce_s": comm_s}, f, indent=1)
     ud.shutdown()
 

@@ -1,4 +1,5 @@
-"""What every results file records: the commit measured, the exact command, the load around it."""
+"""What every results file records: the commit measured, the exact command, the load around it,
+and the share of CPU time the hypervisor took from this VM while it ran (steal)."""
 from __future__ import annotations
 
 import os
@@ -20,13 +21,33 @@ def commit() -> str:
         return "unknown"
 
 
+def cpu_ticks() -> list:
+    """The aggregate ``cpu`` line of /proc/stat (user nice system idle iowait irq softirq steal ...),
+    in clock ticks since boot; empty where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_fraction(before: list, after: list):
+    """Share of all CPU ticks between two :func:`cpu_ticks` readings that the hypervisor stole
+    (field 8): time this VM wanted to run but another guest had the core. ``None`` if unknown."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    total = sum(after[:8]) - sum(before[:8])
+    return (after[7] - before[7]) / total if total > 0 else None
+
+
 def start() -> dict:
     """Provenance fields to put in a results file before measuring; call :func:`finish` after."""
     return {"commit": commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "load_before": os.getloadavg()}
+            "load_before": os.getloadavg(), "cpu_ticks_before": cpu_ticks()}
 
 
 def finish(record: dict) -> dict:
-    """``record`` with the load average after the measurement."""
+    """``record`` with the load average after the measurement and the steal share over it."""
     record["load_after"] = os.getloadavg()
+    record["steal_fraction"] = steal_fraction(record.get("cpu_ticks_before", []), cpu_ticks())
     return record

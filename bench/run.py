@@ -34,6 +34,7 @@ from unified_dist.net import free_port  # noqa: E402
 from unified_dist.registry import LAUNCHED  # noqa: E402
 
 BACKENDS = LAUNCHED
+NO_FINITE_CHECK = "facade_without_finite_check"
 
 
 def launch_command(backend: str, nproc: int, script: str, args: list) -> tuple:
@@ -49,7 +50,8 @@ def launch_command(backend: str, nproc: int, script: str, args: list) -> tuple:
     return list(command.argv), ud_launch.environment(command, env)
 
 
-def launch(backend: str, nproc: int, script: str, args: list, timeout: float = 900, result: Path = None) -> bool:
+def launch(backend: str, nproc: int, script: str, args: list, timeout: float = 900, result: Path = None,
+           extra_env: dict = None) -> bool:
     """Run ``script`` under ``backend``'s launcher (``python`` for nproc=1 without backend).
 
     Returns False when the job failed *after* writing ``result`` (its timings are complete):
@@ -59,6 +61,7 @@ def launch(backend: str, nproc: int, script: str, args: list, timeout: float = 9
     if result is not None and result.exists():
         result.unlink()
     cmd, env = launch_command(backend, nproc, script, args)
+    env.update(extra_env or {})
     proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     if proc.returncode == 0:
@@ -82,13 +85,17 @@ def overhead(short: bool) -> dict:
         path = tmp / f"paired_{backend}.json"
         launch(backend, 2, "bench/step/paired.py", ["--out", str(path), *paired_steps], result=path)
         paired = json.loads(path.read_text())
-        runs = {"facade": [], "native": []}
-        crashes = {"facade": 0, "native": 0}
-        for rep in range(reps):  # interleaved: facade, native, facade, native...
-            for variant in ("facade", "native"):
-                script = f"bench/step/{'facade' if variant == 'facade' else 'native_' + backend}.py"
+        # torch also runs the facade with its per-step finite-loss exchange off (UNIFIED_DIST_CHECK_FINITE=0)
+        variants = ("facade", "native") + ((NO_FINITE_CHECK,) if backend == "torch" else ())
+        runs = {v: [] for v in variants}
+        crashes = {v: 0 for v in variants}
+        for rep in range(reps):  # interleaved: facade, native, [facade without the check,] facade, native...
+            for variant in variants:
+                script = f"bench/step/{'native_' + backend if variant == 'native' else 'facade'}.py"
                 path = tmp / f"step_{backend}_{variant}_{rep}.json"
-                crashes[variant] += not launch(backend, 2, script, ["--out", str(path), *steps], result=path)
+                crashes[variant] += not launch(backend, 2, script, ["--out", str(path), *steps], result=path,
+                                               extra_env={"UNIFIED_DIST_CHECK_FINITE": "0"}
+                                               if variant == NO_FINITE_CHECK else None)
                 runs[variant].append(json.loads(path.read_text()))
         med = {v: statistics.median(r["median_step_s"] for r in runs[v]) for v in runs}
         rss = {v: max(max(r["peak_rss_mib_per_rank"]) for r in runs[v]) for v in runs}
@@ -104,6 +111,10 @@ def overhead(short: bool) -> dict:
         print(f"overhead {backend}: paired ratio {out[backend]['ratio']:.3f} [{q[0]:.3f}-{q[2]:.3f}] "
               f"(separate launches {out[backend]['separate_launch_ratio']:.3f}); peak RSS facade "
               f"{rss['facade']:.0f} MiB native {rss['native']:.0f} MiB; exit crashes {crashes}", flush=True)
+        if NO_FINITE_CHECK in med:
+            out[backend]["finite_check_off_vs_on"] = med[NO_FINITE_CHECK] / med["facade"]
+            print(f"overhead {backend}: separate-launch median step, facade {med['facade']:.3f} s, without the "
+                  f"finite check {med[NO_FINITE_CHECK]:.3f} s, native {med['native']:.3f} s", flush=True)
     return out
 
 

@@ -7,15 +7,20 @@ evaluation on the **validation** split, every ``--eval-every`` optimizer steps; 
 validation accuracy (decisions never look at the test split, which each run evaluates once, at
 its end, for the reported final accuracy). Every configuration runs once per seed (``--seeds``,
 the same seeds on both sides) and is reported as mean +- sample standard deviation and range.
-Writes bench/results/accuracy.json.
+Besides wall seconds, each single-process run reports the CPU seconds its process had used at each
+evaluation (``time.process_time()``, every thread): unlike wall time, it does not grow when the
+hypervisor takes the cores away from this VM (steal, recorded per run), which here reached a third
+of the machine for minutes at a time. Writes bench/results/accuracy.json (``--out``). Every run
+starts in an emptied directory: a cold tokenisation cache on both sides.
 
-    python bench/time_to_accuracy.py [--seeds 0,1,2] [--eval-every 8] [--threshold 0.8] [--only NAMES]
+    python bench/time_to_accuracy.py [--seeds 0,1,2] [--eval-every 8] [--threshold 0.8] [--only NAMES] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,13 +45,22 @@ def env() -> dict:
                 PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
 
 
-def curve_from_metrics(path: Path):
+def curve_from_metrics(path: Path, cpu: bool = True):
+    """[(wall s, validation accuracy, CPU s or None)] from the example's metrics.jsonl; CPU seconds
+    only where asked (one process: rank 0's CPU time is not a multi-process job's)."""
     curve = []
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if rec.get("type") == "eval" and rec.get("split") == "validation":
-            curve.append((rec["time_s"], rec["accuracy"]))
+            curve.append((rec["time_s"], rec["accuracy"], rec.get("cpu_s") if cpu else None))
     return curve
+
+
+def fresh(out: Path) -> Path:
+    """``out``, emptied: every run starts from a cold tokenisation cache and writes no stale curve."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    return out
 
 
 def example_args(out: Path, nproc: int, eval_every: int, extra: tuple = (), seed: int = COMMON["seed"]) -> list:
@@ -60,21 +74,21 @@ def example_args(out: Path, nproc: int, eval_every: int, extra: tuple = (), seed
 
 
 def run_example(name: str, nproc: int, eval_every: int, seed: int, extra: tuple = ()) -> dict:
-    out = RESULTS / "tmp" / f"tta_{name}_s{seed}"
+    out = fresh(RESULTS / "tmp" / f"tta_{name}_s{seed}")
     args = example_args(out, nproc, eval_every, extra, seed)
     script = str(EXAMPLE / "train.py")
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:
         cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *args]
-    start = time.time()
+    start, ticks = time.time(), provenance.cpu_ticks()
     subprocess.run(cmd, cwd=ROOT, env=env(), check=True, stdout=subprocess.DEVNULL)
-    wall = time.time() - start
-    curve = curve_from_metrics(out / "metrics.jsonl")
+    wall, steal = time.time() - start, provenance.steal_fraction(ticks, provenance.cpu_ticks())
+    curve = curve_from_metrics(out / "metrics.jsonl", cpu=nproc == 1)
     results = json.loads((out / "results.json").read_text())
     return {"effective": example_effective(results),
             "cmd": " ".join(cmd[:1] + [Path(c).name if c == script else c for c in cmd[1:]]).replace(str(ROOT) + "/", ""),
-            "curve": curve, "wall_s": wall, "final_validation_accuracy": curve[-1][1],
+            "curve": curve, "wall_s": wall, "steal_fraction": steal, "final_validation_accuracy": curve[-1][1],
             "test_accuracy": results["test_accuracy"], "test_examples": results["test_examples"]}
 
 
@@ -103,7 +117,7 @@ curve = []
 class Clock(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kw):
         if "eval_accuracy" in metrics:  # the validation split; the test split's is read below
-            curve.append((time.time() - T0, metrics["eval_accuracy"]))
+            curve.append((time.time() - T0, metrics["eval_accuracy"], time.process_time()))
 def accuracy(p):
     return {"accuracy": float((p.predictions.argmax(-1) == p.label_ids).mean())}
 args = TrainingArguments(**cfg["training_arguments"])
@@ -167,27 +181,27 @@ def hyperparameter_differences(trainer: dict, example: dict, ablation: tuple = (
 
 
 def run_trainer(eval_every: int, seed: int, group_by_length: bool = False, bf16: bool = False) -> dict:
-    out = RESULTS / "tmp" / f"tta_trainer{'_grouped' if group_by_length else ''}{'_bf16' if bf16 else ''}_s{seed}"
-    out.mkdir(parents=True, exist_ok=True)
+    out = fresh(RESULTS / "tmp" / f"tta_trainer{'_grouped' if group_by_length else ''}{'_bf16' if bf16 else ''}_s{seed}")
     cfg = dict(COMMON, out=str(out), cache=str(out / "cache"), eval_every=eval_every, result=str(out / "r.json"),
                threads=os.cpu_count(), group_by_length=group_by_length, seed=seed, bf16=bf16)
     cfg["training_arguments"] = trainer_arguments(cfg)
-    start = time.time()
+    start, ticks = time.time(), provenance.cpu_ticks()
     subprocess.run([sys.executable, "-c", TRAINER, json.dumps(cfg), str(EXAMPLE), str(ROOT / "bench")], cwd=ROOT, env=env(), check=True,
                    stdout=subprocess.DEVNULL)
-    wall = time.time() - start
+    wall, steal = time.time() - start, provenance.steal_fraction(ticks, provenance.cpu_ticks())
     result = json.loads((out / "r.json").read_text())
     curve = result["curve"]
     return {"effective": result["effective"],
             "cmd": "transformers.Trainer" + (", train_sampling_strategy=group_by_length" if group_by_length else "")
                    + (", bf16=True" if bf16 else "") + " (bench/time_to_accuracy.py)",
-            "curve": curve, "wall_s": wall, "final_validation_accuracy": curve[-1][1],
+            "curve": curve, "wall_s": wall, "steal_fraction": steal, "final_validation_accuracy": curve[-1][1],
             "test_accuracy": result["test_accuracy"], "test_examples": result["test_examples"]}
 
 
-def time_to(curve, target: float):
-    """Seconds from process start to the first evaluation at or above ``target`` (None: never)."""
-    return next((t for t, acc in curve if acc >= target), None)
+def time_to(curve, target: float, cpu: bool = False):
+    """Seconds from process start to the first evaluation at or above ``target`` (None: never):
+    wall seconds, or with ``cpu`` the CPU seconds the (single) process had used by then."""
+    return next((point[2] if cpu else point[0] for point in curve if point[1] >= target), None)
 
 
 def spread(values: list) -> dict:
@@ -228,21 +242,26 @@ def main() -> None:
     p.add_argument("--threshold", type=float, default=0.80, help="validation accuracy to reach")
     p.add_argument("--only", default=None,
                    help="comma-separated name fragments (default: every configuration not named 'extra')")
+    p.add_argument("--out", default=str(RESULTS / "accuracy.json"),
+                   help="results JSON (default bench/results/accuracy.json); a run stopped early leaves "
+                        "<out>_partial.json beside it")
     p.add_argument("--from-partial", action="store_true",
-                   help="run nothing: summarise accuracy_partial.json (a run stopped early) over the seeds "
-                        "every configuration completed, into accuracy.json")
+                   help="run nothing: summarise <out>_partial.json (a run stopped early) over the seeds "
+                        "every configuration completed, into <out>")
     args = p.parse_args()
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
     configs = plan(os.cpu_count())
+    out = Path(args.out)
+    partial_path = out.with_name(out.stem + "_partial.json")
     if args.from_partial:
-        partial = json.loads((RESULTS / "accuracy_partial.json").read_text())
+        partial = json.loads(partial_path.read_text())
         complete = set.intersection(*({r["seed"] for r in rs} for rs in partial["runs"].values()))
         runs = {name: [r for r in rs if r["seed"] in complete] for name, rs in partial["runs"].items()}
         record = {k: partial[k] for k in ("commit", "command", "load_before")}
         never = [name for name in configs if name not in runs and name in partial.get("wanted", configs)]
         record["stopped_early"] = (f"seeds {partial['seeds']} planned; {sorted(complete)} completed by every "
                                    f"configuration that ran; none completed: {never or 'none'}")
-        return summarise(record, runs, configs, sorted(complete), partial["eval_every"], args.threshold)
+        return summarise(out, record, runs, configs, sorted(complete), partial["eval_every"], args.threshold)
     record = provenance.start()
     seeds = [int(s) for s in args.seeds.split(",")]
     wanted = [name for name in configs if (any(w in name for w in args.only.split(",")) if args.only
@@ -256,17 +275,19 @@ def main() -> None:
             runs.setdefault(name, []).append(run)
             partial = {**record, "partial": True, "seeds": seeds, "eval_every": args.eval_every, "wanted": wanted,
                        "runs": runs}
-            (RESULTS / "accuracy_partial.json").write_text(json.dumps(partial, indent=1))  # survives a later failure
-    summarise(record, runs, configs, seeds, args.eval_every, args.threshold)
-    (RESULTS / "accuracy_partial.json").unlink(missing_ok=True)
+            partial_path.write_text(json.dumps(partial, indent=1))  # survives a later failure
+    summarise(out, record, runs, configs, seeds, args.eval_every, args.threshold)
+    partial_path.unlink(missing_ok=True)
 
 
-def summarise(record: dict, runs: dict, configs: dict, seeds: list, eval_every: int, threshold: float) -> None:
-    """Check every run's settings against its reference, then write accuracy.json with the
+def summarise(out: Path, record: dict, runs: dict, configs: dict, seeds: list, eval_every: int, threshold: float) -> None:
+    """Check every run's settings against its reference (where the run had it), then write ``out`` with the
     per-configuration statistics (and print them)."""
     for per_seed in runs.values():
         for run in per_seed:
             run["time_to_threshold"] = time_to(run["curve"], threshold)
+            run["cpu_to_threshold"] = (time_to(run["curve"], threshold, cpu=True)
+                                       if run["curve"] and len(run["curve"][0]) > 2 else None)
     # every run must have had the settings of its reference run (same seed), but for what it may change
     for name, per_seed in runs.items():
         reference, allowed = configs[name][1], configs[name][2]
@@ -279,16 +300,22 @@ def summarise(record: dict, runs: dict, configs: dict, seeds: list, eval_every: 
                 raise SystemExit(f"{name}, seed {run['seed']}: settings differ from {reference}'s: "
                                  f"{run['hyperparameter_differences']}")
     summary = {name: {"time_to_threshold_s": spread([r["time_to_threshold"] for r in per_seed]),
+                      "cpu_to_threshold_s": spread([r.get("cpu_to_threshold") for r in per_seed]),
                       "test_accuracy": spread([r["test_accuracy"] for r in per_seed]),
                       "final_validation_accuracy": spread([r["final_validation_accuracy"] for r in per_seed]),
-                      "wall_s": spread([r["wall_s"] for r in per_seed]), "reference": configs[name][1]}
+                      "wall_s": spread([r["wall_s"] for r in per_seed]),
+                      "steal_fraction": spread([r.get("steal_fraction") for r in per_seed]),
+                      "reference": configs[name][1]}
                for name, per_seed in runs.items()}
     for name, s in summary.items():
         ref = summary.get(s["reference"])
         mine, theirs = s["time_to_threshold_s"], (ref or {}).get("time_to_threshold_s", {})
         reached = mine["n"] == mine["of"] and theirs.get("n") == theirs.get("of")
         s["time_ratio_vs_reference"] = mine["mean"] / theirs["mean"] if reached and theirs.get("mean") else None
-    (RESULTS / "accuracy.json").write_text(json.dumps(provenance.finish(
+        mine, theirs = s["cpu_to_threshold_s"], (ref or {}).get("cpu_to_threshold_s", {})
+        reached = mine["n"] == mine["of"] and theirs.get("n") == theirs.get("of")
+        s["cpu_ratio_vs_reference"] = mine["mean"] / theirs["mean"] if reached and theirs.get("mean") else None
+    out.write_text(json.dumps(provenance.finish(
         {**record, "settings": COMMON, "seeds": seeds, "eval_every": eval_every, "threshold": threshold,
          "threshold_split": "validation", "summary": summary, "runs": runs}), indent=1))
     for name, s in summary.items():

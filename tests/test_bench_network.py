@@ -45,3 +45,19 @@ def test_row_bound_efficiency_and_hidden_share(network):
     assert row["ring_allreduce_bound_s"] == pytest.approx(2.0)  # 2(N-1)/N x 2 MB at 1 MB/s
     assert row["efficiency"] == pytest.approx(0.75)
     assert row["comm_hidden_fraction"] == pytest.approx(0.5)  # (1 + 1 - 1.5) / 1
+
+
+def test_accumulation_rows_are_per_optimizer_step(network):
+    """With --accum k one all-reduce serves k micro-batches: the step figures are per optimizer
+    step (k x the mean micro-batch time, on both sides), so the bound and the hidden share compare
+    one all-reduce with k micro-batches of compute."""
+    job = {"world_size": 2, "compression": None, "grad_numel": 250_000, "backend": "torch", "accum": 2,
+           "launcher": "torchrun", "compression_per_rank": [None, None], "commands": [], "samples_per_s": 16.0,
+           "median_step_s": 0.9, "mean_step_s": 1.25, "serialised_allreduce_s": 1.0, "wire_bytes_per_step": 2e6,
+           "steps": 4, "warmup": 2, "batch_size": 16, "max_length": 64, "job_wall_s": 1.0}
+    one = {"samples_per_s": 10.0, "median_step_s": 0.8, "mean_step_s": 1.0}
+    row = network.summarise(job, one, "8mbit", "0ms", [])
+    assert row["accum"] == 2
+    assert row["median_step_s"] == pytest.approx(2.5) and row["median_step_s_1host"] == pytest.approx(2.0)
+    assert row["efficiency_if_not_overlapped_at_bound"] == pytest.approx(2.0 / 3.0)  # 2 / (2 + 1)
+    assert row["comm_hidden_fraction"] == pytest.approx(0.5)  # (2 + 1 - 2.5) / 1

@@ -661,7 +661,8 @@ class MetricsLog:
         """Append one line (main process only), and its scalars to TensorBoard."""
         if not ud.is_main():
             return
-        row = {**row, **self.common, "time_s": round(time.time() - _T0, 2)}
+        # time_s: wall seconds since the start; cpu_s: CPU seconds this process used (every thread)
+        row = {**row, **self.common, "time_s": round(time.time() - _T0, 2), "cpu_s": round(time.process_time(), 2)}
         with open(self.path, "a") as handle:
             handle.write(json.dumps(row) + "\n")
         if self.tensorboard is not None:
