@@ -11,12 +11,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def commit() -> str:
-    """``git rev-parse --short HEAD``, with ``-dirty`` when tracked files differ from it."""
+    """``git rev-parse --short HEAD``, with ``-dirty`` when tracked files outside bench/results/ differ
+    from it (results an earlier part of the same run wrote do not change what is measured)."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
     try:
         head = git("rev-parse", "--short", "HEAD") or "unknown"
-        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                       ":(exclude)bench/results") else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
