@@ -42,10 +42,24 @@ def steal_fraction(before: list, after: list):
     return (after[7] - before[7]) / total if total > 0 else None
 
 
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name, and whether the CPU has native bf16 (AVX-512 BF16 or AMX): the VM's
+    CPU changes between sessions here, and bf16 timings depend on it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    native = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name}; native bf16: {', '.join(native) if native else 'none'}"
+
+
 def start() -> dict:
     """Provenance fields to put in a results file before measuring; call :func:`finish` after."""
     return {"commit": commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "load_before": os.getloadavg(), "cpu_ticks_before": cpu_ticks()}
+            "cpu": cpu_model(), "load_before": os.getloadavg(), "cpu_ticks_before": cpu_ticks()}
 
 
 def finish(record: dict) -> dict:

@@ -1,0 +1,42 @@
+"""bench/provenance.py and bench/steal_report.py: what every results file records about the machine."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def provenance():
+    return _load("provenance")
+
+
+def test_steal_share_is_stolen_ticks_over_all_ticks(provenance):
+    before = [100, 0, 50, 800, 10, 0, 5, 35, 0, 0]
+    after = [400, 0, 100, 1300, 10, 0, 5, 185, 0, 0]  # +300 user +50 system +500 idle +150 steal
+    assert provenance.steal_fraction(before, after) == pytest.approx(150 / 1000)
+    assert provenance.steal_fraction([], after) is None
+    assert provenance.steal_fraction(before, before) is None  # no ticks elapsed: unknown, not 0
+
+
+def test_a_results_record_has_commit_cpu_load_and_steal(provenance):
+    record = provenance.finish(provenance.start())
+    assert record["commit"] and record["command"]
+    assert "native bf16:" in record["cpu"]
+    assert len(record["load_before"]) == 3 and len(record["load_after"]) == 3
+    assert record["steal_fraction"] is None or 0.0 <= record["steal_fraction"] <= 1.0
+
+
+def test_steal_report_windows():
+    report = _load("steal_report")
+    lines = [f"{t} cpu {100 * k} 0 0 {100 * k} 0 0 0 {50 * k} 0 0" for k, t in enumerate(range(0, 130, 5))]
+    shares = report.windows(lines, 60)
+    assert shares and all(s == pytest.approx(50 / 250) for _, s in shares)
