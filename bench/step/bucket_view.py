@@ -12,13 +12,18 @@ shares storage with others (a bucket) while the "off" copy's gradients each own 
 """
 import copy
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 from common import model_and_batches, parse_args
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import provenance  # noqa: E402  (bench/provenance.py)
 
 
 def make_step(model, view: bool):
@@ -40,6 +45,7 @@ def gradient_storages(model) -> int:
 
 
 args = parse_args()
+record = provenance.start()
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 model, batches = model_and_batches(args, rank, world)
@@ -64,7 +70,7 @@ ratios = [a / b for a, b in zip(times["on"], times["off"])]
 q = statistics.quantiles(ratios, n=4)
 if rank == 0:
     with open(args.out, "w") as f:
-        json.dump({"world_size": world, "parameters": parameters,
+        json.dump({**provenance.finish(record), "world_size": world, "parameters": parameters,
                    "gradient_bytes": sum(p.numel() * p.element_size() for p in on_model.parameters()
                                          if p.requires_grad),
                    "gradient_storages": {"off": gradient_storages(off_model), "on": gradient_storages(on_model)},
