@@ -6,8 +6,13 @@ Prints, per window of ``--window`` seconds, the share of all CPU ticks that were
 largest and median window.
 """
 import argparse
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from provenance import steal_fraction  # noqa: E402  (bench/provenance.py, beside this file)
 
 
 def windows(lines, width):
@@ -20,9 +25,9 @@ def windows(lines, width):
     out, start = [], 0
     for i in range(1, len(rows)):
         if rows[i][0] - rows[start][0] >= width or i == len(rows) - 1:
-            delta = [b - a for a, b in zip(rows[start][1], rows[i][1])]
-            if sum(delta) > 0:
-                out.append((rows[start][0], delta[7] / sum(delta)))
+            share = steal_fraction(rows[start][1], rows[i][1])
+            if share is not None:
+                out.append((rows[start][0], share))
             start = i
     return out
 

@@ -56,6 +56,14 @@ def curve_from_metrics(path: Path, cpu: bool = True):
     return curve
 
 
+def timed_run(cmd: list) -> tuple:
+    """Run ``cmd`` from the repository root (its output discarded; a failure raises):
+    ``(wall seconds, steal share over the run)``."""
+    start, ticks = time.time(), provenance.cpu_ticks()
+    subprocess.run(cmd, cwd=ROOT, env=env(), check=True, stdout=subprocess.DEVNULL)
+    return time.time() - start, provenance.steal_fraction(ticks, provenance.cpu_ticks())
+
+
 def fresh(out: Path) -> Path:
     """``out``, emptied: every run starts from a cold tokenisation cache and writes no stale curve."""
     shutil.rmtree(out, ignore_errors=True)
@@ -81,9 +89,7 @@ def run_example(name: str, nproc: int, eval_every: int, seed: int, extra: tuple 
         cmd = [sys.executable, script, *args]
     else:
         cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *args]
-    start, ticks = time.time(), provenance.cpu_ticks()
-    subprocess.run(cmd, cwd=ROOT, env=env(), check=True, stdout=subprocess.DEVNULL)
-    wall, steal = time.time() - start, provenance.steal_fraction(ticks, provenance.cpu_ticks())
+    wall, steal = timed_run(cmd)
     curve = curve_from_metrics(out / "metrics.jsonl", cpu=nproc == 1)
     results = json.loads((out / "results.json").read_text())
     return {"effective": example_effective(results),
@@ -185,10 +191,7 @@ def run_trainer(eval_every: int, seed: int, group_by_length: bool = False, bf16:
     cfg = dict(COMMON, out=str(out), cache=str(out / "cache"), eval_every=eval_every, result=str(out / "r.json"),
                threads=os.cpu_count(), group_by_length=group_by_length, seed=seed, bf16=bf16)
     cfg["training_arguments"] = trainer_arguments(cfg)
-    start, ticks = time.time(), provenance.cpu_ticks()
-    subprocess.run([sys.executable, "-c", TRAINER, json.dumps(cfg), str(EXAMPLE), str(ROOT / "bench")], cwd=ROOT, env=env(), check=True,
-                   stdout=subprocess.DEVNULL)
-    wall, steal = time.time() - start, provenance.steal_fraction(ticks, provenance.cpu_ticks())
+    wall, steal = timed_run([sys.executable, "-c", TRAINER, json.dumps(cfg), str(EXAMPLE), str(ROOT / "bench")])
     result = json.loads((out / "r.json").read_text())
     curve = result["curve"]
     return {"effective": result["effective"],
@@ -309,12 +312,11 @@ def summarise(out: Path, record: dict, runs: dict, configs: dict, seeds: list, e
                for name, per_seed in runs.items()}
     for name, s in summary.items():
         ref = summary.get(s["reference"])
-        mine, theirs = s["time_to_threshold_s"], (ref or {}).get("time_to_threshold_s", {})
-        reached = mine["n"] == mine["of"] and theirs.get("n") == theirs.get("of")
-        s["time_ratio_vs_reference"] = mine["mean"] / theirs["mean"] if reached and theirs.get("mean") else None
-        mine, theirs = s["cpu_to_threshold_s"], (ref or {}).get("cpu_to_threshold_s", {})
-        reached = mine["n"] == mine["of"] and theirs.get("n") == theirs.get("of")
-        s["cpu_ratio_vs_reference"] = mine["mean"] / theirs["mean"] if reached and theirs.get("mean") else None
+        for measure, ratio in (("time_to_threshold_s", "time_ratio_vs_reference"),
+                               ("cpu_to_threshold_s", "cpu_ratio_vs_reference")):
+            mine, theirs = s[measure], (ref or {}).get(measure, {})
+            reached = mine["n"] == mine["of"] and theirs.get("n") == theirs.get("of")
+            s[ratio] = mine["mean"] / theirs["mean"] if reached and theirs.get("mean") else None
     out.write_text(json.dumps(provenance.finish(
         {**record, "settings": COMMON, "seeds": seeds, "eval_every": eval_every, "threshold": threshold,
          "threshold_split": "validation", "summary": summary, "runs": runs}), indent=1))

@@ -21,22 +21,16 @@ import torch
 import torch.distributed as dist
 
 from common import model_and_batches, parse_args
+from native_torch import train_step
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import provenance  # noqa: E402  (bench/provenance.py)
 
 
 def make_step(model, view: bool):
+    """``(the DDP model, its step)``: native_torch.py's step, with or without bucket views."""
     model = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=view)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
-
-    def step(batch):
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-    return model, step
+    return model, train_step(model)
 
 
 def gradient_storages(model) -> int:

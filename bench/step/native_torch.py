@@ -11,8 +11,13 @@ def init():
     return dist.get_rank(), dist.get_world_size()
 
 
-def make_step(model):
-    model = torch.nn.parallel.DistributedDataParallel(model)
+def make_step(model, **ddp_options):
+    """Plain DDP (``ddp_options`` go to DistributedDataParallel) and its training step."""
+    return train_step(torch.nn.parallel.DistributedDataParallel(model, **ddp_options))
+
+
+def train_step(model):
+    """The step of an already wrapped ``model``: forward, backward, clip, AdamW, zero_grad."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
 
     def step(batch):
