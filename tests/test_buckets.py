@@ -12,7 +12,8 @@ def test_explicit_beats_the_variable_and_none_keeps_the_stacks_default():
     assert resolve_bucket_mb(None, {ENV_VAR: " "}) is None
     assert resolve_bucket_mb(None, {ENV_VAR: "4"}) == 4.0
     assert resolve_bucket_mb(8, {ENV_VAR: "4"}) == 8.0
-    assert ddp_kwargs(None) == {} and ddp_kwargs(2.5) == {"bucket_cap_mb": 2.5}
+    assert ddp_kwargs(None) == {"gradient_as_bucket_view": True}
+    assert ddp_kwargs(2.5) == {"gradient_as_bucket_view": True, "bucket_cap_mb": 2.5}
 
 
 @pytest.mark.parametrize("bad", ["many", "0", "-1", "nan"])

@@ -7,6 +7,13 @@ Each stack reduces gradients in fused groups while backward still runs: DDP fill
 backward; larger ones pay less per-message latency. ``None`` keeps each stack's own default
 (DDP 25 MiB with a 1 MiB first bucket, Horovod 128 MiB and a 1 ms cycle), which the network
 benchmark measured against the alternatives (BENCHMARKS.md, "Tuning").
+
+DDP (torch and Accelerate) is always built with ``gradient_as_bucket_view=True``: each gradient is a
+view into its communication bucket instead of a tensor of its own that is copied into the bucket and
+back every step. That saves one gradient-sized copy and its memory per rank (BENCHMARKS.md §6: 0.96x
+the step time, 3 bucket storages instead of 105 gradients for the example's model). The one thing a
+view forbids is ``grad.detach_()``; the facade's ``zero_grad(set_to_none=False)`` does not call it
+on gradients without a graph, as torch's own optimizers do not.
 """
 from __future__ import annotations
 
@@ -37,8 +44,12 @@ def resolve_bucket_mb(explicit: Optional[float], env: Mapping[str, str]) -> Opti
 
 
 def ddp_kwargs(bucket_mb: Optional[float]) -> Dict[str, Any]:
-    """Keyword arguments for ``DistributedDataParallel`` (and Accelerate's DDP kwargs handler)."""
-    return {} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}
+    """Keyword arguments for ``DistributedDataParallel`` (and Accelerate's DDP kwargs handler):
+    gradients as bucket views always, and ``bucket_cap_mb`` when a size was asked for."""
+    kwargs: Dict[str, Any] = {"gradient_as_bucket_view": True}
+    if bucket_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_mb
+    return kwargs
 
 
 def horovod_env(bucket_mb: Optional[float], env: Mapping[str, str]) -> Dict[str, str]:

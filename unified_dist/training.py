@@ -153,9 +153,15 @@ class PreparedOptimizer(torch.optim.Optimizer):
             return
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None:
+                if p.grad is None:
+                    continue
+                # As torch.optim.Optimizer.zero_grad: a DDP bucket view cannot be detached in place,
+                # and a gradient without a graph has nothing to detach from.
+                if p.grad.grad_fn is not None:
                     p.grad.detach_()
-                    p.grad.zero_()
+                else:
+                    p.grad.requires_grad_(False)
+                p.grad.zero_()
 
 
 class PreparedScheduler:

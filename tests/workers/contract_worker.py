@@ -146,7 +146,10 @@ def _reference_steps(x, y, global_batch, steps, opt_cls, **opt_kwargs):
     return model
 
 
-def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, **opt_kwargs):
+def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, set_to_none=True, grad_storages=None, **opt_kwargs):
+    """The facade's run of ``steps`` optimizer steps and the single-process reference's. With
+    ``grad_storages`` (a list), each synchronising micro-step appends how many distinct storages
+    the gradients live in just before ``zero_grad``."""
     w = ud.world_size()
     n = per_rank_batch * w * accumulation * steps
     x, y = regression_data(n)
@@ -159,7 +162,9 @@ def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, **opt_kwargs):
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             ud.backward(loss)
             opt.step()
-            opt.zero_grad()
+            if grad_storages is not None and ud.sync_gradients():
+                grad_storages.append(len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}))
+            opt.zero_grad(set_to_none=set_to_none)
     ref = _reference_steps(x, y, per_rank_batch * w * accumulation, steps, opt_cls, **opt_kwargs)
     return ud.unwrap(model), ref
 
@@ -187,6 +192,22 @@ def accumulation_matches_single_process_sgd():
 def accumulation_matches_single_process_adamw_2_steps():
     model, ref = _facade_steps(2, 2, torch.optim.AdamW, 2, lr=0.05, weight_decay=0.1)
     _same_params(model, ref, atol=1e-5)
+
+
+@check("accum")
+def gradients_are_ddp_bucket_views_and_zeroing_in_place_accumulates_right():
+    """DDP (torch, Accelerate) keeps each gradient as a view into its bucket, and
+    ``zero_grad(set_to_none=False)`` zeroes those views in place (no ``detach_``, which a view
+    refuses) without changing the result: 2 AdamW steps of 2 micro-batches == one process."""
+    storages = []
+    model, ref = _facade_steps(2, 2, torch.optim.AdamW, 2, set_to_none=False, grad_storages=storages,
+                               lr=0.05, weight_decay=0.1)
+    _same_params(model, ref, atol=1e-5)
+    params = len(list(model.parameters()))
+    assert len(storages) == 2, storages
+    ddp = ud.backend_name() in ("torch", "accelerate") and ud.world_size() > 1
+    # the tiny model fits in one bucket: one storage with views, one per parameter without
+    assert storages == ([1, 1] if ddp else [params, params]), (ud.backend_name(), storages)
 
 
 def _reference_windows(x, y, window, lr):
