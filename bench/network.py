@@ -2,6 +2,7 @@
 
     python bench/network.py [--rates 10gbit,1gbit,200mbit] [--backends torch,accelerate,horovod]
                             [--compression none,bf16] [--bucket-mb default,4,100] [--accum 1] [--steps 10] [--warmup 2]
+                            [--horovod-cycle-ms default,5,20]
                             [--delay 0ms]
                             [--short] [--out FILE]
 
@@ -28,7 +29,9 @@ hidden = (t1 + c - t2) / c (1: all communication hidden behind compute; 0: none)
 ``--accum A`` accumulates A micro-batches per optimizer step (``ud.init(gradient_accumulation_steps=A)``,
 the one-host baseline too): one all-reduce per A micro-batches, and the per-step figures above
 are then per optimizer step (A micro-batches; the mean, not the median, since the micro-batch
-times alternate between with and without communication). ``--compression bf16`` runs Horovod with fp16 (its only 16-bit compressor, see
+times alternate between with and without communication: the row's ``step_stat`` says which).
+``--horovod-cycle-ms`` adds Horovod rows per background-thread cycle time (``HOROVOD_CYCLE_TIME``,
+what ``horovodrun --cycle-time-ms`` sets; 'default' leaves Horovod's own); other backends ignore it. ``--compression bf16`` runs Horovod with fp16 (its only 16-bit compressor, see
 :mod:`unified_dist.compression`); each row records the format that ran.
 """
 from __future__ import annotations
@@ -57,6 +60,9 @@ import multinode  # noqa: E402  (tests/multinode/multinode.py: the hosts and the
 from launchers import BIN  # noqa: E402
 from unified_dist.buckets import ENV_VAR as BUCKET_VAR  # noqa: E402
 from unified_dist.compression import ENV_VAR as COMPRESSION_VAR  # noqa: E402
+
+CYCLE_VAR = "HOROVOD_CYCLE_TIME"
+"""Horovod's background-thread cycle in ms (``horovodrun --cycle-time-ms``)."""
 
 WORKER = "bench/network_worker.py"
 LAUNCH = {"torch": "torchrun-static", "accelerate": "accelerate", "horovod": "horovodrun"}
@@ -135,18 +141,21 @@ def baseline(hosts, args, tmp: Path) -> dict:
 
 
 def two_hosts(hosts, ssh, backend: str, compression: Optional[str], args, tmp: Path,
-              bucket_mb: Optional[str] = None) -> dict:
+              bucket_mb: Optional[str] = None, cycle_ms: Optional[str] = None) -> dict:
     fmt = SIXTEEN_BIT.get(backend, compression) if compression else None
-    out = tmp / f"network_{backend}_{fmt or 'none'}_{bucket_mb or 'default'}.json"
+    label = f"{backend}-{fmt or 'none'}-{bucket_mb or 'default'}-{cycle_ms or 'default'}"
+    out = tmp / f"network_{label}.json"
     commands = multinode.launch_commands(LAUNCH[backend], hosts, "", [], ssh if backend == "horovod" else None)
     script = worker_args(out, args)
     env = {COMPRESSION_VAR: fmt} if fmt else {}
     if bucket_mb is not None:
         env[BUCKET_VAR] = bucket_mb
+    if cycle_ms is not None:
+        env[CYCLE_VAR] = cycle_ms
     # launch_commands ends each line with the script and its arguments: put ours there
     commands = [(host, [*argv[:-1], *script], {**extra, **env}) for host, argv, extra in commands]
-    job = run_job(hosts, f"{backend}-{fmt or 'none'}-{bucket_mb or 'default'}", commands, out)
-    job["bucket_mb"] = bucket_mb
+    job = run_job(hosts, label, commands, out)
+    job["bucket_mb"], job["horovod_cycle_ms"] = bucket_mb, cycle_ms
     return job
 
 
@@ -164,7 +173,9 @@ def summarise(job: dict, one_host: dict, rate: str, delay: str, tc: List[str]) -
         "backend": job["backend"], "launcher": job["launcher"], "rate": rate, "delay": delay,
         "compression": job["compression"], "compression_per_rank": job["compression_per_rank"],
         "bucket_mb": job.get("bucket_mb"),  # None: the stack's own (DDP 25 MiB, Horovod 128 MiB fusion buffer)
+        "horovod_cycle_ms": job.get("horovod_cycle_ms"),  # None: Horovod's own cycle time
         "accum": k,  # micro-batches per optimizer step (one all-reduce each); step figures are per optimizer step
+        "step_stat": "median" if k == 1 else "mean",  # what median_step_s(_1host) holds (see the module doc)
         "tc": tc, "commands": job["commands"],
         "samples_per_s": job["samples_per_s"], "samples_per_s_1host": one_host["samples_per_s"],
         "efficiency": job["samples_per_s"] / (n * one_host["samples_per_s"]),
@@ -189,6 +200,8 @@ def parse_args() -> argparse.Namespace:
                    help="comma-separated MiB per fused reduction (UNIFIED_DIST_BUCKET_MB), 'default' for the stack's own")
     p.add_argument("--accum", type=int, default=1,
                    help="micro-batches per optimizer step (gradient_accumulation_steps; --steps/--warmup count micro-batches)")
+    p.add_argument("--horovod-cycle-ms", default="default",
+                   help="comma-separated Horovod cycle times in ms (HOROVOD_CYCLE_TIME), 'default' for Horovod's own")
     p.add_argument("--delay", default="0ms", help="netem delay added on each side (needs netem in the kernel)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -233,12 +246,14 @@ def main() -> int:
         for rate in args.rates.split(","):
             tc = limit_link(hosts, rate, args.delay)
             for backend in backends:
-                for compression, bucket in itertools.product(args.compression.split(","), args.bucket_mb.split(",")):
+                cycles = args.horovod_cycle_ms.split(",") if backend == "horovod" else ["default"]
+                for compression, bucket, cycle in itertools.product(args.compression.split(","),
+                                                                    args.bucket_mb.split(","), cycles):
                     job = two_hosts(hosts, ssh, backend, None if compression == "none" else compression, args, tmp,
-                                    None if bucket == "default" else bucket)
+                                    None if bucket == "default" else bucket, None if cycle == "default" else cycle)
                     row = summarise(job, one_host, rate, args.delay, tc)
                     record["rows"].append(row)
-                    print(f"{rate:>8} {backend:<10} {row['compression'] or 'none':<5} bucket {bucket:>7} accum {row['accum']} "
+                    print(f"{rate:>8} {backend:<10} {row['compression'] or 'none':<5} bucket {bucket:>7} cycle {cycle:>7} accum {row['accum']} "
                           f"{row['samples_per_s']:6.2f} samples/s  efficiency {row['efficiency']:.2f}  "
                           f"{row['wire_bytes_per_step'] / 1e6:7.1f} MB/step on the wire  bound "
                           f"{row['ring_allreduce_bound_s']:.2f} s  serialised all-reduce "

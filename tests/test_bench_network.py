@@ -45,6 +45,7 @@ def test_row_bound_efficiency_and_hidden_share(network):
     assert row["ring_allreduce_bound_s"] == pytest.approx(2.0)  # 2(N-1)/N x 2 MB at 1 MB/s
     assert row["efficiency"] == pytest.approx(0.75)
     assert row["comm_hidden_fraction"] == pytest.approx(0.5)  # (1 + 1 - 1.5) / 1
+    assert row["step_stat"] == "median" and row["horovod_cycle_ms"] is None
 
 
 def test_accumulation_rows_are_per_optimizer_step(network):
@@ -57,7 +58,28 @@ def test_accumulation_rows_are_per_optimizer_step(network):
            "steps": 4, "warmup": 2, "batch_size": 16, "max_length": 64, "job_wall_s": 1.0}
     one = {"samples_per_s": 10.0, "median_step_s": 0.8, "mean_step_s": 1.0}
     row = network.summarise(job, one, "8mbit", "0ms", [])
-    assert row["accum"] == 2
+    assert row["accum"] == 2 and row["step_stat"] == "mean"
     assert row["median_step_s"] == pytest.approx(2.5) and row["median_step_s_1host"] == pytest.approx(2.0)
     assert row["efficiency_if_not_overlapped_at_bound"] == pytest.approx(2.0 / 3.0)  # 2 / (2 + 1)
     assert row["comm_hidden_fraction"] == pytest.approx(0.5)  # (2 + 1 - 2.5) / 1
+
+
+def test_a_cycle_time_and_a_bucket_size_reach_the_launch_line(network, monkeypatch, tmp_path):
+    """--horovod-cycle-ms / --bucket-mb end up in the launched job's environment (and in the row)."""
+    launched = {}
+    monkeypatch.setattr(network.multinode, "launch_commands",
+                        lambda *a: [(0, ["horovodrun", "-np", "2", "SCRIPT"], {"PATH": "/bin"})])
+
+    def fake_run_job(hosts, name, commands, out):
+        launched["name"], launched["commands"] = name, commands
+        return {}
+    monkeypatch.setattr(network, "run_job", fake_run_job)
+    args = type("Args", (), {"steps": 3, "warmup": 1, "comm_reps": 1, "batch_size": 16, "max_length": 64,
+                             "accum": 1})()
+    job = network.two_hosts(None, None, "horovod", "bf16", args, tmp_path, bucket_mb="4", cycle_ms="5")
+    (host, argv, env), = launched["commands"]
+    assert env[network.CYCLE_VAR] == "5" and env[network.BUCKET_VAR] == "4"
+    assert env[network.COMPRESSION_VAR] == "fp16"  # Horovod's 16-bit format
+    assert argv[:3] == ["horovodrun", "-np", "2"] and argv[3] == network.WORKER
+    assert launched["name"] == "horovod-fp16-4-5"
+    assert job["horovod_cycle_ms"] == "5" and job["bucket_mb"] == "4"
