@@ -14,6 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from run import NO_FINITE_CHECK  # noqa: E402  (bench/run.py: the variant's key in the results)
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -42,7 +44,7 @@ def overhead_section(data, suffix, lines):
         if "finite_check_off_vs_on" in r:
             meds = {v: statistics.median(m) for v, m in r["separate_launch_medians"].items()}
             lines += [f"{b}, separate launches: median step with the finite-loss check {meds['facade']:.3f} s, "
-                      f"without it (`UNIFIED_DIST_CHECK_FINITE=0`) {meds['facade_without_finite_check']:.3f} s "
+                      f"without it (`UNIFIED_DIST_CHECK_FINITE=0`) {meds[NO_FINITE_CHECK]:.3f} s "
                       f"(x{r['finite_check_off_vs_on']:.3f}), native {meds['native']:.3f} s.", ""]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(res)
