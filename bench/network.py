@@ -2,7 +2,7 @@
 
     python bench/network.py [--rates 10gbit,1gbit,200mbit] [--backends torch,accelerate,horovod]
                             [--compression none,bf16] [--bucket-mb default,4,100] [--accum 1] [--steps 10] [--warmup 2]
-                            [--horovod-cycle-ms default,5,20]
+                            [--horovod-cycle-ms default,5,20] [--bucket-view on,off]
                             [--delay 0ms]
                             [--short] [--out FILE]
 
@@ -31,7 +31,9 @@ the one-host baseline too): one all-reduce per A micro-batches, and the per-step
 are then per optimizer step (A micro-batches; the mean, not the median, since the micro-batch
 times alternate between with and without communication: the row's ``step_stat`` says which).
 ``--horovod-cycle-ms`` adds Horovod rows per background-thread cycle time (``HOROVOD_CYCLE_TIME``,
-what ``horovodrun --cycle-time-ms`` sets; 'default' leaves Horovod's own); other backends ignore it. ``--compression bf16`` runs Horovod with fp16 (its only 16-bit compressor, see
+what ``horovodrun --cycle-time-ms`` sets; 'default' leaves Horovod's own); other backends ignore it.
+``--bucket-view on,off`` adds torch and Accelerate rows with DDP's ``gradient_as_bucket_view`` on
+(the facade's default) and off (``UNIFIED_DIST_BUCKET_VIEW=0``); Horovod ignores it. ``--compression bf16`` runs Horovod with fp16 (its only 16-bit compressor, see
 :mod:`unified_dist.compression`); each row records the format that ran.
 """
 from __future__ import annotations
@@ -58,7 +60,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / 
 import provenance  # noqa: E402  (bench/provenance.py)
 import multinode  # noqa: E402  (tests/multinode/multinode.py: the hosts and the multi-node launch lines)
 from launchers import BIN  # noqa: E402
-from unified_dist.buckets import ENV_VAR as BUCKET_VAR  # noqa: E402
+from unified_dist.buckets import ENV_VAR as BUCKET_VAR, VIEW_ENV  # noqa: E402
 from unified_dist.compression import ENV_VAR as COMPRESSION_VAR  # noqa: E402
 
 CYCLE_VAR = "HOROVOD_CYCLE_TIME"
@@ -141,9 +143,9 @@ def baseline(hosts, args, tmp: Path) -> dict:
 
 
 def two_hosts(hosts, ssh, backend: str, compression: Optional[str], args, tmp: Path,
-              bucket_mb: Optional[str] = None, cycle_ms: Optional[str] = None) -> dict:
+              bucket_mb: Optional[str] = None, cycle_ms: Optional[str] = None, bucket_view: bool = True) -> dict:
     fmt = SIXTEEN_BIT.get(backend, compression) if compression else None
-    label = f"{backend}-{fmt or 'none'}-{bucket_mb or 'default'}-{cycle_ms or 'default'}"
+    label = f"{backend}-{fmt or 'none'}-{bucket_mb or 'default'}-{cycle_ms or 'default'}-view{'on' if bucket_view else 'off'}"
     out = tmp / f"network_{label}.json"
     commands = multinode.launch_commands(LAUNCH[backend], hosts, "", [], ssh if backend == "horovod" else None)
     script = worker_args(out, args)
@@ -152,10 +154,12 @@ def two_hosts(hosts, ssh, backend: str, compression: Optional[str], args, tmp: P
         env[BUCKET_VAR] = bucket_mb
     if cycle_ms is not None:
         env[CYCLE_VAR] = cycle_ms
+    if not bucket_view:
+        env[VIEW_ENV] = "0"
     # launch_commands ends each line with the script and its arguments: put ours there
     commands = [(host, [*argv[:-1], *script], {**extra, **env}) for host, argv, extra in commands]
     job = run_job(hosts, label, commands, out)
-    job["bucket_mb"], job["horovod_cycle_ms"] = bucket_mb, cycle_ms
+    job["bucket_mb"], job["horovod_cycle_ms"], job["bucket_view"] = bucket_mb, cycle_ms, bucket_view
     return job
 
 
@@ -174,6 +178,7 @@ def summarise(job: dict, one_host: dict, rate: str, delay: str, tc: List[str]) -
         "compression": job["compression"], "compression_per_rank": job["compression_per_rank"],
         "bucket_mb": job.get("bucket_mb"),  # None: the stack's own (DDP 25 MiB, Horovod 128 MiB fusion buffer)
         "horovod_cycle_ms": job.get("horovod_cycle_ms"),  # None: Horovod's own cycle time
+        "bucket_view": job.get("bucket_view", True),  # DDP's gradient_as_bucket_view (torch, Accelerate)
         "accum": k,  # micro-batches per optimizer step (one all-reduce each); step figures are per optimizer step
         "step_stat": "median" if k == 1 else "mean",  # what median_step_s(_1host) holds (see the module doc)
         "tc": tc, "commands": job["commands"],
@@ -202,6 +207,7 @@ def parse_args() -> argparse.Namespace:
                    help="micro-batches per optimizer step (gradient_accumulation_steps; --steps/--warmup count micro-batches)")
     p.add_argument("--horovod-cycle-ms", default="default",
                    help="comma-separated Horovod cycle times in ms (HOROVOD_CYCLE_TIME), 'default' for Horovod's own")
+    p.add_argument("--bucket-view", default="on", help="on and/or off: DDP's gradient_as_bucket_view (torch, Accelerate)")
     p.add_argument("--delay", default="0ms", help="netem delay added on each side (needs netem in the kernel)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -247,13 +253,15 @@ def main() -> int:
             tc = limit_link(hosts, rate, args.delay)
             for backend in backends:
                 cycles = args.horovod_cycle_ms.split(",") if backend == "horovod" else ["default"]
-                for compression, bucket, cycle in itertools.product(args.compression.split(","),
-                                                                    args.bucket_mb.split(","), cycles):
+                views = ["on"] if backend == "horovod" else args.bucket_view.split(",")
+                for compression, bucket, cycle, view in itertools.product(args.compression.split(","),
+                                                                          args.bucket_mb.split(","), cycles, views):
                     job = two_hosts(hosts, ssh, backend, None if compression == "none" else compression, args, tmp,
-                                    None if bucket == "default" else bucket, None if cycle == "default" else cycle)
+                                    None if bucket == "default" else bucket, None if cycle == "default" else cycle,
+                                    view == "on")
                     row = summarise(job, one_host, rate, args.delay, tc)
                     record["rows"].append(row)
-                    print(f"{rate:>8} {backend:<10} {row['compression'] or 'none':<5} bucket {bucket:>7} cycle {cycle:>7} accum {row['accum']} "
+                    print(f"{rate:>8} {backend:<10} {row['compression'] or 'none':<5} bucket {bucket:>7} cycle {cycle:>7} view {view:>3} accum {row['accum']} "
                           f"{row['samples_per_s']:6.2f} samples/s  efficiency {row['efficiency']:.2f}  "
                           f"{row['wire_bytes_per_step'] / 1e6:7.1f} MB/step on the wire  bound "
                           f"{row['ring_allreduce_bound_s']:.2f} s  serialised all-reduce "

@@ -81,5 +81,8 @@ def test_a_cycle_time_and_a_bucket_size_reach_the_launch_line(network, monkeypat
     assert env[network.CYCLE_VAR] == "5" and env[network.BUCKET_VAR] == "4"
     assert env[network.COMPRESSION_VAR] == "fp16"  # Horovod's 16-bit format
     assert argv[:3] == ["horovodrun", "-np", "2"] and argv[3] == network.WORKER
-    assert launched["name"] == "horovod-fp16-4-5"
+    assert launched["name"] == "horovod-fp16-4-5-viewon" and network.VIEW_ENV not in env
     assert job["horovod_cycle_ms"] == "5" and job["bucket_mb"] == "4"
+    network.two_hosts(None, None, "torch", None, args, tmp_path, bucket_view=False)
+    (host, argv, env), = launched["commands"]
+    assert env[network.VIEW_ENV] == "0" and network.CYCLE_VAR not in env

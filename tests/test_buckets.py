@@ -3,7 +3,8 @@ and Horovod get, and the refusals. The real launches (DDP under torchrun/acceler
 fusion buffer under horovodrun) run in bench/network.py's tuning rows."""
 import pytest
 
-from unified_dist.buckets import ENV_VAR, HOROVOD_VAR, ddp_kwargs, horovod_env, resolve_bucket_mb
+from unified_dist.buckets import (ENV_VAR, HOROVOD_VAR, VIEW_ENV, ddp_kwargs, horovod_env, resolve_bucket_mb,
+                                  resolve_bucket_view)
 from unified_dist.errors import UnifiedDistError
 
 
@@ -14,6 +15,12 @@ def test_explicit_beats_the_variable_and_none_keeps_the_stacks_default():
     assert resolve_bucket_mb(8, {ENV_VAR: "4"}) == 8.0
     assert ddp_kwargs(None) == {"gradient_as_bucket_view": True}
     assert ddp_kwargs(2.5) == {"gradient_as_bucket_view": True, "bucket_cap_mb": 2.5}
+
+
+def test_bucket_views_are_on_unless_the_variable_turns_them_off():
+    assert resolve_bucket_view({}) is True and resolve_bucket_view({VIEW_ENV: "1"}) is True
+    assert resolve_bucket_view({VIEW_ENV: "0"}) is False and resolve_bucket_view({VIEW_ENV: " off "}) is False
+    assert ddp_kwargs(None, False) == {"gradient_as_bucket_view": False}
 
 
 @pytest.mark.parametrize("bad", ["many", "0", "-1", "nan"])

@@ -13,16 +13,19 @@ view into its communication bucket instead of a tensor of its own that is copied
 back every step. That saves one gradient-sized copy and its memory per rank (BENCHMARKS.md §6: 0.96x
 the step time, 3 bucket storages instead of 105 gradients for the example's model). The one thing a
 view forbids is ``grad.detach_()``; the facade's ``zero_grad(set_to_none=False)`` does not call it
-on gradients without a graph, as torch's own optimizers do not.
+on gradients without a graph, as torch's own optimizers do not. Code of one's own that detaches or
+replaces ``.grad`` tensors in place can turn the views off with ``UNIFIED_DIST_BUCKET_VIEW=0``.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional
 
 from .errors import UnifiedDistError
+from .flags import is_set
 
 ENV_VAR = "UNIFIED_DIST_BUCKET_MB"
 HOROVOD_VAR = "HOROVOD_FUSION_THRESHOLD"
+VIEW_ENV = "UNIFIED_DIST_BUCKET_VIEW"
 MIB = 1 << 20
 
 
@@ -43,10 +46,15 @@ def resolve_bucket_mb(explicit: Optional[float], env: Mapping[str, str]) -> Opti
     return value
 
 
-def ddp_kwargs(bucket_mb: Optional[float]) -> Dict[str, Any]:
+def resolve_bucket_view(env: Mapping[str, str]) -> bool:
+    """Whether DDP keeps gradients as bucket views: on unless ``UNIFIED_DIST_BUCKET_VIEW`` is off."""
+    return is_set(env.get(VIEW_ENV), default=True)
+
+
+def ddp_kwargs(bucket_mb: Optional[float], bucket_view: bool = True) -> Dict[str, Any]:
     """Keyword arguments for ``DistributedDataParallel`` (and Accelerate's DDP kwargs handler):
-    gradients as bucket views always, and ``bucket_cap_mb`` when a size was asked for."""
-    kwargs: Dict[str, Any] = {"gradient_as_bucket_view": True}
+    ``gradient_as_bucket_view``, and ``bucket_cap_mb`` when a size was asked for."""
+    kwargs: Dict[str, Any] = {"gradient_as_bucket_view": bucket_view}
     if bucket_mb is not None:
         kwargs["bucket_cap_mb"] = bucket_mb
     return kwargs

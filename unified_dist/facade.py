@@ -20,7 +20,7 @@ import torch
 from . import collectives, live, rng
 from .backends import Backend, Config, backend_class
 from .backends.base import DEFAULT_TIMEOUT_S
-from .buckets import resolve_bucket_mb
+from .buckets import resolve_bucket_mb, resolve_bucket_view
 from .compression import resolve_gradient_compression
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
@@ -117,6 +117,7 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
         sync_batchnorm=_env_flag(SYNC_BATCHNORM_ENV) if sync_batchnorm is None else bool(sync_batchnorm),
         gradient_compression=resolve_gradient_compression(gradient_compression, os.environ),
         bucket_mb=resolve_bucket_mb(bucket_mb, os.environ),
+        bucket_view=resolve_bucket_view(os.environ),
     )
     cls = backend_class(detection.backend)
     if config.sharding.enabled and not cls.supports_sharding:

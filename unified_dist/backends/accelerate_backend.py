@@ -78,7 +78,7 @@ class AccelerateBackend(Backend):
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             step_scheduler_with_optimizer=False,
             kwargs_handlers=[InitProcessGroupKwargs(timeout=config.timeout),
-                             DistributedDataParallelKwargs(**ddp_kwargs(config.bucket_mb))],
+                             DistributedDataParallelKwargs(**ddp_kwargs(config.bucket_mb, config.bucket_view))],
         )
         # Accelerate's own FSDP (accelerate launch --use_fsdp) only runs on GPUs: on a CPU it keeps
         # DistributedType.MULTI_CPU and would wrap the model in DDP. The facade shards with torch's

@@ -47,6 +47,7 @@ class Config:
     sync_batchnorm: bool = False
     gradient_compression: Optional[str] = None  # "bf16", "fp16" or None (see unified_dist.compression)
     bucket_mb: Optional[float] = None  # MiB per fused reduction; None: each stack's own (unified_dist.buckets)
+    bucket_view: bool = True  # DDP's gradient_as_bucket_view (unified_dist.buckets)
 
 
 def weighted(loss: torch.Tensor, weight: Fraction) -> torch.Tensor:

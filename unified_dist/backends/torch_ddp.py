@@ -64,7 +64,7 @@ class TorchBackend(Backend):
             return self._fsdp.prepare(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
-                                                        **ddp_kwargs(self.config.bucket_mb))
+                                                        **ddp_kwargs(self.config.bucket_mb, self.config.bucket_view))
         return self._ddp.track(self.apply_compression(ddp))
 
     def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
