@@ -20,7 +20,8 @@ the same worker under plain python (one process, nothing sent) on the first host
 
 Every row of the results JSON (default bench/results/network[_short].json) has the commit, the
 command lines, the exact tc settings, the load average, and: samples/s, scaling efficiency
-(2-host samples/s / (2 x 1-host samples/s)), bytes on the wire per step (both hosts' udnet0
+(2-host samples/s / (2 x 1-host samples/s), against the 1-host run made just before that row: this
+machine's speed drifts by 20 % within minutes, more than a row's differences), bytes on the wire per step (both hosts' udnet0
 tx counters over the timed steps), the bandwidth bound (a ring all-reduce of the gradient
 bytes at that rate: 2(N-1)/N x bytes / rate, and the efficiency that time would allow if it
 were not overlapped at all), and the overlap: with t1 the 1-host step (compute only), t2 the
@@ -136,8 +137,10 @@ def run_job(hosts, name: str, commands, out: Path) -> dict:
 
 
 def baseline(hosts, args, tmp: Path) -> dict:
-    """One process on the first host alone (plain python: backend ``single``, nothing sent)."""
+    """One process on the first host alone (plain python: backend ``single``, nothing sent).
+    Made before every 2-host row, so each efficiency compares runs minutes, not half an hour, apart."""
     out = tmp / "network_1host.json"
+    out.unlink(missing_ok=True)
     argv = [str(BIN / "python"), *worker_args(out, args)]
     return run_job(hosts, "1host", [(0, argv, {})], out)
 
@@ -183,6 +186,7 @@ def summarise(job: dict, one_host: dict, rate: str, delay: str, tc: List[str]) -
         "step_stat": "median" if k == 1 else "mean",  # what median_step_s(_1host) holds (see the module doc)
         "tc": tc, "commands": job["commands"],
         "samples_per_s": job["samples_per_s"], "samples_per_s_1host": one_host["samples_per_s"],
+        "one_host_job_wall_s": one_host.get("job_wall_s"),
         "efficiency": job["samples_per_s"] / (n * one_host["samples_per_s"]),
         "median_step_s": t2, "median_step_s_1host": t1,
         "wire_bytes_per_step": job["wire_bytes_per_step"], "grad_bytes": grad_bytes,
@@ -246,9 +250,7 @@ def main() -> int:
         if "horovod" in backends:
             sshd = "/usr/sbin/sshd" if os.access("/usr/sbin/sshd", os.X_OK) else shutil.which("sshd")
             ssh = multinode.start_sshd(hosts, tmp, sshd, shutil.which("ssh"))
-        one_host = baseline(hosts, args, tmp)
-        record["one_host"] = one_host
-        print(f"1 host: {one_host['samples_per_s']:.2f} samples/s, {one_host['median_step_s']:.3f} s/step", flush=True)
+        record["one_host"] = []  # one baseline per row, in row order
         for rate in args.rates.split(","):
             tc = limit_link(hosts, rate, args.delay)
             for backend in backends:
@@ -256,6 +258,8 @@ def main() -> int:
                 views = ["on"] if backend == "horovod" else args.bucket_view.split(",")
                 for compression, bucket, cycle, view in itertools.product(args.compression.split(","),
                                                                           args.bucket_mb.split(","), cycles, views):
+                    one_host = baseline(hosts, args, tmp)
+                    record["one_host"].append(one_host)
                     job = two_hosts(hosts, ssh, backend, None if compression == "none" else compression, args, tmp,
                                     None if bucket == "default" else bucket, None if cycle == "default" else cycle,
                                     view == "on")

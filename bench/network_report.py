@@ -23,9 +23,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def table(data: dict) -> list:
     one = data["one_host"]
+    if isinstance(one, list):  # a 1-host run before every row (its step time is in the row)
+        rates = [o["samples_per_s"] for o in one]
+        alone = (f"1 host alone, run before each row: {min(rates):.2f}-{max(rates):.2f} samples/s "
+                 "(each row's own in its last column but one)")
+    else:  # older files: one 1-host run at the start
+        alone = f"1 host alone: {one['samples_per_s']:.2f} samples/s ({one['median_step_s']:.3f} s/step, compute only)"
     lines = [f"Commit `{data['commit']}`, `{data['command']}`; load average before/after "
-             f"{data['load_before'][0]:.2f}/{data.get('load_after', [float('nan')])[0]:.2f}; 1 host alone: "
-             f"{one['samples_per_s']:.2f} samples/s ({one['median_step_s']:.3f} s/step, compute only); "
+             f"{data['load_before'][0]:.2f}/{data.get('load_after', [float('nan')])[0]:.2f}; steal "
+             f"{data.get('steal_fraction', float('nan')):.1%}; {alone}; "
              f"{data['settings']['steps']} timed steps after {data['settings']['warmup']} warm-up, batch "
              f"{data['settings']['batch_size']} x {data['settings']['max_length']} tokens per process; "
              f"link: `{data['rows'][0]['tc'][0].split(' ', 4)[-1] if data['rows'] else ''}` on both sides.", "",
