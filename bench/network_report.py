@@ -49,13 +49,17 @@ def table(data: dict) -> list:
     return lines
 
 
-def plot(data: dict, png: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+def plot(data: dict, png: Path) -> bool:
+    """The efficiency-against-rate plot of the default-setting rows; ``False`` (nothing drawn) when
+    the file has tuning rows only or a single rate."""
     series = {}
     for r in data["rows"]:
         if r.get("bucket_mb") or r.get("horovod_cycle_ms") or not r.get("bucket_view", True) or r.get("accum", 1) != 1:
             continue  # tuning rows (one rate): their own table
         series.setdefault((r["backend"], r["compression"] or "none"), []).append((rate_bits(r["rate"]), r["efficiency"]))
+    if len({rate for points in series.values() for rate, _ in points}) < 2:
+        return False  # one rate (a tuning run): the table says it all
+    fig, ax = plt.subplots(figsize=(6.5, 4))
     for (backend, comp), points in sorted(series.items()):
         points.sort()
         ax.plot([p[0] / 1e9 for p in points], [p[1] for p in points], marker="o",
@@ -70,6 +74,7 @@ def plot(data: dict, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
+    return True
 
 
 def main() -> int:
@@ -83,9 +88,9 @@ def main() -> int:
     md = Path(args.md) if args.md else src.with_suffix(".md")
     base, short = (src.stem[:-len("_short")], "_short") if src.stem.endswith("_short") else (src.stem, "")
     png = Path(args.png) if args.png else src.with_name(f"{base}_efficiency{short}.png")  # *_short.* is ignored
-    plot(data, png)
-    md.write_text("\n".join([*table(data), "", f"![efficiency against link rate]({png.name})", ""]))
-    print(f"wrote {md} and {png}")
+    figure = [f"![efficiency against link rate]({png.name})", ""] if plot(data, png) else []
+    md.write_text("\n".join([*table(data), "", *figure]))
+    print(f"wrote {md}" + (f" and {png}" if figure else " (one rate or tuning rows only: no plot)"))
     return 0
 
 
