@@ -68,3 +68,34 @@ def test_launch_passes_the_size_to_the_script_as_the_variable():
 
     command = build(Plan(backend="torch", script="train.py", nproc=2, bucket_mb=4.0), cuda=False)
     assert command.env[ENV_VAR] == "4"
+
+
+@pytest.mark.parametrize("switch, views", [(None, True), ("1", True), ("0", False)])
+def test_ddp_gradients_are_bucket_views_unless_switched_off(monkeypatch, tmp_path, switch, views):
+    """In process, through the facade (a one-rank gloo group it adopts): DDP's gradients share their
+    bucket's storage (one bucket for this small model), or own one each with the switch off."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import unified_dist as ud
+    from unified_dist.detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
+
+    for key in list(os.environ):
+        if key.startswith(LAUNCHER_VARIABLE_PREFIXES) or key in TORCH_VARIABLES:
+            monkeypatch.delenv(key)
+    monkeypatch.delenv(VIEW_ENV, raising=False)
+    if switch is not None:
+        monkeypatch.setenv(VIEW_ENV, switch)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        ud.init()
+        model = ud.prepare(torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
+        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        ud.backward(model(torch.ones(3, 5)).sum())
+        storages = {p.grad.untyped_storage().data_ptr() for p in ud.unwrap(model).parameters()}
+        assert len(storages) == (1 if views else 4), storages
+    finally:
+        ud.shutdown()
+        dist.destroy_process_group()
