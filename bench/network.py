@@ -21,8 +21,8 @@ the same worker under plain python (one process, nothing sent) on the first host
 Every row of the results JSON (default bench/results/network[_short].json) has the commit, the
 command lines, the exact tc settings, the load average, and: samples/s, scaling efficiency
 (2-host samples/s / (2 x 1-host samples/s), against the 1-host run made just before that row: this
-machine's speed drifts by 20 % within minutes, more than a row's differences), bytes on the wire per step (both hosts' udnet0
-tx counters over the timed steps), the bandwidth bound (a ring all-reduce of the gradient
+machine's speed drifts by 20 % within minutes, more than a row's differences), bytes on the wire
+per step (both hosts' udnet0 tx counters over the timed steps), the bandwidth bound (a ring all-reduce of the gradient
 bytes at that rate: 2(N-1)/N x bytes / rate, and the efficiency that time would allow if it
 were not overlapped at all), and the overlap: with t1 the 1-host step (compute only), t2 the
 2-host step and c a serialised all-reduce of the gradient's size measured in the same job,
@@ -34,7 +34,8 @@ times alternate between with and without communication: the row's ``step_stat`` 
 ``--horovod-cycle-ms`` adds Horovod rows per background-thread cycle time (``HOROVOD_CYCLE_TIME``,
 what ``horovodrun --cycle-time-ms`` sets; 'default' leaves Horovod's own); other backends ignore it.
 ``--bucket-view on,off`` adds torch and Accelerate rows with DDP's ``gradient_as_bucket_view`` on
-(the facade's default) and off (``UNIFIED_DIST_BUCKET_VIEW=0``); Horovod ignores it. ``--compression bf16`` runs Horovod with fp16 (its only 16-bit compressor, see
+(the facade's default) and off (``UNIFIED_DIST_BUCKET_VIEW=0``); Horovod ignores it.
+``--compression bf16`` runs Horovod with fp16 (its only 16-bit compressor, see
 :mod:`unified_dist.compression`); each row records the format that ran.
 """
 from __future__ import annotations
