@@ -8,10 +8,11 @@ backward; larger ones pay less per-message latency. ``None`` keeps each stack's 
 (DDP 25 MiB with a 1 MiB first bucket, Horovod 128 MiB and a 1 ms cycle), which the network
 benchmark measured against the alternatives (BENCHMARKS.md, "Tuning").
 
-DDP (torch and Accelerate) is always built with ``gradient_as_bucket_view=True``: each gradient is a
-view into its communication bucket instead of a tensor of its own that is copied into the bucket and
-back every step. That saves one gradient-sized copy and its memory per rank (BENCHMARKS.md §6: 0.96x
-the step time, 3 bucket storages instead of 105 gradients for the example's model). The one thing a
+DDP (torch and Accelerate) is built with ``gradient_as_bucket_view=True`` by default: each gradient
+is a view into its communication bucket instead of a tensor of its own that is copied into the
+bucket and back every step. That saves one gradient-sized copy and its memory per rank
+(BENCHMARKS.md §6: 0.96x the step time on loopback, faster or level on a 1 Gbit/s link, 3 bucket
+storages instead of 105 gradients for the example's model). The one thing a
 view forbids is ``grad.detach_()``; the facade's ``zero_grad(set_to_none=False)`` does not call it
 on gradients without a graph, as torch's own optimizers do not. Code of one's own that detaches or
 replaces ``.grad`` tensors in place can turn the views off with ``UNIFIED_DIST_BUCKET_VIEW=0``.
