@@ -32,7 +32,9 @@ the one-host baseline too): one all-reduce per A micro-batches, and the per-step
 are then per optimizer step (A micro-batches; the mean, not the median, since the micro-batch
 times alternate between with and without communication: the row's ``step_stat`` says which).
 ``--horovod-cycle-ms`` adds Horovod rows per background-thread cycle time (``HOROVOD_CYCLE_TIME``,
-what ``horovodrun --cycle-time-ms`` sets; 'default' leaves Horovod's own); other backends ignore it.
+what ``horovodrun --cycle-time-ms`` sets; 'default' sets nothing, so the facade's CPU default
+applies: unified_dist.buckets.CPU_CYCLE_MS); other backends ignore it. Rows record the cycle
+Horovod read (``horovod_cycle_ms_effective``).
 ``--bucket-view on,off`` adds torch and Accelerate rows with DDP's ``gradient_as_bucket_view`` on
 (the facade's default) and off (``UNIFIED_DIST_BUCKET_VIEW=0``); Horovod ignores it.
 ``--compression bf16`` runs Horovod with fp16 (its only 16-bit compressor, see
@@ -48,6 +50,7 @@ import re
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -167,6 +170,19 @@ def two_hosts(hosts, ssh, backend: str, compression: Optional[str], args, tmp: P
     return job
 
 
+def quiet_ratio(job: dict, one_host: dict) -> Optional[float]:
+    """With accumulation: the median micro-batch that sends nothing (all but every k-th) on 2 hosts
+    over the same on 1 host. Above 1 is compute slowed by something other than the link: the
+    other host's process on the shared CPU, a communication thread's wake-ups. None without accumulation."""
+    k = job.get("accum", 1)
+    if k == 1:
+        return None
+
+    def quiet(times: List[float]) -> float:
+        return statistics.median(t for i, t in enumerate(times) if i % k != k - 1)
+    return quiet(job["step_times_s"]) / quiet(one_host["step_times_s"])
+
+
 def summarise(job: dict, one_host: dict, rate: str, delay: str, tc: List[str]) -> dict:
     """One results row: throughput, efficiency, wire bytes, the bandwidth bound, the overlap."""
     n, k = job["world_size"], job.get("accum", 1)
@@ -181,7 +197,8 @@ def summarise(job: dict, one_host: dict, rate: str, delay: str, tc: List[str]) -
         "backend": job["backend"], "launcher": job["launcher"], "rate": rate, "delay": delay,
         "compression": job["compression"], "compression_per_rank": job["compression_per_rank"],
         "bucket_mb": job.get("bucket_mb"),  # None: the stack's own (DDP 25 MiB, Horovod 128 MiB fusion buffer)
-        "horovod_cycle_ms": job.get("horovod_cycle_ms"),  # None: Horovod's own cycle time
+        "horovod_cycle_ms": job.get("horovod_cycle_ms"),  # None: not set by the benchmark
+        "horovod_cycle_ms_effective": job.get("horovod_cycle_time"),  # what hvd.init() read (None: not Horovod)
         "bucket_view": job.get("bucket_view", True),  # DDP's gradient_as_bucket_view (torch, Accelerate)
         "accum": k,  # micro-batches per optimizer step (one all-reduce each); step figures are per optimizer step
         "step_stat": "median" if k == 1 else "mean",  # what median_step_s(_1host) holds (see the module doc)
@@ -195,8 +212,10 @@ def summarise(job: dict, one_host: dict, rate: str, delay: str, tc: List[str]) -
         "efficiency_if_not_overlapped_at_bound": t1 / (t1 + bound_s),
         "serialised_allreduce_s": comm,
         "comm_hidden_fraction": (t1 + comm - t2) / comm if comm > 0 else None,
+        "quiet_microbatch_ratio": quiet_ratio(job, one_host),
         "steps": job["steps"], "warmup": job["warmup"], "batch_size": job["batch_size"],
         "max_length": job["max_length"], "job_wall_s": job["job_wall_s"],
+        "step_times_s": job["step_times_s"],  # rank 0's, per micro-batch (the 1-host run's are in one_host)
     }
 
 
@@ -211,7 +230,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=1,
                    help="micro-batches per optimizer step (gradient_accumulation_steps; --steps/--warmup count micro-batches)")
     p.add_argument("--horovod-cycle-ms", default="default",
-                   help="comma-separated Horovod cycle times in ms (HOROVOD_CYCLE_TIME), 'default' for Horovod's own")
+                   help="comma-separated Horovod cycle times in ms (HOROVOD_CYCLE_TIME), 'default' for the facade's")
     p.add_argument("--bucket-view", default="on", help="on and/or off: DDP's gradient_as_bucket_view (torch, Accelerate)")
     p.add_argument("--delay", default="0ms", help="netem delay added on each side (needs netem in the kernel)")
     p.add_argument("--steps", type=int, default=10)

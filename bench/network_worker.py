@@ -112,7 +112,9 @@ def main():
                        "elapsed_s": elapsed, "samples_per_s": world * args.batch_size * steps / elapsed,
                        "median_step_s": statistics.median(step_times), "step_times_s": step_times,
                        "tx_bytes_per_rank": sent, "wire_bytes_per_step": sum(sent) / (steps // args.accum),
-                       "serialised_allreduce_s": comm_s}, f, indent=1)
+                       "serialised_allreduce_s": comm_s,
+                       # what Horovod's hvd.init() read: the launch's, or the facade's CPU default
+                       "horovod_cycle_time": os.environ.get("HOROVOD_CYCLE_TIME")}, f, indent=1)
     ud.shutdown()
 
 

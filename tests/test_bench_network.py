@@ -38,7 +38,7 @@ def test_row_bound_efficiency_and_hidden_share(network):
     job = {"world_size": 2, "compression": "bf16", "grad_numel": 1_000_000, "backend": "torch",
            "launcher": "torchrun", "compression_per_rank": ["bf16", "bf16"], "commands": [], "samples_per_s": 15.0,
            "median_step_s": 1.5, "serialised_allreduce_s": 1.0, "wire_bytes_per_step": 4e6, "steps": 3, "warmup": 1,
-           "batch_size": 16, "max_length": 64, "job_wall_s": 1.0}
+           "batch_size": 16, "max_length": 64, "job_wall_s": 1.0, "step_times_s": [1.5, 1.5, 1.5]}
     one = {"samples_per_s": 10.0, "median_step_s": 1.0}
     row = network.summarise(job, one, "8mbit", "0ms", [])
     assert row["grad_bytes"] == 2_000_000
@@ -46,6 +46,7 @@ def test_row_bound_efficiency_and_hidden_share(network):
     assert row["efficiency"] == pytest.approx(0.75)
     assert row["comm_hidden_fraction"] == pytest.approx(0.5)  # (1 + 1 - 1.5) / 1
     assert row["step_stat"] == "median" and row["horovod_cycle_ms"] is None
+    assert row["quiet_microbatch_ratio"] is None and row["step_times_s"] == [1.5, 1.5, 1.5]
 
 
 def test_accumulation_rows_are_per_optimizer_step(network):
@@ -55,13 +56,15 @@ def test_accumulation_rows_are_per_optimizer_step(network):
     job = {"world_size": 2, "compression": None, "grad_numel": 250_000, "backend": "torch", "accum": 2,
            "launcher": "torchrun", "compression_per_rank": [None, None], "commands": [], "samples_per_s": 16.0,
            "median_step_s": 0.9, "mean_step_s": 1.25, "serialised_allreduce_s": 1.0, "wire_bytes_per_step": 2e6,
-           "steps": 4, "warmup": 2, "batch_size": 16, "max_length": 64, "job_wall_s": 1.0}
-    one = {"samples_per_s": 10.0, "median_step_s": 0.8, "mean_step_s": 1.0}
+           "steps": 4, "warmup": 2, "batch_size": 16, "max_length": 64, "job_wall_s": 1.0,
+           "step_times_s": [0.9, 1.6, 0.9, 1.6], "horovod_cycle_time": None}
+    one = {"samples_per_s": 10.0, "median_step_s": 0.8, "mean_step_s": 1.0, "step_times_s": [0.6, 1.4, 0.6, 1.4]}
     row = network.summarise(job, one, "8mbit", "0ms", [])
     assert row["accum"] == 2 and row["step_stat"] == "mean"
     assert row["median_step_s"] == pytest.approx(2.5) and row["median_step_s_1host"] == pytest.approx(2.0)
     assert row["efficiency_if_not_overlapped_at_bound"] == pytest.approx(2.0 / 3.0)  # 2 / (2 + 1)
     assert row["comm_hidden_fraction"] == pytest.approx(0.5)  # (2 + 1 - 2.5) / 1
+    assert row["quiet_microbatch_ratio"] == pytest.approx(1.5)  # the micro-batches that send nothing: 0.9 / 0.6
 
 
 def test_a_cycle_time_and_a_bucket_size_reach_the_launch_line(network, monkeypatch, tmp_path):

@@ -1,10 +1,12 @@
 """One bucket-size setting for every stack (unified_dist.buckets): what it resolves to, what DDP
 and Horovod get, and the refusals. The real launches (DDP under torchrun/accelerate, Horovod's
 fusion buffer under horovodrun) run in bench/network.py's tuning rows."""
+import os
+
 import pytest
 
-from unified_dist.buckets import (ENV_VAR, HOROVOD_VAR, VIEW_ENV, ddp_kwargs, horovod_env, resolve_bucket_mb,
-                                  resolve_bucket_view)
+from unified_dist.buckets import (CPU_CYCLE_MS, ENV_VAR, HOROVOD_CYCLE_VAR, HOROVOD_VAR, VIEW_ENV, ddp_kwargs,
+                                  horovod_env, resolve_bucket_mb, resolve_bucket_view)
 from unified_dist.errors import UnifiedDistError
 
 
@@ -36,6 +38,42 @@ def test_horovod_gets_its_fusion_buffer_in_bytes_and_a_contradiction_is_refused(
     assert horovod_env(4, {HOROVOD_VAR: str(4 * 2 ** 20)}) == {HOROVOD_VAR: str(4 * 2 ** 20)}
     with pytest.raises(UnifiedDistError, match="fusion-threshold-mb"):
         horovod_env(4, {HOROVOD_VAR: "67108864"})
+
+
+def test_horovod_cycles_slower_on_cpu_hosts_unless_the_user_set_a_cycle():
+    cycle = {HOROVOD_CYCLE_VAR: str(CPU_CYCLE_MS)}
+    assert horovod_env(None, {}, on_cpu=True) == cycle
+    assert horovod_env(4, {}, on_cpu=True) == {**cycle, HOROVOD_VAR: str(4 * 2 ** 20)}
+    assert horovod_env(None, {HOROVOD_CYCLE_VAR: "1"}, on_cpu=True) == {}  # horovodrun --cycle-time-ms 1 wins
+    assert horovod_env(None, {HOROVOD_CYCLE_VAR: " "}, on_cpu=True) == cycle
+    assert horovod_env(None, {}, on_cpu=False) == {}  # GPU hosts keep Horovod's own 1 ms
+
+
+@pytest.mark.parametrize("cuda, users_own_init, cycle", [(False, False, str(CPU_CYCLE_MS)), (True, False, None),
+                                                          (False, True, None)])
+def test_horovod_backend_sets_the_cycle_before_its_own_init_on_cpu_hosts_only(monkeypatch, cuda, users_own_init,
+                                                                             cycle):
+    """What ``hvd.init()`` sees: the CPU cycle on CPU hosts; nothing on GPU hosts or where the user's
+    own ``hvd.init()`` already ran (that Horovod keeps its cycle)."""
+    import types
+
+    import torch
+
+    from unified_dist.backends import horovod_backend
+    from unified_dist.backends.base import Config
+    from unified_dist.detection import Detection
+
+    seen = {}
+    fake = types.SimpleNamespace(Compression=types.SimpleNamespace(none=None, fp16=None),
+                                 is_initialized=lambda: users_own_init, local_rank=lambda: 0,
+                                 init=lambda: seen.setdefault("cycle", os.environ.get(HOROVOD_CYCLE_VAR)))
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != HOROVOD_CYCLE_VAR})  # not leaked
+    monkeypatch.setattr(horovod_backend, "_import_horovod", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    horovod_backend.HorovodBackend(Detection(backend="horovod", launcher="horovodrun", reason="test"), Config())
+    assert seen == {"cycle": cycle}
 
 
 def test_torch_backend_builds_ddp_with_the_bucket_size(monkeypatch):

@@ -5,8 +5,9 @@ Each stack reduces gradients in fused groups while backward still runs: DDP fill
 ``bucket_cap_mb`` (torch and Accelerate), Horovod fuses what is ready each cycle into a buffer of
 ``HOROVOD_FUSION_THRESHOLD`` bytes. Smaller groups start sending earlier and overlap more of
 backward; larger ones pay less per-message latency. ``None`` keeps each stack's own default
-(DDP 25 MiB with a 1 MiB first bucket, Horovod 128 MiB and a 1 ms cycle), which the network
-benchmark measured against the alternatives (BENCHMARKS.md, "Tuning").
+(DDP 25 MiB with a 1 MiB first bucket, Horovod 128 MiB), which the network benchmark measured
+against the alternatives (BENCHMARKS.md, "Tuning"). Horovod's cycle stays its own 1 ms on GPU
+hosts and becomes :data:`CPU_CYCLE_MS` on CPU hosts, unless set.
 
 DDP (torch and Accelerate) is built with ``gradient_as_bucket_view=True`` by default: each gradient
 is a view into its communication bucket instead of a tensor of its own that is copied into the
@@ -26,6 +27,16 @@ from .flags import is_set
 
 ENV_VAR = "UNIFIED_DIST_BUCKET_MB"
 HOROVOD_VAR = "HOROVOD_FUSION_THRESHOLD"
+HOROVOD_CYCLE_VAR = "HOROVOD_CYCLE_TIME"
+CPU_CYCLE_MS = 5
+"""Horovod's background-thread cycle (ms) when the job computes on CPUs and nobody set one.
+
+Each cycle, Horovod's background thread wakes and coordinates with every other rank. On a GPU
+host that thread has idle cores to itself and Horovod's own 1 ms suits it; on a CPU host whose
+cores all compute, it takes them from the compute threads. Measured on 2 hosts x 1 core at
+1 Gbit/s (BENCHMARKS.md §6, "Horovod's cycle on CPU hosts"): micro-batches that send nothing ran
+1.6-1.8x slower than on one host at 1 ms and about 1.15x at 5-20 ms. The price of a longer cycle
+is latency: a small collective (a logged loss, a metric) takes about one cycle."""
 VIEW_ENV = "UNIFIED_DIST_BUCKET_VIEW"
 MIB = 1 << 20
 
@@ -61,16 +72,20 @@ def ddp_kwargs(bucket_mb: Optional[float], bucket_view: bool = True) -> Dict[str
     return kwargs
 
 
-def horovod_env(bucket_mb: Optional[float], env: Mapping[str, str]) -> Dict[str, str]:
-    """Variables to set before ``hvd.init()``: the fusion buffer in bytes. A different
-    ``HOROVOD_FUSION_THRESHOLD`` (or ``horovodrun --fusion-threshold-mb``) already set is an error,
-    so neither setting is silently ignored."""
+def horovod_env(bucket_mb: Optional[float], env: Mapping[str, str], on_cpu: bool = False) -> Dict[str, str]:
+    """Variables to set before ``hvd.init()``: the fusion buffer in bytes, and on CPU hosts a
+    :data:`CPU_CYCLE_MS` cycle unless ``HOROVOD_CYCLE_TIME`` (``horovodrun --cycle-time-ms``) is
+    already set, which then wins. A different ``HOROVOD_FUSION_THRESHOLD`` (or ``horovodrun
+    --fusion-threshold-mb``) already set is an error, so neither setting is silently ignored."""
+    out: Dict[str, str] = {}
+    if on_cpu and not env.get(HOROVOD_CYCLE_VAR, "").strip():
+        out[HOROVOD_CYCLE_VAR] = str(CPU_CYCLE_MS)
     if bucket_mb is None:
-        return {}
+        return out
     wanted = str(int(bucket_mb * MIB))
     given = env.get(HOROVOD_VAR)
     if given is not None and given.strip() != wanted:
         raise UnifiedDistError(
             f"bucket_mb={bucket_mb:g} asks for a {wanted}-byte fusion buffer but {HOROVOD_VAR}={given} is set "
             "(horovodrun --fusion-threshold-mb): keep one of the two")
-    return {HOROVOD_VAR: wanted}
+    return {**out, HOROVOD_VAR: wanted}

@@ -18,6 +18,7 @@ import copy
 import glob
 import json
 import os
+import statistics
 import time
 import traceback
 
@@ -208,6 +209,28 @@ def gradients_are_ddp_bucket_views_and_zeroing_in_place_accumulates_right():
     ddp = ud.backend_name() in ("torch", "accelerate") and ud.world_size() > 1
     # the tiny model fits in one bucket: one storage with views, one per parameter without
     assert storages == ([1, 1] if ddp else [params, params]), (ud.backend_name(), storages)
+
+
+@check("accum")
+def horovod_cycles_at_the_cpu_default_and_other_stacks_are_left_alone():
+    """On CPU hosts Horovod's background thread cycles every ``CPU_CYCLE_MS`` (the launch sets no
+    ``HOROVOD_CYCLE_TIME``): a small all-reduce then waits about one cycle, so its median time is
+    at least 0.6 of it (a lower bound: a loaded machine only adds). Other stacks get no such variable."""
+    from unified_dist.buckets import CPU_CYCLE_MS, HOROVOD_CYCLE_VAR
+
+    if ud.backend_name() != "horovod":
+        assert HOROVOD_CYCLE_VAR not in os.environ, os.environ[HOROVOD_CYCLE_VAR]
+        return
+    assert os.environ.get(HOROVOD_CYCLE_VAR) == str(CPU_CYCLE_MS), os.environ.get(HOROVOD_CYCLE_VAR)
+    x = torch.ones(1)
+    ud.barrier()
+    seconds = []
+    for _ in range(30):
+        start = time.perf_counter()
+        ud.all_reduce(x, "sum")
+        seconds.append(time.perf_counter() - start)
+    median_ms = 1e3 * statistics.median(seconds)
+    assert median_ms >= 0.6 * CPU_CYCLE_MS, f"a scalar all-reduce took {median_ms:.2f} ms: the cycle is not {CPU_CYCLE_MS} ms"
 
 
 def _reference_windows(x, y, window, lr):

@@ -70,8 +70,10 @@ class HorovodBackend(Backend):
         self.apply_compression(None)  # an unsupported format fails before anyone joins
         seconds = max(1, int(config.timeout.total_seconds()))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
-        os.environ.update(horovod_env(config.bucket_mb, os.environ))  # read by hvd.init()
         self._owns_horovod = not self.hvd.is_initialized()  # a user's own hvd.init() stays running
+        # read by hvd.init(); a Horovod the user started keeps the cycle it started with
+        on_cpu = self.device_for(0).type == "cpu"
+        os.environ.update(horovod_env(config.bucket_mb, os.environ, on_cpu=on_cpu and self._owns_horovod))
         self.hvd.init()
         if torch.cuda.is_available():
             torch.cuda.set_device(self.device)
