@@ -10,15 +10,35 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Optional
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from network import rate_bits  # noqa: E402  (bench/network.py)
+from network import quiet_ratio, rate_bits  # noqa: E402  (bench/network.py)
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def cycle(r: dict) -> str:
+    """The row's Horovod cycle: what hvd.init() read where the row recorded it, else what the benchmark set."""
+    if r["backend"] != "horovod":
+        return "–"
+    effective = r.get("horovod_cycle_ms_effective")
+    if effective is not None:
+        return effective + ("" if r.get("horovod_cycle_ms") else " (facade's)")
+    return r.get("horovod_cycle_ms") or "1 (Horovod's)"  # rows made before the facade set one on CPU
+
+
+def quiet(r: dict, one_host: Optional[dict]) -> str:
+    """The row's quiet micro-batch ratio (bench/network.py's quiet_ratio) against the 1-host run made
+    just before it, where both kept their step times."""
+    if one_host is None or "step_times_s" not in r or "step_times_s" not in one_host:
+        return "–"
+    ratio = quiet_ratio(r, one_host)
+    return "–" if ratio is None else f"{ratio:.2f}"
 
 
 def table(data: dict) -> list:
@@ -37,15 +57,15 @@ def table(data: dict) -> list:
              f"link: `{data['rows'][0]['tc'][0].split(' ', 4)[-1] if data['rows'] else ''}` on both sides.", "",
              "| rate | delay | backend | compression | bucket MiB | Horovod cycle ms | bucket view | accum | samples/s | efficiency | MB/step on the wire "
              "| ring all-reduce bound s | efficiency at the bound, no overlap | serialised all-reduce s "
-             "| step s (1 host) | comm hidden |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in data["rows"]:
+             "| step s (1 host) | comm hidden | quiet micro-batch 2 hosts / 1 host |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, r in enumerate(data["rows"]):
         hidden = "–" if r["comm_hidden_fraction"] is None else f"{r['comm_hidden_fraction']:.2f}"
         lines.append(f"| {r['rate']} | {r['delay']} | {r['backend']} | {r['compression'] or 'none'} | "
-                     f"{r.get('bucket_mb') or 'default'} | {r.get('horovod_cycle_ms') or 'default'} | {'–' if r['backend'] == 'horovod' else ('on' if r.get('bucket_view', True) else 'off')} | {r.get('accum', 1)} | {r['samples_per_s']:.2f} | **{r['efficiency']:.2f}** | {r['wire_bytes_per_step'] / 1e6:.1f} | "
+                     f"{r.get('bucket_mb') or 'default'} | {cycle(r)} | {'–' if r['backend'] == 'horovod' else ('on' if r.get('bucket_view', True) else 'off')} | {r.get('accum', 1)} | {r['samples_per_s']:.2f} | **{r['efficiency']:.2f}** | {r['wire_bytes_per_step'] / 1e6:.1f} | "
                      f"{r['ring_allreduce_bound_s']:.3f} | {r['efficiency_if_not_overlapped_at_bound']:.2f} | "
                      f"{r['serialised_allreduce_s']:.3f} | {r['median_step_s']:.3f} ({r['median_step_s_1host']:.3f}) | "
-                     f"{hidden} |")
+                     f"{hidden} | {quiet(r, one[i] if isinstance(one, list) else None)} |")
     return lines
 
 

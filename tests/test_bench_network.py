@@ -89,3 +89,23 @@ def test_a_cycle_time_and_a_bucket_size_reach_the_launch_line(network, monkeypat
     network.two_hosts(None, None, "torch", None, args, tmp_path, bucket_view=False)
     (host, argv, env), = launched["commands"]
     assert env[network.VIEW_ENV] == "0" and network.CYCLE_VAR not in env
+
+
+def test_report_shows_the_cycle_horovod_read_and_the_quiet_ratio_against_the_rows_own_baseline(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    report = importlib.import_module("network_report")
+    tc = ["tc qdisc add dev udnet0 root tbf rate 1gbit burst 250kb latency 50ms"]
+    row = {"rate": "1gbit", "delay": "0ms", "backend": "horovod", "compression": "fp16", "bucket_mb": None,
+           "horovod_cycle_ms": None, "horovod_cycle_ms_effective": "5", "accum": 2, "samples_per_s": 10.0,
+           "efficiency": 0.5, "wire_bytes_per_step": 9e7, "ring_allreduce_bound_s": 0.36,
+           "efficiency_if_not_overlapped_at_bound": 0.9, "serialised_allreduce_s": 0.5, "median_step_s": 2.0,
+           "median_step_s_1host": 1.0, "comm_hidden_fraction": None, "tc": tc,
+           "step_times_s": [1.2, 2.0, 1.2, 2.0]}
+    old = {**row, "horovod_cycle_ms_effective": None, "accum": 1}
+    del old["step_times_s"]
+    data = {"commit": "abc", "command": "python bench/network.py", "load_before": [0.1], "steal_fraction": 0.01,
+            "settings": {"steps": 4, "warmup": 2, "batch_size": 16, "max_length": 64}, "rows": [row, old],
+            "one_host": [{"samples_per_s": 10.0, "step_times_s": [0.8, 1.0, 0.8, 1.0]}, {"samples_per_s": 10.0}]}
+    new_line, old_line = [line for line in report.table(data) if line.startswith("| 1gbit")]
+    assert "| 5 (facade's) |" in new_line and new_line.endswith("| 1.50 |")  # quiet micro-batches: 1.2 / 0.8
+    assert "| 1 (Horovod's) |" in old_line and old_line.endswith("| – |")

@@ -34,9 +34,9 @@ CPU_CYCLE_MS = 5
 Each cycle, Horovod's background thread wakes and coordinates with every other rank. On a GPU
 host that thread has idle cores to itself and Horovod's own 1 ms suits it; on a CPU host whose
 cores all compute, it takes them from the compute threads. Measured on 2 hosts x 1 core at
-1 Gbit/s (BENCHMARKS.md §6, "Horovod's cycle on CPU hosts"): micro-batches that send nothing ran
-1.6-1.8x slower than on one host at 1 ms and about 1.15x at 5-20 ms. The price of a longer cycle
-is latency: a small collective (a logged loss, a metric) takes about one cycle."""
+1 Gbit/s (BENCHMARKS.md §6, "Horovod's cycle time"): micro-batches that send nothing took
+1.33-1.68x as long as on one host at 1 ms, 1.09-1.15x at 5-100 ms (torch: 1.2x). The price of a
+longer cycle is latency: a small collective (a logged loss, a metric) waits about one cycle."""
 VIEW_ENV = "UNIFIED_DIST_BUCKET_VIEW"
 MIB = 1 << 20
 
