@@ -65,11 +65,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / 
 import provenance  # noqa: E402  (bench/provenance.py)
 import multinode  # noqa: E402  (tests/multinode/multinode.py: the hosts and the multi-node launch lines)
 from launchers import BIN  # noqa: E402
-from unified_dist.buckets import ENV_VAR as BUCKET_VAR, VIEW_ENV  # noqa: E402
+from unified_dist.buckets import ENV_VAR as BUCKET_VAR, HOROVOD_CYCLE_VAR as CYCLE_VAR, VIEW_ENV  # noqa: E402
 from unified_dist.compression import ENV_VAR as COMPRESSION_VAR  # noqa: E402
 
-CYCLE_VAR = "HOROVOD_CYCLE_TIME"
-"""Horovod's background-thread cycle in ms (``horovodrun --cycle-time-ms``)."""
 
 WORKER = "bench/network_worker.py"
 LAUNCH = {"torch": "torchrun-static", "accelerate": "accelerate", "horovod": "horovodrun"}

@@ -33,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "step"))
 
 import unified_dist as ud  # noqa: E402
+from unified_dist.buckets import HOROVOD_CYCLE_VAR  # noqa: E402
 from common import model_and_batches  # noqa: E402  (bench/step/common.py)
 from facade import make_step  # noqa: E402  (bench/step/facade.py: the step every benchmark times)
 
@@ -114,7 +115,7 @@ def main():
                        "tx_bytes_per_rank": sent, "wire_bytes_per_step": sum(sent) / (steps // args.accum),
                        "serialised_allreduce_s": comm_s,
                        # what Horovod's hvd.init() read: the launch's, or the facade's CPU default
-                       "horovod_cycle_time": os.environ.get("HOROVOD_CYCLE_TIME")}, f, indent=1)
+                       "horovod_cycle_time": os.environ.get(HOROVOD_CYCLE_VAR)}, f, indent=1)
     ud.shutdown()
 
 

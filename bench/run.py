@@ -29,7 +29,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 
 import provenance  # noqa: E402  (bench/provenance.py, beside this file)
-from unified_dist.buckets import CPU_CYCLE_MS, HOROVOD_CYCLE_VAR  # noqa: E402
+from unified_dist.buckets import horovod_env  # noqa: E402
 from unified_dist.cli import launch as ud_launch  # noqa: E402
 from unified_dist.net import free_port  # noqa: E402
 from unified_dist.registry import LAUNCHED  # noqa: E402
@@ -45,8 +45,10 @@ def launch_command(backend: str, nproc: int, script: str, args: list) -> tuple:
                PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     if backend == "single":
         return [sys.executable, script, *args], env
-    if backend == "horovod":  # the facade's CPU cycle, set for native Horovod too: same settings on both sides
-        env.setdefault(HOROVOD_CYCLE_VAR, str(CPU_CYCLE_MS))
+    if backend == "horovod":  # the cycle the facade would set, given to native Horovod too: same settings on both sides
+        from unified_dist.backends.base import Backend
+
+        env.update(horovod_env(None, env, on_cpu=Backend.device_for(0).type == "cpu"))
     plan = ud_launch.Plan(backend=backend, script=script, script_args=tuple(args), nproc=nproc,
                           master_port=free_port())
     command = ud_launch.build(plan)

@@ -112,8 +112,6 @@ def test_launch_passes_the_size_to_the_script_as_the_variable():
 def test_ddp_gradients_are_bucket_views_unless_switched_off(monkeypatch, tmp_path, switch, views):
     """In process, through the facade (a one-rank gloo group it adopts): DDP's gradients share their
     bucket's storage (one bucket for this small model), or own one each with the switch off."""
-    import os
-
     import torch
     import torch.distributed as dist
 
