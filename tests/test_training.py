@@ -45,6 +45,7 @@ def _scaled_gradient_setup(backend):
     param.grad = torch.tensor([3.0, 4.0, 0.0]) * SCALE  # true gradient norm 5, scaled by SCALE
     inner = torch.optim.SGD([param], lr=1.0)
     sync = GradientSync(backend, LoaderStack())
+    sync.backward_calls = 1  # the gradient stands for one ud.backward call (PreparedOptimizer checks)
     return param, inner, sync
 
 
@@ -63,6 +64,7 @@ def test_own_scaler_unscales_once_per_step_before_clipping():
     prepared.step()
     assert scaler.calls == ["unscale_", "step", "update"]
     param.grad = torch.tensor([0.0, 6.0, 8.0]) * SCALE
+    sync.backward_calls += 1
     assert _clip_like_the_facade(prepared, param) == 10.0  # the next step is unscaled again
     assert scaler.calls.count("unscale_") == 2
 
@@ -115,11 +117,14 @@ def test_horovod_backend_averages_then_unscales_and_step_skips_a_second_wait():
     param.grad = torch.tensor([3.0, 4.0, 0.0]) * SCALE
     inner = FakeDistributedOptimizer([param])
     scaler = FakeScaler()
-    prepared = PreparedOptimizer(inner, GradientSync(backend, LoaderStack()), scaler)
+    sync = GradientSync(backend, LoaderStack())
+    sync.backward_calls = 1  # as after one ud.backward
+    prepared = PreparedOptimizer(inner, sync, scaler)
     assert _clip_like_the_facade(prepared, param) == 5.0
     prepared.step()
     assert inner.events == ["synchronize", "skip", "step"] and scaler.calls[0] == "unscale_"
     prepared.zero_grad()
     param.grad = torch.ones(3)
+    sync.backward_calls += 1
     prepared.step()  # no clip this time: horovod's own step() waits for the averaging itself
     assert inner.events[-1] == "step" and inner.events.count("skip") == 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import tempfile
+import secrets
 import zipfile
 from collections import OrderedDict
 from typing import Any, Callable, List, Optional, Tuple
@@ -52,11 +52,24 @@ def _plain(container: Any, items: Any) -> Any:
     return OrderedDict(items) if isinstance(container, OrderedDict) else dict(items)
 
 
+def _create_temporary(directory: str, name: str) -> Tuple[int, str]:
+    """A new file ``directory/.name.<random>.tmp`` opened for writing, created with mode 0666 less
+    the umask (as ``open`` or ``torch.save`` would create ``name``; ``tempfile.mkstemp``'s 0600
+    would survive the rename and hide checkpoints from colleagues on a shared cluster)."""
+    while True:
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
 def write_atomic(state: Any, path: str) -> None:
-    """Write ``state`` to ``path`` so that readers see the old file or the whole new one."""
+    """Write ``state`` to ``path`` so that readers see the old file or the whole new one; the file's
+    mode follows the umask (0644 under the usual 022), like any file the user creates."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    fd, tmp = _create_temporary(directory, os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as handle:
             torch.save(state, handle)

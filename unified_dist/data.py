@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
 from . import nested
 from .errors import UnifiedDistError
@@ -135,6 +135,11 @@ class PreparedDataLoader:
             raise UnifiedDistError(
                 "prepare() shards map-style datasets only; shard an IterableDataset yourself "
                 "with ud.rank() and ud.world_size()")
+        if isinstance(loader.sampler, DistributedSampler):
+            raise UnifiedDistError(
+                "prepare() got a DataLoader whose sampler is already a DistributedSampler, so each rank would see "
+                f"1/{loader.sampler.num_replicas} of its own shard; build the DataLoader without the sampler "
+                "(shuffle=True or False) and let prepare() shard it, with no set_epoch calls")
         if loader.batch_size is None:
             raise UnifiedDistError(
                 "prepare() needs a DataLoader built with batch_size=...; a custom batch_sampler "

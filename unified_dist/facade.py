@@ -52,6 +52,16 @@ _hooks_installed = False
 _previous_excepthook: Any = None
 
 
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    """A ``UserWarning`` the first time ``message`` is said in this process (a loop repeats the mistake)."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=3)
+
+
 def _env_flag(name: str) -> bool:
     return is_set(os.environ.get(name))
 
@@ -274,6 +284,7 @@ def prepare(*objs: Any) -> Any:
             if backend.config.sync_batchnorm:
                 obj = backend.convert_sync_batchnorm(obj)
             out[i] = backend.prepare_model(obj)
+            session.sync.buffers.add(out[i])  # every rank starts from rank 0's buffers (unified_dist.buffers)
         elif isinstance(obj, PreparedOptimizer):
             out[i] = obj
         elif isinstance(obj, torch.optim.Optimizer):
@@ -318,6 +329,8 @@ def backward(loss: torch.Tensor) -> None:
     if not isinstance(loss, torch.Tensor):
         raise UnifiedDistError(f"backward() expects the loss tensor, got {type(loss).__name__}")
     session = _current()
+    session.sync.check_backward_context()
+    session.sync.backward_calls += 1
     if session.check_finite:
         _stop_on_non_finite(session, loss)
     scaler = session.optimizers[-1].scaler if session.optimizers else None
@@ -411,11 +424,16 @@ def gather_for_metrics(x: Any) -> Any:
     """``all_gather`` inside a prepared loader's loop, minus the rows its last batch padded in.
 
     Gathering every batch of a prepared evaluation loader yields exactly ``len(dataset)`` rows,
-    each sample once, in dataset order (unshuffled loader).
+    each sample once, in dataset order (unshuffled loader). Outside such a loop it is
+    ``all_gather`` and warns once (it cannot know which rows are padding there).
     """
     session = _current()
     gathered = collectives.all_gather(session.backend, x, what="gather_for_metrics")
     loader = session.loaders.current
+    if loader is None:
+        _warn_once("gather_for_metrics() ran outside the loop of a prepared DataLoader, so it cannot drop the "
+                   "rows a padded last batch repeats and acts as ud.all_gather; prepare the evaluation loader "
+                   "with ud.prepare(...) and call it inside that loop (or call ud.all_gather)")
     info = loader.batch_info if loader is not None else None
     if info is None or info.real == info.padded:
         return gathered

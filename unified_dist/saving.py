@@ -10,32 +10,63 @@ from typing import Any, Optional
 import torch
 
 from . import checkpoint, collectives, sharded_checkpoint
-from .errors import UnifiedDistError, summary
+from .errors import CheckpointError, UnifiedDistError, summary
 from .facade import barrier, current_backend, rank
 from .sharding import full_tensor
 
+ARRIVAL_SECONDS = 20.0
+"""How long rank 0 waits for the other ranks at a sharded save before it names the
+``if ud.is_main():`` mistake (:func:`_every_rank_calls`), if the collective timeout is not shorter."""
+
+
 def save(obj: Any, path: str) -> None:
-    """Every rank calls it; the main process writes ``obj`` atomically, then all ranks return.
+    """The main process writes ``obj`` to ``path`` atomically; on the other ranks it does nothing.
 
     Prepared models are stored unwrapped (no ``module.`` prefix); optimizers, schedulers and
-    loaders as their state dicts; tensors on the CPU. A failed write raises on every rank and
-    leaves any previous file at ``path`` intact. The outcome travels as a collective (``save``):
-    check mode compares it across ranks and a lost peer raises :class:`PeerLost`.
+    loaders as their state dicts; tensors on the CPU. A failed write raises on the main process
+    and leaves any previous file at ``path`` intact.
+
+    Without sharding it is no collective: call it on every rank or under ``if ud.is_main():``,
+    as DDP scripts do; no rank waits for the write, so call :func:`barrier` before another rank
+    reads the file. With ``sharding="fsdp"`` gathering the shards is a collective: every rank
+    must call it, and rank 0 raises within seconds, naming the mistake, when the others do not.
     """
     backend = current_backend()
+    if not backend.config.sharding.enabled:
+        if backend.rank == 0:
+            _write(checkpoint.to_state(obj, backend.unwrap), path)
+        return
+    _every_rank_calls(backend, "save")
+    state = checkpoint.to_state(obj, backend.unwrap, _full_on_main(backend.rank))  # every rank walks the state
     error = None
-    state = None
-    if backend.config.sharding.enabled:  # gathering a shard is a collective: every rank walks the state
-        state = checkpoint.to_state(obj, backend.unwrap, _full_on_main(backend.rank))
     if backend.rank == 0:
         try:
-            checkpoint.write_atomic(state if state is not None else checkpoint.to_state(obj, backend.unwrap), path)
-        except Exception as exc:  # reported on every rank below, so no rank hangs
+            checkpoint.write_atomic(state, path)
+        except Exception as exc:  # reported on every rank below: they are all here
             error = summary(exc)
-    if backend.world_size > 1:
-        error = collectives.broadcast(backend, error, 0, what="save")
+    error = collectives.broadcast(backend, error, 0, what="save")
     if error is not None:
         raise UnifiedDistError(f"saving {path} failed on the main process: {error}")
+
+
+def _write(state: Any, path: str) -> None:
+    try:
+        checkpoint.write_atomic(state, path)
+    except Exception as exc:
+        raise UnifiedDistError(f"saving {path} failed on the main process: {summary(exc)}") from exc
+
+
+def _every_rank_calls(backend: Any, what: str) -> None:
+    """Before a collective save or load of sharded state: rank 0 raises at once if the other ranks
+    do not arrive within :data:`ARRIVAL_SECONDS` (e.g. ``if ud.is_main(): ud.save(...)``), instead
+    of hanging in the gather until the collective timeout."""
+    seconds = min(ARRIVAL_SECONDS, backend.config.timeout.total_seconds())
+    missing = backend.missing_peers(what, seconds)
+    if missing:
+        raise UnifiedDistError(
+            f"ud.{what}() of a sharded model is collective, but rank(s) {', '.join(map(str, missing))} did not call "
+            f"it within {seconds:g} s; `if ud.is_main(): ud.{what}(...)` hangs: call ud.{what}(...) on every rank "
+            "(only the main process writes)")
 
 
 def _full_on_main(rank: int) -> Any:
@@ -54,6 +85,7 @@ def get_state_dict(model: torch.nn.Module) -> Optional[dict]:
     backend = current_backend()
     if not backend.config.sharding.enabled:  # nothing to gather: only the main process walks
         return checkpoint.to_state(model, backend.unwrap) if backend.rank == 0 else None
+    _every_rank_calls(backend, "get_state_dict")
     state = checkpoint.to_state(model, backend.unwrap, _full_on_main(backend.rank))  # a collective
     return state if backend.rank == 0 else None
 
@@ -67,6 +99,7 @@ def save_sharded(obj: dict, directory: str) -> None:
     large to gather on one rank; :func:`save` writes one portable file instead.
     """
     backend = current_backend()
+    _every_rank_calls(backend, "save_sharded")
     parts = sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer)
     sharded_checkpoint.save(parts, directory, backend.rank,
                             lambda value: collectives.broadcast(backend, value, 0, what="save_sharded"),
@@ -77,6 +110,7 @@ def load_sharded(obj: dict, directory: str) -> dict:
     """Load what :func:`save_sharded` wrote into ``obj``'s model and optimizers, under any world
     size and sharding (state is resharded on load); returns the other values that were saved."""
     backend = current_backend()
+    _every_rank_calls(backend, "load_sharded")
     return sharded_checkpoint.load(sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer), directory)
 
 
@@ -91,7 +125,8 @@ def save_checkpoint(obj: Any, directory: str, step: int, keep_last: Optional[int
     """:func:`save` to ``directory/checkpoint-<step>.pt``, then keep only the ``keep_last`` newest.
 
     Older checkpoints are deleted only after the new one is completely written, so the last
-    good checkpoint always survives a crash. Returns the new checkpoint's path.
+    good checkpoint always survives a crash. Returns the new checkpoint's path. Collective only
+    where :func:`save` is (sharded models): ``if ud.is_main(): ud.save_checkpoint(...)`` works otherwise.
     """
     if keep_last is not None:
         checkpoint.check_keep_last(keep_last)  # on every rank, before anyone waits for the write
@@ -99,7 +134,8 @@ def save_checkpoint(obj: Any, directory: str, step: int, keep_last: Optional[int
     save(obj, path)
     if keep_last is not None and rank() == 0:
         checkpoint.rotate(directory, keep_last, path)
-    barrier()
+    if current_backend().config.sharding.enabled:
+        barrier()
     return path
 
 
@@ -108,9 +144,40 @@ def latest_checkpoint(directory: str) -> Optional[str]:
     return checkpoint.latest(directory)
 
 
-def load(path: str, map_location: Optional[Any] = None) -> Any:
-    """Read a checkpoint written by :func:`save` (under any backend) with ``weights_only=True``.
+def load(path: str, state: Optional[dict] = None, map_location: Optional[Any] = None, *, strict: bool = True) -> Any:
+    """Read a checkpoint written by :func:`save` (under any backend, any world size) with
+    ``weights_only=True``; every rank reads ``path`` itself, so it must be visible to every rank.
 
-    Every rank reads ``path`` itself, so it must be visible to every rank.
+    Without ``state``, returns what was saved. With ``state``, the dict of live objects given to
+    :func:`save` (e.g. ``{"model": model, "optimizer": optimizer, "loader": loader, "step": 0}``),
+    restores it in place and returns the saved entries that ``state`` does not name: models,
+    prepared or not (DDP wrappers and FSDP2 shards included), take their weights
+    (``load_state_dict(strict=strict)``); optimizers, schedulers, loaders and anything else with
+    ``load_state_dict`` their state; plain values in ``state`` are replaced by the saved ones.
+    A name in ``state`` that the checkpoint lacks is a :class:`CheckpointError` before anything is
+    loaded (``strict=False``: skipped, and models may miss or add keys).
     """
-    return checkpoint.read_safe(path, map_location)
+    if state is not None and not isinstance(state, dict):
+        raise CheckpointError(
+            f"load(path, state) takes a dict of names to live objects, got {type(state).__name__}; "
+            "pass the device as ud.load(path, map_location=...)")
+    saved = checkpoint.read_safe(path, map_location)
+    if state is None:
+        return saved
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{path} holds a {type(saved).__name__}, not the dict that load(path, state) restores")
+    missing = [name for name in state if name not in saved]
+    if missing and strict:
+        raise CheckpointError(f"{path} has no {', '.join(map(repr, missing))} (it holds {', '.join(map(repr, saved))}); "
+                              "leave those names out of state, or pass strict=False to skip them")
+    unwrap = current_backend().unwrap
+    for name, target in list(state.items()):
+        if name not in saved:
+            continue
+        if isinstance(target, torch.nn.Module):
+            unwrap(target).load_state_dict(saved[name], strict=strict)
+        elif hasattr(target, "load_state_dict") and callable(target.load_state_dict):
+            target.load_state_dict(saved[name])
+        else:
+            state[name] = saved[name]
+    return {name: value for name, value in saved.items() if name not in state}

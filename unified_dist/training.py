@@ -24,18 +24,24 @@ from typing import Any, Iterator, List, Optional
 import torch
 
 from .backends.base import Backend
+from .buffers import ModelBuffers
 from .data import LoaderStack
+from .errors import UnifiedDistError
 
 
 class GradientSync:
     """Counts micro-steps and decides which backward pass synchronises."""
 
-    def __init__(self, backend: Backend, loaders: LoaderStack) -> None:
+    def __init__(self, backend: Backend, loaders: LoaderStack, buffers: Optional[ModelBuffers] = None) -> None:
         self.backend = backend
         self.loaders = loaders
+        self.buffers = buffers if buffers is not None else ModelBuffers(backend)
         self.steps = backend.config.gradient_accumulation_steps
         self.micro_step = 0
         self.sync_gradients = True
+        self.inside = False  # within a `with ud.accumulate(model):` block now
+        self.ever_accumulated = False
+        self.backward_calls = 0  # ud.backward calls so far (each optimizer remembers the count at its step)
         self._window_samples: Optional[int] = None  # real samples of the current accumulation window
 
     @contextlib.contextmanager
@@ -49,12 +55,37 @@ class GradientSync:
         if self.sync_gradients:
             self.micro_step = 0
         self.backend.set_sync_gradients(self.sync_gradients)
+        self.inside = self.ever_accumulated = True
         try:
             with (contextlib.nullcontext() if self.sync_gradients else self.backend.no_sync(model)):
                 yield
         finally:
+            self.inside = False
             if self.sync_gradients:
                 self._window_samples = None
+
+    def check_backward_context(self) -> None:
+        """Refuse ``ud.backward`` outside ``ud.accumulate`` when micro-batches accumulate: nothing
+        would ever tell the optimizer to wait, so it would step on every micro-batch with 1/k of
+        the gradient."""
+        if self.steps > 1 and not self.inside:
+            raise UnifiedDistError(
+                f"ud.backward() ran outside `with ud.accumulate(model):` while gradient_accumulation_steps="
+                f"{self.steps}, so the optimizer would step every micro-batch with 1/{self.steps} of the gradient; "
+                "wrap each micro-step (forward, ud.backward, optimizer.step, zero_grad) in `with ud.accumulate(model):`")
+
+    def weighting_matters(self, scaler: Any) -> Optional[str]:
+        """Why this step's gradient needs ``ud.backward``'s weighting (``None`` when a plain
+        ``loss.backward()`` gives the same gradient: one micro-batch a step, evenly split, no fp16 scaling)."""
+        if self.steps > 1:
+            return f"gradient_accumulation_steps={self.steps} (each micro-batch weighs 1/{self.steps})"
+        if scaler is not None:
+            return "fp16 loss scaling"
+        loader = self.loaders.current
+        info = loader.batch_info if loader is not None else None
+        if info is not None and info.real % self.backend.world_size:  # then no rank's weight is 1
+            return "this ragged last batch split unevenly across ranks"
+        return None
 
     def loss_weight(self) -> Fraction:
         """What ``ud.backward`` multiplies this micro-batch's mean loss by (see the module doc)."""
@@ -80,6 +111,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self._finalized = False
         self.steps_taken = 0
+        self._backward_calls_at_step = 0
 
     # passthrough of what torch and schedulers read
     @property
@@ -131,15 +163,36 @@ class PreparedOptimizer(torch.optim.Optimizer):
         """Step only if this micro-step synchronised gradients; returns ``None`` otherwise."""
         if not self._sync.sync_gradients:
             return None
+        if closure is None:
+            self._refuse_unweighted_gradients()
         self._opt_called = True  # what torch's LR schedulers check before warning
         finalized, self._finalized = self._finalized, False
         self.steps_taken += 1
+        self._backward_calls_at_step = self._sync.backward_calls
         with self._sync.backend.step_context(self.optimizer, finalized):
             if self.scaler is None:
-                return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-            result = self.scaler.step(self.optimizer)
-            self.scaler.update()
-            return result
+                result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+            else:
+                result = self.scaler.step(self.optimizer)
+                self.scaler.update()
+        self._sync.buffers.after_step(self.optimizer)  # every rank takes rank 0's buffers (unified_dist.buffers)
+        return result
+
+    def _refuse_unweighted_gradients(self) -> None:
+        """Gradients that came from ``loss.backward()`` (no ``ud.backward`` since this optimizer's
+        last step) are refused where ``ud.backward``'s weighting would have changed them, before
+        anything is updated. The same on every rank: the rule reads no rank-local value."""
+        if self._sync.backward_calls != self._backward_calls_at_step:
+            return
+        if not any(p.grad is not None for group in self.param_groups for p in group["params"]):
+            return
+        why = self._sync.weighting_matters(self.scaler)
+        if self._sync.steps > 1 and not self._sync.ever_accumulated:
+            why = f"gradient_accumulation_steps={self._sync.steps} without `with ud.accumulate(model):`"
+        if why is not None:
+            raise UnifiedDistError(
+                f"optimizer.step() found gradients but no ud.backward(loss) since its last step; with {why} "
+                "loss.backward() gives a wrongly weighted gradient: call ud.backward(loss) instead (nothing was updated)")
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # counted above, as torch's wrapper does
 

@@ -7,12 +7,12 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
-from .base import Backend, Config, weighted
+from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config, weighted
 from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels
-from .process_group import TORCH_OPS, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group
+from .process_group import TORCH_OPS, Arrivals, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
 
@@ -52,6 +52,7 @@ class AccelerateBackend(Backend):
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
         self._ddp = DdpTracker()
+        self._arrivals = Arrivals()
         try:
             from accelerate import Accelerator
             from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
@@ -78,7 +79,8 @@ class AccelerateBackend(Backend):
             gradient_accumulation_steps=config.gradient_accumulation_steps,
             step_scheduler_with_optimizer=False,
             kwargs_handlers=[InitProcessGroupKwargs(timeout=config.timeout),
-                             DistributedDataParallelKwargs(**ddp_kwargs(config.bucket_mb, config.bucket_view))],
+                             DistributedDataParallelKwargs(**BUFFER_KWARGS,
+                                                          **ddp_kwargs(config.bucket_mb, config.bucket_view))],
         )
         # Accelerate's own FSDP (accelerate launch --use_fsdp) only runs on GPUs: on a CPU it keeps
         # DistributedType.MULTI_CPU and would wrap the model in DDP. The facade shards with torch's
@@ -178,3 +180,8 @@ class AccelerateBackend(Backend):
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
+
+    def missing_peers(self, name: str, seconds: float) -> list:
+        if self.world_size == 1:
+            return []
+        return self._arrivals.missing(name, seconds, self.rank, self.world_size)

@@ -12,7 +12,7 @@ import gc
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, List, Optional
 
 import torch
 
@@ -31,6 +31,9 @@ REDUCE_OPS = ("sum", "mean", "max", "min")
 """What ``all_reduce`` accepts."""
 PRIMITIVE_OPS = tuple(op for op in REDUCE_OPS if op != "mean")
 """Reductions every backend implements; ``mean`` is ``sum`` divided by world size."""
+DDP_BUFFER_KWARGS = {"broadcast_buffers": False}
+"""What DistributedDataParallel is built with (directly, or through Accelerate's kwargs handler): the
+facade gives every rank rank 0's buffers after each optimizer step instead (:mod:`unified_dist.buffers`)."""
 DEFAULT_TIMEOUT_S = 600.0
 """Seconds a collective may take when neither ``init(timeout=...)`` nor ``UNIFIED_DIST_TIMEOUT`` says."""
 
@@ -238,3 +241,11 @@ class Backend(ABC):
     @abstractmethod
     def barrier(self) -> None:
         """Return only when every rank has called it."""
+
+    def missing_peers(self, name: str, seconds: float) -> List[int]:
+        """Without a collective: this rank says it reached the ``name`` point (its n-th time);
+        rank 0 then waits up to ``seconds`` for the other ranks to say the same and returns
+        those that did not (ranks > 0 return ``[]`` at once). Lets rank 0 tell "called on the main
+        process only" from "the others are on their way" before it enters a collective that would
+        hang. This default, for stacks without a side channel, reports nobody missing."""
+        return []

@@ -148,3 +148,35 @@ def destroy_at_exit(owns_group: bool) -> None:
     """
     if owns_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class Arrivals:
+    """:meth:`Backend.missing_peers` over the default group's key-value store (torchrun's, or
+    the one ``init_process_group`` made): one key per rank and point, polled by rank 0 only."""
+
+    def __init__(self) -> None:
+        self._count: dict = {}
+
+    def missing(self, name: str, seconds: float, rank: int, world_size: int) -> list:
+        import time
+
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        n = self._count[name] = self._count.get(name, 0) + 1
+        store = _get_default_store()
+        key = f"unified_dist/arrived/{name}/{n}/"
+        store.set(key + str(rank), b"1")
+        if rank != 0:
+            return []
+        keys = {r: key + str(r) for r in range(1, world_size)}
+        deadline = time.monotonic() + seconds
+        while True:
+            missing = [r for r, k in keys.items() if not store.check([k])]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        if not missing:
+            for k in (key + "0", *keys.values()):
+                store.delete_key(k)
+        return missing
+

@@ -6,12 +6,12 @@ from typing import Any, ContextManager, Optional
 import torch
 import torch.distributed as dist
 
-from .base import Backend, Config
+from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config
 from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels
-from .process_group import (TORCH_OPS, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group,
+from .process_group import (TORCH_OPS, Arrivals, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group,
                             local_rank_from_hosts)
 from ..detection import Detection
 
@@ -26,6 +26,7 @@ class TorchBackend(Backend):
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
         self._ddp = DdpTracker()
+        self._arrivals = Arrivals()
         self._fsdp = FsdpModels(config.sharding, config.mixed_precision)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
@@ -63,8 +64,8 @@ class TorchBackend(Backend):
         if self._fsdp.enabled:
             return self._fsdp.prepare(model)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
-                                                        **ddp_kwargs(self.config.bucket_mb, self.config.bucket_view))
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=device_ids, **BUFFER_KWARGS, **ddp_kwargs(self.config.bucket_mb, self.config.bucket_view))
         return self._ddp.track(self.apply_compression(ddp))
 
     def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -98,3 +99,8 @@ class TorchBackend(Backend):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def missing_peers(self, name: str, seconds: float) -> list:
+        if self.world_size == 1:
+            return []
+        return self._arrivals.missing(name, seconds, self.rank, self.world_size)

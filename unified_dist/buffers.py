@@ -1,0 +1,82 @@
+"""Module buffers (BatchNorm's running statistics, counters, any ``register_buffer``) with one
+meaning on every backend.
+
+**A prepared model's buffers are rank 0's.** Every rank starts from rank 0's buffers (at
+``prepare``); rank 0's evolve as those of one process fed rank 0's micro-batches; and after every
+optimizer step every rank holds rank 0's again. So evaluation after a step gives the same outputs
+on every rank and under every launcher, and a checkpoint holds what every rank evaluates with.
+
+Why not each stack's own rule: DDP (torch, Accelerate) broadcasts rank 0's buffers *before* the
+forward of a synchronising micro-step (``broadcast_buffers=True``), so after that forward every
+rank holds its own statistics again, and evaluation right after training differs between ranks;
+Horovod and FSDP2 never broadcast buffers at all. The facade turns DDP's broadcast off
+(:data:`unified_dist.backends.base.DDP_BUFFER_KWARGS`) and broadcasts once after each optimizer step instead, on every backend: the
+same number of collectives as DDP's rule, one per buffer dtype. Between two steps (the micro-steps
+of an accumulation window) each rank's buffers follow its own micro-batches, as under DDP.
+
+``init(sync_batchnorm=True)`` changes what the statistics *are* (computed over the global batch,
+see :mod:`unified_dist.sync_batchnorm`); the rule here still keeps every rank's copy equal.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+from . import collectives
+from .backends.base import Backend
+
+def _unique_buffers(models: Iterable[torch.nn.Module]) -> List[torch.Tensor]:
+    seen: Dict[int, torch.Tensor] = {}
+    for model in models:
+        for buffer in model.buffers():
+            seen.setdefault(id(buffer), buffer)
+    return list(seen.values())
+
+
+def broadcast_from_main(backend: Backend, models: Iterable[torch.nn.Module]) -> None:
+    """Copy rank 0's buffers of ``models`` into every rank's, in place: one broadcast per
+    (device, dtype) group, in the same order on every rank. Nothing happens with one process."""
+    if backend.world_size == 1:
+        return
+    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for buffer in _unique_buffers(models):
+        groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
+    with torch.no_grad():
+        for (_, dtype), tensors in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            flat = collectives.broadcast(backend, flat, 0, what="buffers (after optimizer.step)")
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+class ModelBuffers:
+    """The prepared models that have buffers, and which of them each optimizer steps."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self._models: List[torch.nn.Module] = []
+        self._stepped_by: Dict[int, List[torch.nn.Module]] = {}  # id(optimizer) -> its models
+
+    def add(self, model: torch.nn.Module) -> None:
+        """Register a just-prepared model and give every rank rank 0's buffers now."""
+        if self.backend.world_size == 1 or not any(True for _ in model.buffers()):
+            return
+        self._models.append(model)
+        self._stepped_by.clear()
+        broadcast_from_main(self.backend, [model])
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer`` stepped: every rank takes rank 0's buffers of the models it steps
+        (those whose parameters it holds; the same choice on every rank)."""
+        if not self._models:
+            return
+        models = self._stepped_by.get(id(optimizer))
+        if models is None:
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            models = [m for m in self._models if any(id(p) in held for p in m.parameters())]
+            self._stepped_by[id(optimizer)] = models
+        if models:
+            broadcast_from_main(self.backend, models)
