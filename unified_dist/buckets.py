@@ -24,8 +24,8 @@ from typing import Any, Dict, Mapping, Optional
 
 from .errors import UnifiedDistError
 from .flags import is_set
+from .settings import BUCKET_MB_ENV as ENV_VAR, BUCKET_VIEW_ENV as VIEW_ENV
 
-ENV_VAR = "UNIFIED_DIST_BUCKET_MB"
 HOROVOD_VAR = "HOROVOD_FUSION_THRESHOLD"
 HOROVOD_CYCLE_VAR = "HOROVOD_CYCLE_TIME"
 CPU_CYCLE_MS = 5
@@ -37,7 +37,6 @@ cores all compute, it takes them from the compute threads. Measured on 2 hosts x
 1 Gbit/s (BENCHMARKS.md §6, "Horovod's cycle time"): micro-batches that send nothing took
 1.33-1.68x as long as on one host at 1 ms, 1.09-1.15x at 5-100 ms (torch: 1.2x). The price of a
 longer cycle is latency: a small collective (a logged loss, a metric) waits about one cycle."""
-VIEW_ENV = "UNIFIED_DIST_BUCKET_VIEW"
 MIB = 1 << 20
 
 

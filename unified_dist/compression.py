@@ -20,11 +20,10 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from .errors import UnifiedDistError
+from .settings import GRADIENT_COMPRESSION_ENV as ENV_VAR
 
 MODES = ("bf16", "fp16")
 """Every compression ``init`` accepts (``None``, or ``"none"`` in the variable, sends float32)."""
-ENV_VAR = "UNIFIED_DIST_GRADIENT_COMPRESSION"
-"""The variable ``unified-dist launch --gradient-compression`` sets for the script."""
 SIGNIFICANT_BITS = {"bf16": 8, "fp16": 11}
 """Significant bits of each format (the implicit leading bit included): rounding to nearest
 changes a value by at most 2^-bits relative."""

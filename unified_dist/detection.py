@@ -43,18 +43,13 @@ from typing import Mapping, Optional, Sequence, Tuple
 from . import hostlist
 from .errors import UnifiedDistError
 from .registry import NAMES, SPECS
+from .settings import BACKEND_ENV as ENV_BACKEND, LAUNCHER_ENV as ENV_LAUNCHER, PREFIX, SLURM_ENV as ENV_SLURM
 
 BACKENDS: Tuple[str, ...] = NAMES
 """Every backend name ``init(backend=...)`` accepts (:data:`unified_dist.registry.SPECS`)."""
 
-ENV_BACKEND = "UNIFIED_DIST_BACKEND"
-ENV_SLURM = "UNIFIED_DIST_SLURM"
-"""``0`` turns the SLURM source off (then ``srun -n N`` with N > 1 and no torchrun is a LaunchError)."""
-ENV_LAUNCHER = "UNIFIED_DIST_LAUNCHER"
-"""Set by :func:`unified_dist.launch` in its workers: the launcher's name for ``ud.launcher()``."""
-
 LAUNCHER_VARIABLE_PREFIXES = (*(s.variable_prefix for s in SPECS.values() if s.variable_prefix),
-                              "UNIFIED_DIST_", "SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "MPI_LOCAL")
+                              PREFIX, "SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "MPI_LOCAL")
 """Prefixes of the variables a launcher (or a job around this process) sets: what a new job started
 from inside this one must not inherit."""
 TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -1,16 +1,15 @@
 """How an on/off environment variable reads (the one truthy spelling every switch accepts), and
-the switches whose modules need torch, named here so the ``unified-dist`` command can offer them
-without importing it."""
+the switches whose modules need torch, named here (their variables come from
+:mod:`unified_dist.settings`) so the ``unified-dist`` command can offer them without importing it."""
 from __future__ import annotations
 
 from typing import Optional
 
+from .settings import SHARDING_ENV, SYNC_BATCHNORM_ENV  # init(sharding=...)'s and init(sync_batchnorm=True)'s
+
 TRUE_WORDS = ("1", "true", "yes", "on")
-SHARDING_ENV = "UNIFIED_DIST_SHARDING"
 SHARDING_MODES = ("no", "fsdp")
-"""``init(sharding=...)``'s choices and variable (see :mod:`unified_dist.sharding`)."""
-SYNC_BATCHNORM_ENV = "UNIFIED_DIST_SYNC_BATCHNORM"
-"""``init(sync_batchnorm=True)``'s variable (see :mod:`unified_dist.sync_batchnorm`)."""
+"""``init(sharding=...)``'s choices (see :mod:`unified_dist.sharding`)."""
 
 
 def is_set(value: Optional[str], default: bool = False) -> bool:

@@ -26,6 +26,7 @@ from .detection import ENV_BACKEND, ENV_LAUNCHER, LAUNCHER_VARIABLE_PREFIXES, TO
 from .errors import CollectiveTimeout, PeerLost, UnifiedDistError, WorkerFailed
 from .net import free_port
 from .registry import SPECS
+from .settings import PREFIX
 
 LAUNCH_BACKENDS = tuple(name for name, spec in SPECS.items() if spec.start)
 """Backends ``launch`` can start (each spec's ``start`` names its starter)."""
@@ -124,7 +125,7 @@ def _inherited(key: str, backend: str) -> bool:
     """A launcher variable of the caller's own job: not horovod.run's identity, not a unified_dist setting."""
     if key in (ENV_BACKEND, ENV_LAUNCHER):
         return True
-    if key.startswith("UNIFIED_DIST_") or (backend == "horovod" and key.startswith("HOROVOD_")):
+    if key.startswith(PREFIX) or (backend == "horovod" and key.startswith("HOROVOD_")):
         return False
     return key.startswith(LAUNCHER_VARIABLE_PREFIXES) or key in TORCH_VARIABLES
 

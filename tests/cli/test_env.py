@@ -1,7 +1,8 @@
 """``unified-dist env``: text and JSON reports, Horovod's build, detection, and fixes for what is broken."""
 import json
 
-KEYS = {"python", "packages", "backends", "horovod_build", "hardware", "detection", "problems"}
+KEYS = {"python", "packages", "backends", "horovod_build", "hardware", "detection", "settings",
+        "unknown_settings", "problems"}
 PACKAGES = {"unified_dist", "torch", "accelerate", "horovod", "transformers", "datasets"}
 
 
@@ -9,7 +10,8 @@ def test_text_report_has_every_section(cli):
     result = cli("env")
     assert result.returncode == 0, result.stderr
     text = result.stdout
-    for heading in ("versions", "backends", "horovod build", "hardware", "this environment would run", "problems"):
+    for heading in ("versions", "backends", "horovod build", "hardware", "this environment would run", "settings",
+                    "problems"):
         assert f"\n{heading}" in f"\n{text}", heading
     for package in PACKAGES:
         assert f"\n  {package} " in text, package
@@ -72,3 +74,21 @@ def test_srun_task_is_reported_with_its_derived_rendezvous(cli):
     assert found["rendezvous"].startswith("127.0.0.1:") and not found["problems"]
     text = cli("env", env=env).stdout
     assert "  launcher      srun" in text and "  rendezvous    127.0.0.1:" in text
+
+
+def test_a_misspelled_setting_is_a_problem_and_the_settings_in_effect_are_listed(cli):
+    env = {"UNIFIED_DIST_SYNCBATCHNORM": "1", "UNIFIED_DIST_BUCKET_MB": "4"}
+    text = cli("env", env=env).stdout
+    problem = ("settings: UNIFIED_DIST_SYNCBATCHNORM is not a unified_dist setting and is ignored; "
+               "did you mean UNIFIED_DIST_SYNC_BATCHNORM?")
+    assert f"\nproblems\n  {problem}\n" in text, text
+    assert "\n  UNIFIED_DIST_BUCKET_MB             4 (environment)\n" in text, text
+    assert "\n  UNIFIED_DIST_SYNC_BATCHNORM        off (default)\n" in text, text
+    report = json.loads(cli("env", "--json", env=env).stdout)
+    assert report["unknown_settings"] == [{"variable": "UNIFIED_DIST_SYNCBATCHNORM",
+                                           "suggestion": "UNIFIED_DIST_SYNC_BATCHNORM"}]
+    assert problem in report["problems"]
+    rows = {row["variable"]: row for row in report["settings"]}
+    assert (rows["UNIFIED_DIST_BUCKET_MB"]["value"], rows["UNIFIED_DIST_BUCKET_MB"]["source"]) == ("4", "environment")
+    assert rows["UNIFIED_DIST_SYNC_BATCHNORM"]["source"] == "default"
+    assert rows["UNIFIED_DIST_SYNC_BATCHNORM"]["keyword"] == "sync_batchnorm"

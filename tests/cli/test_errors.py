@@ -40,3 +40,36 @@ def test_launcher_not_installed_names_the_fix(cli, tmp_path, backend, launcher, 
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert result.stderr.count("\n") == 1, result.stderr
     assert f"{launcher} (the {backend} launcher) is not installed" in result.stderr and fix in result.stderr
+
+
+def test_fp16_without_cuda_is_refused_as_init_refuses_it(cli, tmp_path):
+    import torch
+
+    (tmp_path / "x.py").write_text("raise SystemExit('must not run')\n")
+    result = cli("launch", "--dry-run", "--backend", "torch", "--nproc", "2", "--mixed-precision", "fp16", "x.py",
+                 cwd=tmp_path)
+    if torch.cuda.is_available():  # the premise (no CUDA GPU) does not hold: fp16 is allowed here
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith("UNIFIED_DIST_MIXED_PRECISION=fp16 torchrun "), result.stdout
+        return
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert result.stderr.count("\n") == 1 and result.stdout == "", result.stderr
+    assert result.stderr.startswith("unified-dist launch: error: fp16 mixed precision needs a CUDA GPU;"), result.stderr
+    assert "use --mixed-precision bf16" in result.stderr, result.stderr
+
+
+def test_launch_refuses_fp16_by_the_rule_init_applies():
+    from unified_dist.cli.errors import UsageError
+    from unified_dist.cli.launch import Plan, check_precision
+    from unified_dist.errors import PrecisionError
+    from unified_dist.precision import resolve_mixed_precision
+
+    plan = Plan(backend="torch", script="x.py", mixed_precision="fp16")
+    check_precision(plan, cuda=True)
+    check_precision(Plan(backend="torch", script="x.py", mixed_precision="bf16"), cuda=False)
+    check_precision(Plan(backend="torch", script="x.py"), cuda=False)
+    with pytest.raises(UsageError) as refused:
+        check_precision(plan, cuda=False)
+    with pytest.raises(PrecisionError) as init_refused:
+        resolve_mixed_precision("fp16", {}, cuda=False)
+    assert str(init_refused.value).replace("mixed_precision='bf16'", "--mixed-precision bf16") == str(refused.value)

@@ -1,4 +1,4 @@
-"""``unified-dist env``: what is installed, what works, and what would run here and why.
+"""``unified-dist env``: what is installed, what works, what would run here and why, with which settings.
 
 :func:`collect` builds one JSON-ready dict; :func:`render` turns it into text. Anything
 broken is reported with its fix, never raised: the report is most useful when things fail.
@@ -14,6 +14,7 @@ import sysconfig
 from typing import Any, Dict, List, Mapping, Optional
 
 from . import launch
+from .. import settings
 from ..errors import summary as _first_line
 from ..registry import SPECS
 
@@ -157,6 +158,8 @@ def collect(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
     problems += [f"detection: {w}" for w in chosen.get("warnings", [])]
     if "error" in chosen:
         problems.append(f"detection: {chosen['error']}")
+    unknown = settings.unknown_variables(environ)
+    problems += [f"settings: {settings.describe_unknown(name, close)}" for name, close in unknown]
     return {
         "python": {"version": platform.python_version(), "executable": sys.executable},
         "packages": {name: _version(name) for name in PACKAGES},
@@ -164,6 +167,8 @@ def collect(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
         "horovod_build": horovod_build(),
         "hardware": machine,
         "detection": chosen,
+        "settings": settings.in_effect(environ),
+        "unknown_settings": [{"variable": name, "suggestion": close} for name, close in unknown],
         "problems": problems,
     }
 
@@ -219,6 +224,12 @@ def render(report: Dict[str, Any]) -> str:
         rows.append(f"  {'precision':<14}{found['mixed_precision']}")
         rows += [f"  {'problem':<14}{p}" for p in found["problems"]]
         rows += [f"  {'warning':<14}{w}" for w in found["warnings"]]
+
+    rows += ["", "settings (UNIFIED_DIST_* variables; an init(...) keyword in the script wins over its variable)"]
+    width = max(len(row["variable"]) for row in report["settings"]) + 2
+    for row in report["settings"]:
+        value = row["value"] or "''"
+        rows.append(f"  {row['variable']:<{width}}{value} ({row['source']})")
 
     rows += ["", "problems"]
     rows += [f"  {p}" for p in report["problems"]] or ["  none"]

@@ -19,7 +19,8 @@ from typing import Dict, List, Mapping, NoReturn, Optional, Tuple
 from ..buckets import ENV_VAR as ENV_BUCKET_MB, resolve_bucket_mb
 from ..compression import ENV_VAR as ENV_COMPRESSION, MODES as COMPRESSION_MODES
 from ..net import DEFAULT_MASTER_PORT
-from ..precision import ENV_VAR as ENV_MIXED_PRECISION, MODES as MIXED_PRECISION_MODES
+from ..errors import PrecisionError
+from ..precision import ENV_VAR as ENV_MIXED_PRECISION, MODES as MIXED_PRECISION_MODES, check_device
 from ..flags import SHARDING_ENV, SHARDING_MODES, SYNC_BATCHNORM_ENV
 from .errors import UsageError
 from ..registry import LAUNCHED, SPECS
@@ -104,6 +105,16 @@ def check_plan(plan: Plan) -> None:
         raise UsageError(f"unknown sharding {plan.sharding!r}; use one of {', '.join(SHARDING_MODES)}")
     if plan.sharding == "fsdp" and not _backend_class(plan.backend).supports_sharding:
         raise UsageError(f"--sharding fsdp: {plan.backend} has no sharding; use --backend torch or accelerate")
+
+
+def check_precision(plan: Plan, cuda: bool) -> None:
+    """Raise :class:`UsageError` when this machine cannot run ``--mixed-precision`` (fp16 without a
+    CUDA GPU), as ``ud.init`` would refuse it in every process."""
+    if plan.mixed_precision:
+        try:
+            check_device(plan.mixed_precision, cuda, spelling="--mixed-precision {}")
+        except PrecisionError as exc:
+            raise UsageError(str(exc)) from None
 
 
 def _multi_node_address(plan: Plan) -> Tuple[str, int]:
@@ -305,7 +316,9 @@ def main(args) -> int:
     check_machine(plan)  # torch's import (seconds): a mistake is answered at once
     import torch  # only asked whether there is a GPU
 
-    command = build(plan, cuda=torch.cuda.is_available())
+    cuda = torch.cuda.is_available()
+    check_precision(plan, cuda)
+    command = build(plan, cuda=cuda)
     if args.dry_run:
         print(command.line())
         return 0

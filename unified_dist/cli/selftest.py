@@ -26,6 +26,7 @@ from .errors import UsageError
 from ..detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
 from ..net import free_port
 from ..registry import SPECS
+from ..settings import TIMEOUT_ENV
 
 WORKER = Path(__file__).with_name("selftest_worker.py")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +86,7 @@ def _clean_environment(timeout: float) -> Dict[str, str]:
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
     # A collective stuck for half the launch's budget gives up with a clear error before the kill.
-    env["UNIFIED_DIST_TIMEOUT"] = str(max(1, int(timeout / 2)))
+    env[TIMEOUT_ENV] = str(max(1, int(timeout / 2)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
