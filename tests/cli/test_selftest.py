@@ -5,7 +5,7 @@ WITHOUT_HOROVOD = os.environ.get("UNIFIED_DIST_WITHOUT_HOROVOD") == "1"  # delib
 BACKENDS = ["torch", "accelerate"] + ([] if WITHOUT_HOROVOD else ["horovod"])
 CHECKS = ["launch", "init", "identity", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "all_reduce_min",
           "all_gather_even", "all_gather_uneven", "all_gather_0d", "broadcast_tensor", "broadcast_object",
-          "barrier", "gather_for_metrics", "training_step"]
+          "barrier", "gather_for_metrics", "training_step", "dtype_matrix"]
 
 
 def _table(stdout):

@@ -24,6 +24,46 @@ def _horovod_peer_lost(horovod_internal_error: type) -> type:
                 {"__module__": PeerLost.__module__, "__doc__": PeerLost.__doc__})
 
 
+# What Horovod 0.28.1's torch ops refuse ("Tensor type torch.BoolTensor is not supported."), probed on
+# its CPU/gloo build: allreduce takes int32, int64, float16, float32, float64 only; allgather and
+# broadcast take uint8, int8 and int16 too; none takes bool or bfloat16.
+_REDUCE_AS = {torch.bool: torch.int32, torch.uint8: torch.int32, torch.int8: torch.int32,
+              torch.int16: torch.int32, torch.bfloat16: torch.float32}
+_MOVE_AS = {torch.bool: torch.uint8, torch.bfloat16: torch.int16}
+
+
+def wire_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
+    """The dtype a ``dtype`` tensor travels in through Horovod's ``op`` ("reduce", "gather" or
+    "broadcast"); ``dtype`` itself where Horovod takes it.
+
+    The contract: every result has the caller's dtype and the value torch.distributed (gloo) gives
+    for that dtype. ``reduce`` converts with ``.to`` (values): bool, uint8, int8 and int16 reduce
+    in int32, so max/min are exact and the sum, converted back, wraps modulo 2**bits as gloo's
+    narrow-type sum does (a bool sum is "any", as on gloo; :func:`unified_dist.collectives.all_reduce`
+    counts Trues by summing int64); bfloat16 reduces in float32, max/min exact and the sum rounded
+    once at the end (gloo rounds after each addition: the same for two ranks and whenever the
+    partial sums are representable). ``gather`` and ``broadcast`` only move bytes: bool travels as
+    uint8 and bfloat16 as int16, reinterpreted bit for bit with ``.view`` (exact), with one trailing
+    dim of size 1 so that Horovod's shape check still refuses a rank that sent real uint8/int16.
+    """
+    return (_REDUCE_AS if op == "reduce" else _MOVE_AS).get(dtype, dtype)
+
+
+def _send_as(tensor: torch.Tensor, op: str) -> torch.Tensor:
+    """``tensor`` as it travels through Horovod's ``op`` (:func:`wire_dtype`)."""
+    wire = wire_dtype(tensor.dtype, op)
+    if wire == tensor.dtype:
+        return tensor
+    return tensor.to(wire) if op == "reduce" else tensor.view(wire).unsqueeze(-1)
+
+
+def _received_as(out: torch.Tensor, dtype: torch.dtype, op: str) -> torch.Tensor:
+    """What Horovod returned for a ``dtype`` tensor sent with :func:`_send_as`, back in ``dtype``."""
+    if out.dtype == dtype:
+        return out
+    return out.to(dtype) if op == "reduce" else out.squeeze(-1).view(dtype)
+
+
 def _import_horovod():
     try:
         import horovod.torch as hvd
@@ -192,26 +232,30 @@ class HorovodBackend(Backend):
 
     def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         hvd_op = {"sum": self.hvd.Sum, "max": self.hvd.Max, "min": self.hvd.Min}[op]
-        return self._wait(self.hvd.allreduce_async_(tensor, op=hvd_op))
+        out = self._wait(self.hvd.allreduce_async_(_send_as(tensor, "reduce"), op=hvd_op))
+        return _received_as(out, tensor.dtype, "reduce")
 
     def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self._wait(self.hvd.allgather_async(tensor.unsqueeze(0)))  # concatenates on dim 0
+        wire = _send_as(tensor.unsqueeze(0), "gather")  # Horovod concatenates on dim 0
+        return _received_as(self._wait(self.hvd.allgather_async(wire)), tensor.dtype, "gather")
 
     def all_gather_uneven(self, tensor: torch.Tensor) -> torch.Tensor:
         # Horovod's allgather takes a different dim 0 per rank natively (its coordinator exchanges
         # the sizes while negotiating, not in a round trip of ours) and keeps no state between
         # calls, which an elastic job whose membership changes needs.
         try:
-            return self._wait(self.hvd.allgather_async(tensor))
+            out = self._wait(self.hvd.allgather_async(_send_as(tensor, "gather")))
         except UnifiedDistError:
             raise
         except Exception as exc:
             if "mismatch" not in str(exc).lower():
                 raise
             raise ShapeMismatch(first_line(exc)) from exc  # every rank got it
+        return _received_as(out, tensor.dtype, "gather")
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
-        return self._wait(self.hvd.broadcast_async_(tensor, root_rank=src))
+        out = self._wait(self.hvd.broadcast_async_(_send_as(tensor, "broadcast"), root_rank=src))
+        return _received_as(out, tensor.dtype, "broadcast")
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         # as hvd.broadcast_object (size, then bytes), but with plain pickle and our deadline

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -183,8 +183,121 @@ def training_step(ctx: Context) -> None:
     assert all(torch.equal(row.cpu(), mine) for row in every), "ranks hold different parameters"
 
 
+DTYPES: Tuple[torch.dtype, ...] = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
+                                   torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes :func:`dtype_matrix` sends through every collective."""
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _ints(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Small non-negative integers in ``dtype``, exact in every one of :data:`DTYPES`; for bool, odd is True."""
+    return values % 2 == 1 if dtype == torch.bool else values.to(dtype)
+
+
+def _differs(got: torch.Tensor, expected: torch.Tensor, rule: str) -> Optional[str]:
+    """What differs between ``got`` and ``expected`` (``None``: nothing). ``rule`` is the dtype ``got``
+    must have: ``same`` as ``expected``; ``count`` any integer but bool; ``floating`` any floating."""
+    got = got.detach().cpu()
+    dtype_ok = {"same": got.dtype == expected.dtype, "count": not got.is_floating_point() and got.dtype != torch.bool,
+                "floating": got.is_floating_point()}[rule]
+    if not dtype_ok:
+        return f"dtype {_short(got.dtype)}, expected {_short(expected.dtype) if rule == 'same' else rule}"
+    if got.shape != expected.shape or not torch.equal(got.to(expected.dtype), expected):
+        return f"got {got.tolist()}, expected {expected.tolist()}"
+    return None
+
+
+def _gathered_for_metrics(values: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """``gather_for_metrics`` of every batch of a prepared loader over ``values``, concatenated. A
+    batch whose gather fails does not stop the loop (every rank gathers every batch); the first
+    failure is raised at the end."""
+    loader = ud.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(values), batch_size=batch_size))
+    parts, errors = [], []
+    for (batch,) in loader:
+        try:
+            parts.append(ud.gather_for_metrics(batch).cpu())
+        except (ud.CollectiveTimeout, ud.PeerLost):
+            raise
+        except Exception as exc:  # reported with its dtype by the caller
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return torch.cat(parts)
+
+
+def dtype_matrix(ctx: Context) -> None:
+    """Every dtype of :data:`DTYPES` through ``all_reduce`` (sum/mean/max/min), ``all_gather`` (even and
+    uneven), ``gather_for_metrics`` (ragged last batch) and ``broadcast``, on small integers (exact in
+    every dtype). A result keeps its dtype, except that a bool sum counts Trues (an integer) and an
+    integer or bool mean is floating; a bool max is any, its min all; a uint8/int8 sum past the
+    dtype's range wraps modulo 256. Each case that fails is named (dtype, op, what differed)."""
+    r, w = ud.rank(), ud.world_size()
+    src = w - 1
+    failures: List[str] = []
+    cases = 0
+
+    def attempt(dtype: torch.dtype, op: str, run: Callable[[], torch.Tensor], expected: torch.Tensor,
+                rule: str = "same") -> None:
+        nonlocal cases
+        cases += 1
+        try:
+            got = run()
+        except (ud.CollectiveTimeout, ud.PeerLost):
+            raise  # the ranks no longer line up: every later case would wait out the timeout
+        except Exception as exc:  # every rank raises it alike, so later cases still line up
+            lines = str(exc).strip().splitlines()
+            failures.append(f"{_short(dtype)} {op}: raised {type(exc).__name__}: {lines[0] if lines else ''}")
+            return
+        problem = _differs(got, expected, rule)
+        if problem is not None:
+            failures.append(f"{_short(dtype)} {op}: {problem}")
+
+    for dtype in DTYPES:
+        is_bool, is_float = dtype == torch.bool, dtype.is_floating_point
+
+        def row(k: int) -> torch.Tensor:  # rank k's all_reduce input, as int64
+            return torch.tensor([1, 0, int(k == 0)]) if is_bool else torch.tensor([k + 1, 3, w - k])
+
+        every = torch.stack([row(k) for k in range(w)])
+        mine = _ints(row(r), dtype)
+        total = every.sum(0)
+        mean = total.double() / w  # integers: (w + 1) / 2 and 3, exact in every floating dtype
+        attempt(dtype, "all_reduce sum", lambda: ud.all_reduce(mine, "sum"),
+                total if is_bool else total.to(dtype), "count" if is_bool else "same")
+        attempt(dtype, "all_reduce mean", lambda: ud.all_reduce(mine, "mean"),
+                mean.to(dtype) if is_float else mean, "same" if is_float else "floating")
+        attempt(dtype, "all_reduce max", lambda: ud.all_reduce(mine, "max"), every.max(0).values.to(dtype))
+        attempt(dtype, "all_reduce min", lambda: ud.all_reduce(mine, "min"), every.min(0).values.to(dtype))
+        if dtype in (torch.uint8, torch.int8):  # a sum past the range wraps modulo 256, as gloo's does
+            big = 200 if dtype == torch.uint8 else 100
+            wrapped = (big * w) % 256 if dtype == torch.uint8 else (big * w + 128) % 256 - 128
+            large = torch.tensor([big], dtype=dtype)
+            attempt(dtype, "all_reduce sum past its range", lambda: ud.all_reduce(large, "sum"),
+                    torch.tensor([wrapped], dtype=dtype))
+
+        def even(k: int) -> torch.Tensor:
+            return _ints(torch.arange(6).reshape(2, 3) + k, dtype)
+
+        def uneven(k: int) -> torch.Tensor:  # k + 1 rows
+            return _ints(torch.arange(2 * (k + 1)).reshape(k + 1, 2) + 3 * k, dtype)
+
+        attempt(dtype, "all_gather even", lambda: ud.all_gather(even(r)), torch.cat([even(k) for k in range(w)]))
+        attempt(dtype, "all_gather uneven", lambda: ud.all_gather(uneven(r)),
+                torch.cat([uneven(k) for k in range(w)]))
+        values = _ints(torch.arange(2 * w + 1) * 7 % 13, dtype)  # batches of 2: the last one is ragged
+        attempt(dtype, "gather_for_metrics", lambda: _gathered_for_metrics(values, 2), values)
+        sent = _ints(torch.arange(4) + r, dtype)
+        attempt(dtype, "broadcast", lambda: ud.broadcast(sent, src=src), _ints(torch.arange(4) + src, dtype))
+        if not torch.equal(sent, _ints(torch.arange(4) + r, dtype)):
+            failures.append(f"{_short(dtype)} broadcast: modified its input")
+    assert not failures, f"{len(failures)} of {cases} dtype cases failed: " + "; ".join(failures)
+
+
 CHECKS: Tuple[Check, ...] = (
     identity, _all_reduce("sum"), _all_reduce("mean"), _all_reduce("max"), _all_reduce("min"),
     all_gather_even, all_gather_uneven, all_gather_0d, broadcast_tensor, broadcast_object, barrier,
-    gather_for_metrics, training_step)
+    gather_for_metrics, training_step, dtype_matrix)
 """Every check in the order it runs; its ``__name__`` is its name (a self-test row, a test id)."""
