@@ -45,7 +45,6 @@ def _scaled_gradient_setup(backend):
     param.grad = torch.tensor([3.0, 4.0, 0.0]) * SCALE  # true gradient norm 5, scaled by SCALE
     inner = torch.optim.SGD([param], lr=1.0)
     sync = GradientSync(backend, LoaderStack())
-    sync.backward_calls = 1  # the gradient stands for one ud.backward call (PreparedOptimizer checks)
     return param, inner, sync
 
 
@@ -59,6 +58,7 @@ def test_own_scaler_unscales_once_per_step_before_clipping():
     param, inner, sync = _scaled_gradient_setup(backend)
     scaler = FakeScaler()
     prepared = PreparedOptimizer(inner, sync, scaler)
+    sync.backward_calls += 1  # the gradient stands for one ud.backward call (PreparedOptimizer checks)
     assert _clip_like_the_facade(prepared, param) == 5.0  # the norm of the true gradient
     prepared.synchronize()  # a second clip in the same step must not unscale again
     prepared.step()
@@ -118,8 +118,8 @@ def test_horovod_backend_averages_then_unscales_and_step_skips_a_second_wait():
     inner = FakeDistributedOptimizer([param])
     scaler = FakeScaler()
     sync = GradientSync(backend, LoaderStack())
-    sync.backward_calls = 1  # as after one ud.backward
     prepared = PreparedOptimizer(inner, sync, scaler)
+    sync.backward_calls += 1  # as after one ud.backward
     assert _clip_like_the_facade(prepared, param) == 5.0
     prepared.step()
     assert inner.events == ["synchronize", "skip", "step"] and scaler.calls[0] == "unscale_"

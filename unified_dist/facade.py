@@ -17,7 +17,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
-from . import collectives, live, rng
+from . import collectives, live, rng, settings
 from .backends import Backend, Config, backend_class
 from .backends.base import DEFAULT_TIMEOUT_S
 from .buckets import resolve_bucket_mb, resolve_bucket_view
@@ -113,6 +113,7 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
                 "init() was already called with gradient_accumulation_steps="
                 f"{current.config.gradient_accumulation_steps}; call ud.init(...) before any other ud function")
         return
+    settings.warn_unknown(os.environ)  # a misspelled UNIFIED_DIST_* variable would do nothing silently
     detection = detect(os.environ, backend, live.probe())
     if detection.problems:
         raise LaunchError(detection.problems[0])

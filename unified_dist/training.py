@@ -111,7 +111,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.scaler = scaler
         self._finalized = False
         self.steps_taken = 0
-        self._backward_calls_at_step = 0
+        self._backward_calls_at_step = sync.backward_calls  # ud.backward calls counted before this step
 
     # passthrough of what torch and schedulers read
     @property

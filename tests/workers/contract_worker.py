@@ -1,6 +1,6 @@
 """Checks of the facade's contract, run inside every rank under a real launcher.
 
-    <launcher> tests/workers/contract_worker.py --suite core|accum|bf16|fsdp --out DIR [--adopt]
+    <launcher> tests/workers/contract_worker.py --suite core|accum|bf16|fsdp|syncbn --out DIR [--adopt]
     python tests/workers/contract_worker.py --suite core --out DIR --spawn 2
 
 The ``core`` suite is the library's own contract list (:data:`unified_dist.cli.contract.CHECKS`,
@@ -382,6 +382,7 @@ def save_load_round_trip_and_cross_backend(ctx):
         opt.zero_grad()
     path = os.path.join(out_dir, f"ckpt_{ud.backend_name()}.pt")
     ud.save({"model": model, "optimizer": opt, "step": 1, "backend": ud.backend_name()}, path)
+    ud.barrier()  # only the main process writes, and save does not wait for it elsewhere
     state = ud.load(path)
     assert state["step"] == 1 and state["backend"] == ud.backend_name()
     assert set(state["model"]) == {"weight", "bias"}, list(state["model"])
@@ -421,14 +422,14 @@ def bf16_autocast_trains_on_cpu():
     assert torch.equal(weights[0], weights[-1]), "ranks diverged"
 
 
-# ----------------------------------------------------------------- SyncBatchNorm (every suite inits with sync_batchnorm=True)
+# ----------------------------------------------------------------- SyncBatchNorm (suite "syncbn" inits with sync_batchnorm=True)
 def _bn_model():
     torch.manual_seed(99)
     return torch.nn.Sequential(torch.nn.Conv1d(3, 4, 1), torch.nn.BatchNorm1d(4), torch.nn.ReLU(),
                                torch.nn.Conv1d(4, 2, 1), torch.nn.BatchNorm1d(2, momentum=None))
 
 
-@check("core")
+@check("syncbn")
 def sync_batchnorm_matches_single_process():
     """Ranks with uneven batches (3, 5, ...) == BatchNorm on the concatenated batch: outputs, input
     gradients, parameters after an SGD step, running statistics; plain BatchNorm state-dict keys."""
@@ -465,6 +466,199 @@ def sync_batchnorm_matches_single_process():
     for key in state_ref:
         close(state[key].cpu(), state_ref[key], atol=1e-5)
     close(evaluated, evaluated_ref, atol=1e-5)
+
+
+# ----------------------------------------------------------------- what users write on their first day
+def _bn_net():
+    torch.manual_seed(77)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+
+
+def _rank0_buffers_reference(x, y, w, k, b, steps, lr):
+    """One plain process: each step applies the mean gradient of every rank's micro-batch (each
+    BatchNorm normalising its own micro-batch of ``b``), and the running statistics follow rank
+    0's micro-batches alone. Rank r's micro-batch j of step s is global batch s*k+j's r-th slice."""
+    ref = _bn_net()
+    params = list(ref.parameters())
+    for s in range(steps):
+        total = [torch.zeros_like(p) for p in params]
+        for j in range(k):
+            for r in range(w):
+                lo = ((s * k + j) * w + r) * b
+                net = ref if r == 0 else copy.deepcopy(ref)  # other ranks' statistics are not kept
+                loss = torch.nn.functional.mse_loss(net(x[lo:lo + b]), y[lo:lo + b])
+                grads = torch.autograd.grad(loss, list(net.parameters()))
+                total = [t + g / (w * k) for t, g in zip(total, grads)]
+        with torch.no_grad():
+            for p, g in zip(params, total):
+                p -= lr * g
+    return ref
+
+
+@check("core", "fsdp")
+def batchnorm_buffers_are_rank_0s_after_training_and_evaluation_agrees():
+    """A BatchNorm model without sync_batchnorm: after training every rank holds rank 0's running
+    statistics (as one process fed rank 0's micro-batches), so evaluation gives the same outputs on
+    every rank and under every launcher; parameters follow the mean gradient over all ranks."""
+    w, k, b, steps, lr = ud.world_size(), ud.gradient_accumulation_steps(), 4, 3, 0.1
+    x, y = regression_data(b * w * k * steps)
+    x_eval = regression_data(6)[0] * 2 + 1
+    model = _bn_net()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=b)
+    model, opt, loader = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=lr), loader)
+    for xb, yb in loader:
+        with ud.accumulate(model):
+            ud.backward(torch.nn.functional.mse_loss(model(xb), yb))
+            opt.step()
+            opt.zero_grad()
+    net = ud.unwrap(model)
+    buffers = {name: t.detach().cpu() for name, t in net.named_buffers()}
+    every = ud.all_gather(torch.cat([t.double().reshape(-1) for t in buffers.values()]).reshape(1, -1))
+    net.eval()
+    with torch.no_grad():
+        out = model(x_eval.to(ud.device())).detach().cpu()
+    net.train()
+    outs = ud.all_gather(out.reshape(1, -1))
+    params = {name: full(p.detach()).cpu() for name, p in net.named_parameters()}
+    ref = _rank0_buffers_reference(x, y, w, k, b, steps, lr)
+    ref.eval()
+    expected_out = ref(x_eval).detach()
+    assert all(torch.equal(row, every[0]) for row in every.cpu()), "ranks hold different buffers after training"
+    assert all(torch.equal(row, outs[0]) for row in outs.cpu()), "ranks evaluate differently"
+    for name, value in ref.state_dict().items():
+        got = buffers[name] if name in buffers else params[name]
+        assert torch.allclose(got.double(), value.double(), atol=1e-5, rtol=0), \
+            f"{name}: {(got.double() - value.double()).abs().max().item():.3g} from the reference"
+    close(out, expected_out, atol=1e-5)
+
+
+@check("core", "fsdp")
+def saving_under_if_is_main(ctx):
+    """``if ud.is_main(): ud.save(...)`` (what DDP tutorials teach) returns at once when nothing is
+    sharded, and the other ranks then load the file into their prepared model with
+    ``ud.load(path, state)``; with sharding it is refused on rank 0 within 30 s, naming the mistake,
+    and ``ud.save`` on every rank works."""
+    sharded = ud.sharding_mode() == "fsdp"
+    model = _deterministic_model()
+    model, opt = ud.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+    for _ in range(ud.gradient_accumulation_steps()):  # one optimizer step
+        with ud.accumulate(model):
+            ud.backward(model(torch.ones(2, 4)).pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+    tag = f"{ud.backend_name()}_{ud.launcher()}_{ud.sharding_mode()}"
+    path = os.path.join(ctx.out, f"main_only_{tag}.pt")
+    outcome, start = "returned", time.monotonic()
+    if ud.is_main():
+        try:
+            ud.save({"model": model, "optimizer": opt, "step": 5}, path)
+            if not sharded:
+                ud.save_checkpoint({"step": 5}, os.path.join(ctx.out, f"main_only_{tag}"), 5)
+        except ud.UnifiedDistError as exc:
+            outcome = str(exc)
+    elapsed = time.monotonic() - start
+    ud.barrier()
+    if sharded:
+        ud.save({"model": model, "optimizer": opt, "step": 5}, path)
+        ud.barrier()
+    fresh = _deterministic_model()
+    fresh, fresh_opt = ud.prepare(fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1))
+    state = {"model": fresh, "optimizer": fresh_opt, "step": 0}
+    rest = ud.load(path, state)
+    if ud.is_main() and sharded:
+        assert "`if ud.is_main(): ud.save(...)` hangs" in outcome and "\n" not in outcome, outcome
+        assert elapsed < 30, f"refused after {elapsed:.1f} s"
+    elif ud.is_main():
+        assert outcome == "returned" and elapsed < 10, (outcome, elapsed)
+        assert (os.stat(path).st_mode & 0o777) == 0o666 & ~_umask(), oct(os.stat(path).st_mode)
+    assert rest == {} and state["step"] == 5, (rest, state["step"])
+    for (name, p), q in zip(ud.unwrap(model).named_parameters(), ud.unwrap(fresh).parameters()):
+        assert torch.equal(full(p.detach()).cpu(), full(q.detach()).cpu()), name
+    assert fresh_opt.state_dict()["state"], "optimizer state not restored"
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@check("core")
+def porting_mistakes_are_refused_or_warned():
+    """A DistributedSampler handed to prepare; loss.backward() on a last batch split unevenly (only
+    where it is: 7 samples, batch 2 per rank); gather_for_metrics outside a prepared loop."""
+    import warnings
+
+    import unified_dist.facade as facade
+
+    r, w = ud.rank(), ud.world_size()
+    data = torch.utils.data.TensorDataset(*regression_data(7))
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=w, rank=r, shuffle=False)
+    try:
+        ud.prepare(torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler))
+        sampler_error = None
+    except ud.UnifiedDistError as exc:
+        sampler_error = str(exc)
+    model = tiny_model()
+    model, opt, loader = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    torch.utils.data.DataLoader(data, batch_size=2))
+    refused = []
+    for i, (xb, yb) in enumerate(loader):
+        with ud.accumulate(model):
+            torch.nn.functional.mse_loss(model(xb), yb).backward()  # the mistake
+            try:
+                opt.step()
+            except ud.UnifiedDistError as exc:
+                refused.append((i, str(exc)))
+                opt.synchronize()  # Horovod refuses zero_grad with its averaging pending
+            opt.zero_grad()
+    last = 7 - (-(-7 // (2 * w)) - 1) * 2 * w  # samples in the last global batch
+    facade._warned.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gathered = ud.gather_for_metrics(torch.tensor([r]))
+    assert sampler_error is not None and "already a DistributedSampler" in sampler_error \
+        and "\n" not in sampler_error, sampler_error
+    if last % w:
+        assert [i for i, _ in refused] == [len(loader) - 1], refused
+        assert "call ud.backward(loss)" in refused[0][1] and "ragged last batch" in refused[0][1], refused
+    else:
+        assert refused == [], refused
+    assert any("outside the loop of a prepared DataLoader" in str(c.message) for c in caught), \
+        [str(c.message) for c in caught]
+    contract.equal(gathered, torch.arange(w))
+
+
+@check("accum")
+def accumulation_mistakes_are_refused():
+    """With gradient_accumulation_steps=2: ud.backward outside ud.accumulate, and loss.backward()
+    instead of ud.backward, are refused before anything is updated."""
+    x, y = regression_data(4)
+    model = tiny_model()
+    model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in ud.unwrap(model).parameters()]
+    try:
+        ud.backward(torch.nn.functional.mse_loss(model(x), y))
+        outside = None
+    except ud.UnifiedDistError as exc:
+        outside = str(exc)
+    other = tiny_model()
+    other, other_opt = ud.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    refused = []
+    for micro in range(2):
+        with ud.accumulate(other):
+            torch.nn.functional.mse_loss(other(x), y).backward()  # the mistake
+            try:
+                other_opt.step()
+            except ud.UnifiedDistError as exc:
+                refused.append((micro, str(exc)))
+                other_opt.synchronize()
+            other_opt.zero_grad()
+    assert outside is not None and "outside `with ud.accumulate(model):`" in outside \
+        and "gradient_accumulation_steps=2" in outside, outside
+    assert [m for m, _ in refused] == [1], refused
+    assert "gradient_accumulation_steps=2" in refused[0][1] and "call ud.backward(loss)" in refused[0][1], refused
+    assert all(torch.equal(a, b) for a, b in zip(before, ud.unwrap(model).parameters())), "a refused step updated"
 
 
 # ----------------------------------------------------------------- FSDP2 (suite "fsdp": torchrun, accelerate launch --use_fsdp)
@@ -536,9 +730,12 @@ def fsdp_shards_parameters_of_every_block():
     assert weight.to_local().shape[0] == -(-8 // ud.world_size()), weight.to_local().shape  # dim 0 split over ranks
     assert type(inner.blocks[0]).__name__.startswith("FSDP"), type(inner.blocks[0])
     reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true"
-    out = model(regression_data(2)[0])
-    after_forward = type(inner.blocks[0].linear.weight).__name__
-    ud.backward(out.sum())  # lets FSDP2 reshard; no step follows
+    for micro in range(ud.gradient_accumulation_steps()):  # a whole window, so the next check starts a new one
+        with ud.accumulate(model):
+            out = model(regression_data(2)[0])
+            if micro == 0:
+                after_forward = type(inner.blocks[0].linear.weight).__name__
+            ud.backward(out.sum())  # lets FSDP2 reshard; no step follows
     assert after_forward == ("DTensor" if reshard else "Parameter"), (reshard, after_forward)
 
 
@@ -683,11 +880,11 @@ def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=N
     """Run ``suite``'s checks; with ``adopt``, inside a stack this process started before the facade."""
     if adopt:
         _start_native_stack(init_method, rank, world_size)
-    # every suite synchronises BatchNorm (only sync_batchnorm_matches_single_process has any);
-    # "fsdp" shards; under `accelerate launch --use_fsdp` the launcher says so, not the code
+    # "syncbn" synchronises BatchNorm (the others keep the default: BatchNorm per rank, buffers
+    # rank 0's); "fsdp" shards; under `accelerate launch --use_fsdp` the launcher says so, not the code
     sharded = suite == "fsdp" and not os.environ.get("ACCELERATE_USE_FSDP")
     ud.init(gradient_accumulation_steps=2 if suite in ("accum", "fsdp") else 1,
-            mixed_precision="bf16" if suite == "bf16" else None, sync_batchnorm=True,
+            mixed_precision="bf16" if suite == "bf16" else None, sync_batchnorm=suite == "syncbn",
             sharding="fsdp" if sharded else None, gradient_compression=_compression_for(suite))
     results = {}
     context = contract.Context(out=out)
@@ -715,7 +912,7 @@ def _spawned(rank, world_size, port, suite, out):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--suite", choices=["core", "accum", "bf16", "fsdp"], required=True)
+    parser.add_argument("--suite", choices=sorted(CHECKS), required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--adopt", action="store_true",
                         help="start the launcher's own stack (dist.init_process_group, Accelerate's "

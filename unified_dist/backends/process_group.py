@@ -175,8 +175,10 @@ class Arrivals:
             if not missing or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        if not missing:
-            for k in (key + "0", *keys.values()):
-                store.delete_key(k)
+        if missing:  # the others never counted this call: forget it, so the next one lines up again
+            self._count[name] -= 1
+            keys = {}
+        for k in (key + "0", *keys.values()):
+            store.delete_key(k)
         return missing
 
