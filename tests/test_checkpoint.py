@@ -32,6 +32,58 @@ def test_save_load_round_trip(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_checkpoint_mode_follows_the_umask(tmp_path, umask, mode):
+    """Colleagues on a shared cluster read checkpoints as they read any file the user writes;
+    save_checkpoint's directory and rotation leave the newest file with the same mode."""
+    previous = os.umask(umask)
+    try:
+        ud.save({"v": torch.ones(1)}, str(tmp_path / "c.pt"))
+        newest = ud.save_checkpoint({"v": torch.ones(1)}, str(tmp_path / "ckpts"), 7)
+    finally:
+        os.umask(previous)
+    assert oct(os.stat(tmp_path / "c.pt").st_mode & 0o777) == oct(mode)
+    assert oct(os.stat(newest).st_mode & 0o777) == oct(mode)
+
+
+def test_load_into_live_objects_restores_them_in_place(tmp_path):
+    """ud.load(path, state) is the mirror of ud.save(state, path): models (prepared or not),
+    optimizers, schedulers and loaders take their state, plain values are replaced, and the
+    saved entries state does not name come back; a name the file lacks is refused first."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10.0)), batch_size=2)
+    model, opt, sched, loader = ud.prepare(model, opt, sched, loader)
+    for (x,) in loader:
+        with ud.accumulate(model):
+            ud.backward(model(x.reshape(-1, 1).repeat(1, 3)).pow(2).mean())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        break
+    path = str(tmp_path / "c.pt")
+    ud.save({"model": model, "optimizer": opt, "scheduler": sched, "loader": loader, "step": 1, "note": "x"}, path)
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fresh_sched = torch.optim.lr_scheduler.StepLR(fresh_opt, 1, gamma=0.5)
+    fresh_loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10.0)), batch_size=2)
+    fresh, fresh_opt, fresh_sched, fresh_loader = ud.prepare(fresh, fresh_opt, fresh_sched, fresh_loader)
+    state = {"model": fresh, "optimizer": fresh_opt, "scheduler": fresh_sched, "loader": fresh_loader, "step": 0}
+    with pytest.raises(ud.CheckpointError, match="has no 'epoch'"):
+        ud.load(path, {**state, "epoch": 0})
+    assert ud.load(path, state) == {"note": "x"}
+    assert state["step"] == 1
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert fresh_opt.state_dict()["state"] and fresh_sched.last_epoch == 1
+    assert fresh_opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert next(iter(fresh_loader))[0].tolist() == [2.0, 3.0]  # resumes after the batch taken
+    with pytest.raises(ud.CheckpointError, match="map_location"):
+        ud.load(path, "cpu")
+
+
 def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     path = str(tmp_path / "c.pt")
     ud.save({"v": torch.tensor([1.0])}, path)
