@@ -567,7 +567,7 @@ def saving_under_if_is_main(ctx):
     rest = ud.load(path, state)
     if ud.is_main() and sharded:
         assert "`if ud.is_main(): ud.save(...)` hangs" in outcome and "\n" not in outcome, outcome
-        assert elapsed < 30, f"refused after {elapsed:.1f} s"
+        assert elapsed < 25, f"refused after {elapsed:.1f} s"  # ARRIVAL_SECONDS (20) and a margin
     elif ud.is_main():
         assert outcome == "returned" and elapsed < 10, (outcome, elapsed)
         assert (os.stat(path).st_mode & 0o777) == 0o666 & ~_umask(), oct(os.stat(path).st_mode)
