@@ -66,7 +66,8 @@ class ModelBuffers:
             return
         self._models.append(model)
         self._stepped_by.clear()
-        broadcast_from_main(self.backend, [model])
+        if self.backend.communicates_at_prepare:  # else the elastic state sync hands out rank 0's
+            broadcast_from_main(self.backend, [model])
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After ``optimizer`` stepped: every rank takes rank 0's buffers of the models it steps

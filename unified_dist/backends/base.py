@@ -107,6 +107,12 @@ class Backend(ABC):
             return torch.device("cuda", local_rank % torch.cuda.device_count())
         return torch.device("cpu")
 
+    @property
+    def communicates_at_prepare(self) -> bool:
+        """Whether ``prepare`` may run collectives now (not in an elastic job whose late joiners
+        meet the others only in ``elastic_run``'s state sync)."""
+        return True
+
     def shutdown(self) -> None:
         """Leave the process group; the backend is unusable afterwards."""
 

@@ -139,11 +139,15 @@ class HorovodBackend(Backend):
         """Started by an elastic horovodrun (--min-np/--max-np): state is synced by ElasticState."""
         return os.environ.get("HOROVOD_ELASTIC") == "1"
 
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = model.to(self.device)
+    @property
+    def communicates_at_prepare(self) -> bool:
         # In an elastic job a worker that joins late must not run collectives before
         # elastic_run's sync (the others are in it): ElasticState broadcasts the state there.
-        if not self.elastic:
+        return not self.elastic
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = model.to(self.device)
+        if self.communicates_at_prepare:
             self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model
 
