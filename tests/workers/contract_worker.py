@@ -583,6 +583,22 @@ def _umask():
     return mask
 
 
+def _steps_after_plain_backward(model, opt, batches):
+    """Micro-steps that call ``loss.backward()`` (the mistake) then ``opt.step()``: the
+    (micro-step index, message) of each step refused."""
+    refused = []
+    for i, (xb, yb) in enumerate(batches):
+        with ud.accumulate(model):
+            torch.nn.functional.mse_loss(model(xb), yb).backward()
+            try:
+                opt.step()
+            except ud.UnifiedDistError as exc:
+                refused.append((i, str(exc)))
+                opt.synchronize()  # Horovod refuses zero_grad with its averaging pending
+            opt.zero_grad()
+    return refused
+
+
 @check("core")
 def porting_mistakes_are_refused_or_warned():
     """A DistributedSampler handed to prepare; loss.backward() on a last batch split unevenly (only
@@ -602,16 +618,7 @@ def porting_mistakes_are_refused_or_warned():
     model = tiny_model()
     model, opt, loader = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                     torch.utils.data.DataLoader(data, batch_size=2))
-    refused = []
-    for i, (xb, yb) in enumerate(loader):
-        with ud.accumulate(model):
-            torch.nn.functional.mse_loss(model(xb), yb).backward()  # the mistake
-            try:
-                opt.step()
-            except ud.UnifiedDistError as exc:
-                refused.append((i, str(exc)))
-                opt.synchronize()  # Horovod refuses zero_grad with its averaging pending
-            opt.zero_grad()
+    refused = _steps_after_plain_backward(model, opt, loader)
     last = 7 - (-(-7 // (2 * w)) - 1) * 2 * w  # samples in the last global batch
     facade._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
@@ -644,16 +651,7 @@ def accumulation_mistakes_are_refused():
         outside = str(exc)
     other = tiny_model()
     other, other_opt = ud.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1))
-    refused = []
-    for micro in range(2):
-        with ud.accumulate(other):
-            torch.nn.functional.mse_loss(other(x), y).backward()  # the mistake
-            try:
-                other_opt.step()
-            except ud.UnifiedDistError as exc:
-                refused.append((micro, str(exc)))
-                other_opt.synchronize()
-            other_opt.zero_grad()
+    refused = _steps_after_plain_backward(other, other_opt, [(x, y)] * 2)
     assert outside is not None and "outside `with ud.accumulate(model):`" in outside \
         and "gradient_accumulation_steps=2" in outside, outside
     assert [m for m, _ in refused] == [1], refused
