@@ -8,6 +8,7 @@ srun needs a running cluster: pass ``env={"SLURM_CONF": ...}`` from the ``slurm_
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -111,9 +112,16 @@ def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None
 
 
 def kill_session(sid: int) -> None:
-    """SIGKILL every process of session ``sid`` (a launcher may move its workers to their own groups)."""
+    """SIGKILL every process of session ``sid`` (a launcher may move its workers to their own groups)
+    and every descendant of its leader (torchrun starts each worker in a session of its own)."""
     import psutil
 
+    try:
+        for child in psutil.Process(sid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    except psutil.Error:
+        pass
     for p in psutil.process_iter():
         try:
             if os.getsid(p.pid) == sid:

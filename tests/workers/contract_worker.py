@@ -585,15 +585,17 @@ def _umask():
 
 def _steps_after_plain_backward(model, opt, batches):
     """Micro-steps that call ``loss.backward()`` (the mistake) then ``opt.step()``: the
-    (micro-step index, message) of each step refused."""
+    (micro-step index, message) of each step refused; a refused step must leave the weights as they were."""
     refused = []
     for i, (xb, yb) in enumerate(batches):
         with ud.accumulate(model):
             torch.nn.functional.mse_loss(model(xb), yb).backward()
+            before = [full(p.detach()).clone() for p in ud.unwrap(model).parameters()]
             try:
                 opt.step()
             except ud.UnifiedDistError as exc:
-                refused.append((i, str(exc)))
+                unchanged = all(torch.equal(a, full(p.detach())) for a, p in zip(before, ud.unwrap(model).parameters()))
+                refused.append((i, str(exc) if unchanged else "a refused step updated the weights"))
                 opt.synchronize()  # Horovod refuses zero_grad with its averaging pending
             opt.zero_grad()
     return refused
@@ -656,7 +658,7 @@ def accumulation_mistakes_are_refused():
         and "gradient_accumulation_steps=2" in outside, outside
     assert [m for m, _ in refused] == [1], refused
     assert "gradient_accumulation_steps=2" in refused[0][1] and "call ud.backward(loss)" in refused[0][1], refused
-    assert all(torch.equal(a, b) for a, b in zip(before, ud.unwrap(model).parameters())), "a refused step updated"
+    assert all(torch.equal(a, b) for a, b in zip(before, ud.unwrap(model).parameters())), "a refused backward updated"
 
 
 # ----------------------------------------------------------------- FSDP2 (suite "fsdp": torchrun, accelerate launch --use_fsdp)
