@@ -43,7 +43,7 @@ def broadcast_from_main(backend: Backend, models: Iterable[torch.nn.Module]) -> 
     for buffer in _unique_buffers(models):
         groups.setdefault((buffer.device, buffer.dtype), []).append(buffer)
     with torch.no_grad():
-        for (_, dtype), tensors in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
+        for tensors in groups.values():  # in the models' buffer order, the same on every rank
             flat = torch.cat([t.reshape(-1) for t in tensors])
             flat = collectives.broadcast(backend, flat, 0, what="buffers (after optimizer.step)")
             offset = 0

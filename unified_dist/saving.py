@@ -32,28 +32,27 @@ def save(obj: Any, path: str) -> None:
     must call it, and rank 0 raises within seconds, naming the mistake, when the others do not.
     """
     backend = current_backend()
-    if not backend.config.sharding.enabled:
-        if backend.rank == 0:
-            _write(checkpoint.to_state(obj, backend.unwrap), path)
-        return
-    _every_rank_calls(backend, "save")
-    state = checkpoint.to_state(obj, backend.unwrap, _full_on_main(backend.rank))  # every rank walks the state
+    sharded = backend.config.sharding.enabled
+    state = None
+    if sharded:  # gathering a shard is a collective: every rank walks the state
+        _every_rank_calls(backend, "save")
+        state = checkpoint.to_state(obj, backend.unwrap, _full_on_main(backend.rank))
     error = None
     if backend.rank == 0:
-        try:
-            checkpoint.write_atomic(state, path)
-        except Exception as exc:  # reported on every rank below: they are all here
-            error = summary(exc)
-    error = collectives.broadcast(backend, error, 0, what="save")
+        error = _write(state if sharded else checkpoint.to_state(obj, backend.unwrap), path)
+    if sharded:  # the other ranks are here too: each raises the main process's error
+        error = collectives.broadcast(backend, error, 0, what="save")
     if error is not None:
         raise UnifiedDistError(f"saving {path} failed on the main process: {error}")
 
 
-def _write(state: Any, path: str) -> None:
+def _write(state: Any, path: str) -> Optional[str]:
+    """Write ``state`` atomically; the failure's one-line summary, or ``None``."""
     try:
         checkpoint.write_atomic(state, path)
     except Exception as exc:
-        raise UnifiedDistError(f"saving {path} failed on the main process: {summary(exc)}") from exc
+        return summary(exc)
+    return None
 
 
 def _every_rank_calls(backend: Any, what: str) -> None:

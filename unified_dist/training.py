@@ -32,10 +32,10 @@ from .errors import UnifiedDistError
 class GradientSync:
     """Counts micro-steps and decides which backward pass synchronises."""
 
-    def __init__(self, backend: Backend, loaders: LoaderStack, buffers: Optional[ModelBuffers] = None) -> None:
+    def __init__(self, backend: Backend, loaders: LoaderStack) -> None:
         self.backend = backend
         self.loaders = loaders
-        self.buffers = buffers if buffers is not None else ModelBuffers(backend)
+        self.buffers = ModelBuffers(backend)  # the prepared models' buffers, made rank 0's after each step
         self.steps = backend.config.gradient_accumulation_steps
         self.micro_step = 0
         self.sync_gradients = True

@@ -12,7 +12,8 @@ from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels
-from .process_group import TORCH_OPS, Arrivals, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group
+from .process_group import (TORCH_OPS, StoreArrivals, destroy_at_exit, export_rendezvous, gather_stacked,
+                            join_default_group)
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
 
@@ -39,7 +40,7 @@ def _running_precision(config: Config) -> Config:
     return replace(config, mixed_precision=running)
 
 
-class AccelerateBackend(Backend):
+class AccelerateBackend(StoreArrivals, Backend):
     """Drives one ``accelerate.Accelerator``.
 
     The scheduler is *not* stepped by Accelerate (``step_scheduler_with_optimizer=False``):
@@ -52,7 +53,6 @@ class AccelerateBackend(Backend):
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
         self._ddp = DdpTracker()
-        self._arrivals = Arrivals()
         try:
             from accelerate import Accelerator
             from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
@@ -180,8 +180,3 @@ class AccelerateBackend(Backend):
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
-
-    def missing_peers(self, name: str, seconds: float) -> list:
-        if self.world_size == 1:
-            return []
-        return self._arrivals.missing(name, seconds, self.rank, self.world_size)

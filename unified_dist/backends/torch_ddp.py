@@ -11,12 +11,12 @@ from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels
-from .process_group import (TORCH_OPS, Arrivals, destroy_at_exit, export_rendezvous, gather_stacked, join_default_group,
-                            local_rank_from_hosts)
+from .process_group import (TORCH_OPS, StoreArrivals, destroy_at_exit, export_rendezvous, gather_stacked,
+                            join_default_group, local_rank_from_hosts)
 from ..detection import Detection
 
 
-class TorchBackend(Backend):
+class TorchBackend(StoreArrivals, Backend):
     """Joins the default process group (nccl on GPU, gloo on CPU) from the launcher's variables
     (torchrun's, or those detection derived for srun and mpirun), or adopts the group the
     process already joined itself, which it then never destroys."""
@@ -26,7 +26,6 @@ class TorchBackend(Backend):
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
         self._ddp = DdpTracker()
-        self._arrivals = Arrivals()
         self._fsdp = FsdpModels(config.sharding, config.mixed_precision)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
@@ -99,8 +98,3 @@ class TorchBackend(Backend):
 
     def barrier(self) -> None:
         dist.barrier()
-
-    def missing_peers(self, name: str, seconds: float) -> list:
-        if self.world_size == 1:
-            return []
-        return self._arrivals.missing(name, seconds, self.rank, self.world_size)
