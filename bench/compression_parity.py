@@ -30,7 +30,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import provenance  # noqa: E402
 from run import launch_command  # noqa: E402  (bench/run.py)
-from unified_dist.compression import ENV_VAR  # noqa: E402
+from unified_dist.settings import TABLE  # noqa: E402
+
+ENV_VAR = TABLE["gradient_compression"].variable
 
 SCRIPT = "examples/bert_sentiment/train.py"
 SHORT = ["--max-steps", "8", "--limit-train", "256", "--limit-eval", "50", "--max-length", "32", "--batch-size", "8"]

@@ -65,8 +65,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / 
 import provenance  # noqa: E402  (bench/provenance.py)
 import multinode  # noqa: E402  (tests/multinode/multinode.py: the hosts and the multi-node launch lines)
 from launchers import BIN  # noqa: E402
-from unified_dist.buckets import ENV_VAR as BUCKET_VAR, HOROVOD_CYCLE_VAR as CYCLE_VAR, VIEW_ENV  # noqa: E402
-from unified_dist.compression import ENV_VAR as COMPRESSION_VAR  # noqa: E402
+from unified_dist.buckets import HOROVOD_CYCLE_VAR as CYCLE_VAR  # noqa: E402
+from unified_dist.settings import TABLE  # noqa: E402
+
+BUCKET_VAR, VIEW_ENV = TABLE["bucket_mb"].variable, TABLE["bucket_view"].variable
+COMPRESSION_VAR = TABLE["gradient_compression"].variable
 
 
 WORKER = "bench/network_worker.py"

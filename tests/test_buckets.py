@@ -5,8 +5,18 @@ import os
 
 import pytest
 
-from unified_dist.buckets import (CPU_CYCLE_MS, ENV_VAR, HOROVOD_CYCLE_VAR, HOROVOD_VAR, VIEW_ENV, ddp_kwargs,
-                                  horovod_env, resolve_bucket_mb, resolve_bucket_view)
+from unified_dist.buckets import CPU_CYCLE_MS, HOROVOD_CYCLE_VAR, HOROVOD_VAR, ddp_kwargs, horovod_env
+from unified_dist.settings import TABLE, resolve
+
+ENV_VAR, VIEW_ENV = TABLE["bucket_mb"].variable, TABLE["bucket_view"].variable
+
+
+def resolve_bucket_mb(given, env):
+    return resolve("bucket_mb", given, env)
+
+
+def resolve_bucket_view(env):
+    return resolve("bucket_view", None, env)
 from unified_dist.errors import UnifiedDistError
 
 
@@ -104,7 +114,7 @@ def test_torch_backend_builds_ddp_with_the_bucket_size(monkeypatch):
 def test_launch_passes_the_size_to_the_script_as_the_variable():
     from unified_dist.cli.launch import Plan, build
 
-    command = build(Plan(backend="torch", script="train.py", nproc=2, bucket_mb=4.0), cuda=False)
+    command = build(Plan(backend="torch", script="train.py", nproc=2, settings={"bucket_mb": 4.0}), cuda=False)
     assert command.env[ENV_VAR] == "4"
 
 

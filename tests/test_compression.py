@@ -11,7 +11,13 @@ import pytest
 import unified_dist as ud
 from unified_dist.backends.base import Config
 from unified_dist.cli import launch
-from unified_dist.compression import ENV_VAR, resolve_gradient_compression
+from unified_dist.settings import TABLE, resolve
+
+ENV_VAR = TABLE["gradient_compression"].variable
+
+
+def resolve_gradient_compression(given, env):
+    return resolve("gradient_compression", given, env)
 
 
 def test_init_argument_wins_over_the_variable():
@@ -32,7 +38,7 @@ def test_unknown_format_is_a_one_line_error(bad):
 
 @pytest.mark.parametrize("backend", launch.BACKENDS)
 def test_launch_passes_the_switch_to_the_script_under_every_launcher(backend):
-    plan = launch.Plan(backend=backend, script="train.py", nproc=2, gradient_compression="bf16")
+    plan = launch.Plan(backend=backend, script="train.py", nproc=2, settings={"gradient_compression": "bf16"})
     command = launch.build(plan, environ={})
     assert command.env[ENV_VAR] == "bf16"
     assert command.line().startswith(f"{ENV_VAR}=bf16 ")

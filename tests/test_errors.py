@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import unified_dist as ud
-from unified_dist.precision import resolve_mixed_precision
+from unified_dist.session import config_from
 from launchers import ROOT, child_env
 
 
@@ -66,11 +66,23 @@ def test_fp16_on_cpu_is_refused_with_the_alternative():
         resolve_mixed_precision("fp8x", {}, cuda=True)
 
 
+def resolve_mixed_precision(explicit, env, cuda):
+    return config_from({"mixed_precision": explicit}, env, cuda).mixed_precision
+
+
 def test_precision_resolution_order():
     assert resolve_mixed_precision(None, {}, cuda=False) == "no"
     assert resolve_mixed_precision(None, {"ACCELERATE_MIXED_PRECISION": "bf16"}, cuda=False) == "bf16"
-    assert resolve_mixed_precision("no", {"ACCELERATE_MIXED_PRECISION": "bf16"}, cuda=False) == "no"
+    assert resolve_mixed_precision("bf16", {"ACCELERATE_MIXED_PRECISION": "no"}, cuda=False) == "bf16"  # its default
     assert resolve_mixed_precision(None, {"UNIFIED_DIST_MIXED_PRECISION": "BF16"}, cuda=False) == "bf16"
+    assert resolve_mixed_precision("no", {"UNIFIED_DIST_MIXED_PRECISION": "bf16"}, cuda=False) == "no"
+
+
+def test_the_code_contradicting_the_launcher_is_refused():
+    with pytest.raises(ud.LaunchError) as info:
+        resolve_mixed_precision("no", {"ACCELERATE_MIXED_PRECISION": "bf16"}, cuda=False)
+    assert one_line(info) == ("init(mixed_precision='no') contradicts accelerate launch --mixed_precision "
+                              "(ACCELERATE_MIXED_PRECISION=bf16); drop one of them")
 
 
 def test_bad_init_arguments():

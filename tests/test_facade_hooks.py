@@ -4,7 +4,7 @@ import sys
 import pytest
 
 import unified_dist as ud
-from unified_dist import facade
+from unified_dist import session as facade  # the session module owns the hooks
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ def _model():
 def test_each_backend_picks_its_synchronised_batchnorm(monkeypatch, cls, device, world, expected):
     model = _model()
     weight = model[1].weight
-    converted = _backend(monkeypatch, cls, device, world).convert_sync_batchnorm(model)
+    converted = _backend(monkeypatch, cls, device, world).convert_sync_batchnorm(model, gather=None, reduce_sum=None)
     assert type(converted[1]) is expected
     assert converted[1].weight is weight  # parameters are kept, not copied
     assert list(converted.state_dict()) == list(_model().state_dict())  # BatchNorm's keys

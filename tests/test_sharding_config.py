@@ -7,9 +7,15 @@ import pytest
 import torch
 
 from unified_dist.errors import LaunchError, UnifiedDistError
-from unified_dist.sharding import Sharding, blocks_to_shard, resolve_sharding
+from unified_dist.session import config_from
+from unified_dist.sharding import Sharding, blocks_to_shard
 
 ACCELERATE_FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"}
+
+
+def resolve_sharding(explicit, env, reshard_after_forward=None):
+    given = {"sharding": explicit, "reshard_after_forward": reshard_after_forward}
+    return config_from(given, env, cuda=False).sharding
 
 
 @pytest.mark.parametrize("explicit,env,expected", [
@@ -17,6 +23,7 @@ ACCELERATE_FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RE
     ("fsdp", {}, "fsdp"),
     (None, {"UNIFIED_DIST_SHARDING": "FSDP"}, "fsdp"),
     ("no", {"UNIFIED_DIST_SHARDING": "fsdp"}, "no"),
+    ("fsdp", {"ACCELERATE_USE_FSDP": "false"}, "fsdp"),  # accelerate's default says nothing
     (None, ACCELERATE_FSDP2, "fsdp"),
     ("fsdp", ACCELERATE_FSDP2, "fsdp"),
 ])
@@ -24,9 +31,13 @@ def test_the_code_wins_then_accelerate_launch_then_the_variable(explicit, env, e
     assert resolve_sharding(explicit, env).mode == expected
 
 
-def test_accelerate_launchs_reshard_setting_is_honoured_and_the_code_can_override_it():
+def test_accelerate_launchs_reshard_setting_is_honoured_and_the_code_may_not_contradict_it():
     assert resolve_sharding(None, ACCELERATE_FSDP2).reshard_after_forward is False
-    assert resolve_sharding(None, ACCELERATE_FSDP2, reshard_after_forward=True).reshard_after_forward is True
+    assert resolve_sharding(None, ACCELERATE_FSDP2, reshard_after_forward=False).reshard_after_forward is False
+    with pytest.raises(LaunchError, match="contradicts accelerate launch --fsdp_reshard_after_forward"):
+        resolve_sharding(None, ACCELERATE_FSDP2, reshard_after_forward=True)
+    accelerate_default = {**ACCELERATE_FSDP2, "FSDP_RESHARD_AFTER_FORWARD": "true"}  # what it exports unasked
+    assert resolve_sharding(None, accelerate_default, reshard_after_forward=False).reshard_after_forward is False
     assert resolve_sharding("fsdp", {}).reshard_after_forward is True
 
 

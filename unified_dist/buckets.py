@@ -23,8 +23,6 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Optional
 
 from .errors import UnifiedDistError
-from .flags import is_set
-from .settings import BUCKET_MB_ENV as ENV_VAR, BUCKET_VIEW_ENV as VIEW_ENV
 
 HOROVOD_VAR = "HOROVOD_FUSION_THRESHOLD"
 HOROVOD_CYCLE_VAR = "HOROVOD_CYCLE_TIME"
@@ -38,28 +36,6 @@ cores all compute, it takes them from the compute threads. Measured on 2 hosts x
 1.33-1.68x as long as on one host at 1 ms, 1.09-1.15x at 5-100 ms (torch: 1.2x). The price of a
 longer cycle is latency: a small collective (a logged loss, a metric) waits about one cycle."""
 MIB = 1 << 20
-
-
-def resolve_bucket_mb(explicit: Optional[float], env: Mapping[str, str]) -> Optional[float]:
-    """``init(bucket_mb=...)`` > ``UNIFIED_DIST_BUCKET_MB`` > ``None`` (each stack's default).
-
-    Returns a positive number of MiB or ``None``; raises :class:`UnifiedDistError` otherwise.
-    """
-    raw: Any = explicit if explicit is not None else env.get(ENV_VAR, "").strip() or None
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise UnifiedDistError(f"bucket size {raw!r} is not a number of MiB (e.g. bucket_mb=25)") from None
-    if not value > 0:
-        raise UnifiedDistError(f"bucket size must be a positive number of MiB, got {raw!r}")
-    return value
-
-
-def resolve_bucket_view(env: Mapping[str, str]) -> bool:
-    """Whether DDP keeps gradients as bucket views: on unless ``UNIFIED_DIST_BUCKET_VIEW`` is off."""
-    return is_set(env.get(VIEW_ENV), default=True)
 
 
 def ddp_kwargs(bucket_mb: Optional[float], bucket_view: bool = True) -> Dict[str, Any]:

@@ -17,31 +17,15 @@ size *before* the cast, so the sum cannot overflow where the average would not).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
-from .errors import UnifiedDistError
-from .settings import GRADIENT_COMPRESSION_ENV as ENV_VAR
+from . import settings
 
-MODES = ("bf16", "fp16")
+MODES = settings.TABLE["gradient_compression"].kind.values
 """Every compression ``init`` accepts (``None``, or ``"none"`` in the variable, sends float32)."""
 SIGNIFICANT_BITS = {"bf16": 8, "fp16": 11}
 """Significant bits of each format (the implicit leading bit included): rounding to nearest
 changes a value by at most 2^-bits relative."""
-_OFF = ("", "none", "no", "off")
-
-
-def resolve_gradient_compression(explicit: Optional[str], env: Mapping[str, str]) -> Optional[str]:
-    """``init(gradient_compression=...)`` > ``UNIFIED_DIST_GRADIENT_COMPRESSION`` > ``None`` (float32).
-
-    Returns ``"bf16"``, ``"fp16"`` or ``None``; raises :class:`UnifiedDistError` for anything else.
-    """
-    raw = explicit if explicit is not None else env.get(ENV_VAR, "")
-    mode = str(raw).strip().lower()
-    if mode in _OFF:
-        return None
-    if mode not in MODES:
-        raise UnifiedDistError(f"unknown gradient compression {raw!r}; use one of {', '.join(MODES)} or None")
-    return mode
 
 
 def _bf16_compress_hook_gloo(state, bucket):  # unannotated: DDP checks a hook's annotations

@@ -45,6 +45,11 @@ class PeerLost(UnifiedDistError, ConnectionError):
     """Another rank of the job died while this one was communicating."""
 
 
+class SettingError(UnifiedDistError, ValueError):
+    """A setting's value does not read (``UNIFIED_DIST_SYNC_BATCHNORM=maybe``); the message names
+    what it accepts (see :mod:`unified_dist.settings`)."""
+
+
 class LaunchError(UnifiedDistError, ValueError):
     """The launcher's environment contradicts itself; the message names the right command."""
 

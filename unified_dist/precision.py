@@ -1,26 +1,11 @@
-"""Which mixed-precision mode to run, from the code, the launcher, or the default."""
+"""Whether this machine can run a mixed-precision mode (the mode itself is a setting: :mod:`unified_dist.settings`)."""
 from __future__ import annotations
 
-from typing import Mapping, Optional
-
+from . import settings
 from .errors import PrecisionError
-from .settings import MIXED_PRECISION_ENV as ENV_VAR
 
-MODES = ("no", "bf16", "fp16")
-"""Every mixed-precision mode, for ``init``, ``unified-dist launch --mixed-precision`` and ``ENV_VAR``."""
-
-
-def resolve_mixed_precision(explicit: Optional[str], env: Mapping[str, str], cuda: bool) -> str:
-    """``init(mixed_precision=...)`` > ``accelerate launch --mixed_precision`` > ``UNIFIED_DIST_MIXED_PRECISION`` > "no".
-
-    Raises :class:`PrecisionError` for an unknown mode or fp16 without a CUDA device.
-    """
-    mode = explicit or env.get("ACCELERATE_MIXED_PRECISION") or env.get(ENV_VAR) or "no"
-    mode = str(mode).strip().lower()
-    if mode not in MODES:
-        raise PrecisionError(f"unknown mixed precision {mode!r}; use one of {', '.join(MODES)}")
-    check_device(mode, cuda)
-    return mode
+MODES = settings.TABLE["mixed_precision"].kind.values
+"""Every mixed-precision mode (declared in :data:`unified_dist.settings.TABLE`)."""
 
 
 def check_device(mode: str, cuda: bool, spelling: str = "mixed_precision='{}'") -> None:

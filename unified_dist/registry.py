@@ -10,9 +10,9 @@ names (its Backend class, launch-command builder, environment probe, ``ud.launch
 written as ``"module:attribute"`` and imported only by :meth:`BackendSpec.load`, when used, so
 listing Horovod here never imports Horovod.
 
-Adding a backend: a spec here, its Backend subclass, and in :mod:`unified_dist.detection` the
-source that recognises its launcher's variables. Its builder, probe and starter may live in
-the backend's own module; the spec names them.
+Adding a backend: a spec here, its Backend subclass, the source that recognises its launcher's
+variables (:mod:`unified_dist.detection.stacks`) and its place in :mod:`unified_dist.detection`'s
+order. Its builder, probe and starter may live in the backend's own module; the spec names them.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ class BackendSpec:
     alone is enough and nothing is probed separately). ``launcher`` is the command that starts it
     on several processes and also what ``ud.launcher()`` reports for it (``None``: plain
     ``python``, one process). ``install_fix`` says how to get library and launcher.
-    ``launcher_keys`` are variables only its launcher sets (detection reads them);
+    ``launcher_keys`` are variables only its launcher sets (its ``source`` reads them: the
+    detection function that recognises its launcher, ``env -> Detection | None``);
     ``variable_prefix`` starts every variable its launcher exports (a job started from inside
     such a process must not inherit them). ``command`` builds its native launch command
     (``(Plan, cuda, environ) -> Command``, see :mod:`unified_dist.cli.launch`); ``probe`` reports
@@ -50,6 +51,7 @@ class BackendSpec:
     variable_prefix: Optional[str] = None
     command: Optional[str] = None
     start: Optional[str] = None
+    source: Optional[str] = None
 
     def load(self, field: str) -> Any:
         """The object the ``field`` reference (e.g. ``"command"``) names, imported now."""
@@ -60,27 +62,28 @@ class BackendSpec:
 
 
 _CLI = "unified_dist.cli"
+_DETECT = "unified_dist.detection.stacks"
 SPECS: Dict[str, BackendSpec] = {spec.name: spec for spec in (
     BackendSpec(
         name="torch", backend_class="unified_dist.backends.torch_ddp:TorchBackend", library="torch",
         launcher="torchrun", launcher_keys=("TORCHELASTIC_RUN_ID",), variable_prefix="TORCHELASTIC_",
         install_fix="torchrun ships with torch: reinstall it in this environment (`make setup`)",
         command=f"{_CLI}.launch:torchrun_command", probe=f"{_CLI}.env_report:probe_torch",
-        start="unified_dist.spawn:start_torch"),
+        start="unified_dist.spawn:start_torch", source=f"{_DETECT}:torchrun"),
     BackendSpec(
         name="accelerate", backend_class="unified_dist.backends.accelerate_backend:AccelerateBackend",
         library="accelerate", launcher="accelerate", variable_prefix="ACCELERATE_",
         launcher_keys=("ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_CPU", "ACCELERATE_DYNAMO_BACKEND"),
         install_fix="install it with `pip install unified_dist[accelerate]` (or `make setup`)",
         command=f"{_CLI}.launch:accelerate_command", probe=f"{_CLI}.env_report:probe_accelerate",
-        start="unified_dist.spawn:start_torch"),
+        start="unified_dist.spawn:start_torch", source=f"{_DETECT}:accelerate"),
     BackendSpec(
         name="horovod", backend_class="unified_dist.backends.horovod_backend:HorovodBackend", library="horovod",
         launcher="horovodrun", launcher_keys=("HOROVOD_RANK", "HOROVOD_SIZE"), variable_prefix="HOROVOD_",
         install_fix=("build it against this torch with `make setup` "
                      "(tools/build_horovod.sh: horovod 0.28.1 patched to C++17)"),
         command=f"{_CLI}.launch:horovodrun_command", probe=f"{_CLI}.env_report:probe_horovod",
-        start="unified_dist.spawn:start_horovod"),
+        start="unified_dist.spawn:start_horovod", source=f"{_DETECT}:horovodrun"),
     BackendSpec(
         name="single", backend_class="unified_dist.backends.single:SingleProcessBackend",
         probe=f"{_CLI}.env_report:probe_single"),

@@ -1,99 +1,363 @@
-"""Every ``UNIFIED_DIST_*`` environment variable, declared once: :data:`SETTINGS`.
+"""Every setting, declared once: :data:`TABLE`.
 
-An environment variable that nobody reads fails silently: ``UNIFIED_DIST_SYNC_BATCHNORM=1``
-spelled without its last underscore trains without synchronised BatchNorm and says nothing.
-So every variable the library, its launchers, its tools and its Makefile read is named here
-(tests/test_settings.py fails when a ``UNIFIED_DIST_*`` name appears in the code and not here),
-and anything else under that prefix is a misspelling: :func:`unknown_variables` finds it with
-the closest known name, ``ud.init`` warns about it (:func:`warn_unknown`), and
-``unified-dist env`` lists it among its problems, next to the settings in effect
-(:func:`in_effect`).
+A :class:`Setting` says everything about one knob: its ``ud.init`` keyword (also the
+:class:`~unified_dist.backends.Config` field), its ``UNIFIED_DIST_*`` environment variable, its
+``unified-dist launch`` flag, what a launcher may say about it (e.g. ``accelerate launch
+--mixed_precision``), how its text reads (:class:`Switch`, :class:`Choice`, :class:`Number`,
+:class:`Text`), its default and one line of help. ``ud.init`` (:func:`resolve_all`),
+``unified-dist launch`` (its flags and the variables it hands the script) and ``unified-dist env``
+(:func:`in_effect`) are derived from the table; ``tests/test_settings.py`` checks that ``init``'s
+signature and ``Config``'s fields name exactly the table's keywords.
 
-The modules that read a variable import its name from here; how each value is parsed still
-lives with its reader (e.g. :func:`unified_dist.precision.resolve_mixed_precision`).
-Importing this module is free: it imports nothing but the standard library.
+One rule resolves every setting (:func:`resolve`): the code (an ``init`` keyword) > what the
+launcher said > the environment variable > the default. When the code and the launcher say
+different things, that is a :class:`~unified_dist.errors.LaunchError` (drop one of them); a launcher
+"says" something only with a value other than its own default (``accelerate launch`` always exports
+``ACCELERATE_MIXED_PRECISION``, ``no`` unless asked). A value that does not read cleanly, in a
+keyword or a variable (``UNIFIED_DIST_SYNC_BATCHNORM=maybe``), is a one-line
+:class:`~unified_dist.errors.SettingError` naming what is accepted.
+
+Any other ``UNIFIED_DIST_*`` name is a misspelling: :func:`unknown_variables` finds it with the
+closest known name, ``ud.init`` warns about it (:func:`warn_unknown`) and ``unified-dist env`` lists
+it among its problems. ``tests/test_settings.py`` fails when a ``UNIFIED_DIST_*`` name appears in
+the repository and not here.
+
+Importing this module is free: it imports nothing but the standard library (and
+:mod:`unified_dist.errors`, :mod:`unified_dist.registry`, which do the same).
 """
 from __future__ import annotations
 
 import difflib
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Type, Union
+
+from .errors import LaunchError, PrecisionError, SettingError
+from .registry import NAMES as BACKEND_NAMES
 
 PREFIX = "UNIFIED_DIST_"
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 
-BACKEND_ENV = "UNIFIED_DIST_BACKEND"
-MIXED_PRECISION_ENV = "UNIFIED_DIST_MIXED_PRECISION"
-TIMEOUT_ENV = "UNIFIED_DIST_TIMEOUT"
-DEBUG_ENV = "UNIFIED_DIST_DEBUG"
-SHARDING_ENV = "UNIFIED_DIST_SHARDING"
-SYNC_BATCHNORM_ENV = "UNIFIED_DIST_SYNC_BATCHNORM"
-GRADIENT_COMPRESSION_ENV = "UNIFIED_DIST_GRADIENT_COMPRESSION"
-BUCKET_MB_ENV = "UNIFIED_DIST_BUCKET_MB"
-BUCKET_VIEW_ENV = "UNIFIED_DIST_BUCKET_VIEW"
-CHECK_FINITE_ENV = "UNIFIED_DIST_CHECK_FINITE"
-SLURM_ENV = "UNIFIED_DIST_SLURM"
-LAUNCHER_ENV = "UNIFIED_DIST_LAUNCHER"
-WHEEL_CACHE_ENV = "UNIFIED_DIST_WHEEL_CACHE"
-WITHOUT_HOROVOD_ENV = "UNIFIED_DIST_WITHOUT_HOROVOD"
 
-_SWITCH = "1, true, yes, on (any case) for on; anything else off"
+# ---------------------------------------------------------------------- how values read
+class Switch:
+    """On or off: 1/true/yes/on or 0/false/no/off in any case; in code, ``True`` or ``False``."""
+
+    accepted = "1, true, yes, on or 0, false, no, off (any case)"
+
+    def read(self, text: str) -> bool:
+        word = text.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+        raise ValueError(f"is neither on nor off; use {self.accepted}")
+
+    def take(self, value: Any) -> bool:
+        if isinstance(value, bool) or value in (0, 1):
+            return bool(value)
+        raise ValueError("takes True or False")
+
+    def show(self, value: Any) -> str:
+        return "on" if value else "off"
+
+    def flag_value(self, value: Any) -> str:
+        return "1" if value else "0"
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One of ``values`` (any case); the words in ``nothing`` read as ``None`` (e.g. ``"none"``)."""
+
+    values: Tuple[str, ...]
+    what: str
+    nothing: Tuple[str, ...] = ()
+
+    @property
+    def accepted(self) -> str:
+        return " | ".join(self.values + self.nothing[:1])
+
+    def read(self, text: str) -> Optional[str]:
+        word = text.strip().lower()
+        if word in self.values:
+            return word
+        if word in self.nothing:
+            return None
+        raise ValueError(f"unknown {self.what} {text!r}; use one of {', '.join(self.values + self.nothing[:1])}")
+
+    def take(self, value: Any) -> Optional[str]:
+        if not isinstance(value, str):
+            raise ValueError(f"unknown {self.what} {value!r}; use one of {', '.join(self.values)}")
+        return self.read(value)
+
+    def show(self, value: Any) -> str:
+        return self.nothing[0] if value is None and self.nothing else str(value)
+
+    flag_value = show
+
+
+@dataclass(frozen=True)
+class Number:
+    """A number of ``unit``: above 0 (``integer``: a whole number >= 1)."""
+
+    unit: str
+    what: str
+    integer: bool = False
+
+    @property
+    def accepted(self) -> str:
+        return f"an integer >= 1 ({self.unit})" if self.integer else f"{self.unit} (> 0)"
+
+    def read(self, text: str) -> Union[int, float]:
+        try:
+            return self.take(int(text) if self.integer else float(text))
+        except (TypeError, ValueError):
+            raise ValueError(self._wrong(text)) from None
+
+    def take(self, value: Any) -> Union[int, float]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (self.integer and value != int(value)):
+            raise ValueError(self._wrong(value))
+        if not (value >= 1 if self.integer else value > 0):
+            raise ValueError(self._wrong(value))
+        return int(value) if self.integer else float(value)
+
+    def _wrong(self, value: Any) -> str:
+        return (f"{self.what} must be {'an integer >= 1' if self.integer else 'a positive number of ' + self.unit}, "
+                f"got {value!r}")
+
+    def show(self, value: Any) -> str:
+        return "" if value is None else f"{value:g}"
+
+    flag_value = show
+
+
+@dataclass(frozen=True)
+class Text:
+    """Free text (a path, a name): read as given."""
+
+    accepted: str
+
+    def read(self, text: str) -> str:
+        return text
+
+    take = read
+
+    def show(self, value: Any) -> str:
+        return "" if value is None else str(value)
+
+    flag_value = show
+
+
+Kind = Union[Switch, Choice, Number, Text]
+
+
+@dataclass(frozen=True)
+class LauncherWord:
+    """What a launcher may say about a setting: ``variable`` as its launcher exports it (spelled
+    ``spelled`` on its command line). ``means`` translates its words into the setting's values
+    (``None``: they read as the setting's own kind); the words in ``silent`` are its default, which it
+    exports whether or not the user asked, so they say nothing."""
+
+    variable: str
+    spelled: str
+    silent: Tuple[str, ...] = ()
+    means: Optional[Mapping[str, Any]] = None
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One environment variable.
+    """One setting; see the module docstring.
 
-    ``keyword`` is the ``ud.init`` keyword it is the default of (``None``: no keyword; the
-    keyword, when given, wins over the variable). ``values`` is a tuple of the choices it
-    accepts, or what it accepts in words; ``default`` is what holds while it is unset.
+    ``name`` is the ``ud.init`` keyword and :class:`~unified_dist.backends.Config` field when
+    ``keyword``; ``variable`` its environment variable (``None``: code only); ``flag`` whether
+    ``unified-dist launch --<name with dashes>`` sets it; ``launcher`` what a launcher may say;
+    ``read_by`` who reads the variable (``"init"`` through :func:`resolve`; ``"detection"``;
+    ``"tools"``: the Makefile, the build and test tools); ``default_text`` shows the default when
+    ``default`` is not what a user would read; ``error`` is the exception a bad value raises.
     """
 
-    variable: str
-    keyword: Optional[str]
-    values: Union[Tuple[str, ...], str]
-    default: str
+    name: str
+    variable: Optional[str]
+    kind: Kind
+    default: Any
     help: str
+    keyword: bool = True
+    flag: bool = True
+    launcher: Optional[LauncherWord] = None
+    read_by: str = "init"
+    default_text: Optional[str] = None
+    error: Type[Exception] = SettingError
 
     def accepted(self) -> str:
-        """``values`` as one line of text."""
-        return " | ".join(self.values) if isinstance(self.values, tuple) else self.values
+        """What the variable accepts, as one line of text."""
+        return self.kind.accepted
+
+    def shown_default(self) -> str:
+        return self.default_text if self.default_text is not None else self.kind.show(self.default)
+
+    def from_text(self, text: str, where: str) -> Any:
+        """``text`` as this setting's value; ``where`` names its origin in the error."""
+        try:
+            return self.kind.read(text)
+        except ValueError as exc:
+            raise self.error(f"{where}={text!r} {_reason(exc)}") from None
+
+    def from_code(self, value: Any) -> Any:
+        """An ``init`` keyword's value, checked."""
+        try:
+            return self.kind.take(value)
+        except ValueError as exc:
+            raise self.error(f"init({self.name}={value!r}) {_reason(exc)}") from None
+
+    def from_environment(self, environ: Mapping[str, str]) -> Any:
+        """The variable's value, or the default when it is unset or empty."""
+        text = environ.get(self.variable) if self.variable else None
+        if text is None or not text.strip():
+            return self.default
+        return self.from_text(text, self.variable)
+
+    def from_launcher(self, environ: Mapping[str, str]) -> Tuple[Any, Optional[str]]:
+        """What the launcher said: ``(value, its text)``, or ``(None, None)`` when it said nothing."""
+        word = self.launcher
+        text = environ.get(word.variable) if word else None
+        if word is None or text is None or text.strip().lower() in word.silent:
+            return None, None
+        if word.means is not None:
+            if text.strip().lower() not in word.means:
+                raise self.error(f"{word.variable}={text!r} ({word.spelled}) is not one of "
+                                 f"{', '.join(word.means)}")
+            return word.means[text.strip().lower()], text
+        return self.from_text(text, f"{word.variable} ({word.spelled})"), text
 
 
-SETTINGS: Dict[str, Setting] = {s.variable: s for s in (
-    Setting(BACKEND_ENV, "backend", ("torch", "accelerate", "horovod", "single"), "detected from the launcher",
-            "the backend to drive, whatever the launcher's variables say (ud.launch sets it in its workers)"),
-    Setting(MIXED_PRECISION_ENV, "mixed_precision", ("no", "bf16", "fp16"), "no",
-            "autocast mode (fp16 needs a CUDA GPU); accelerate launch --mixed_precision wins over it"),
-    Setting(TIMEOUT_ENV, "timeout", "seconds (> 0)", "600",
+def _reason(exc: ValueError) -> str:
+    """An error of a kind as the tail of a sentence that starts with the value."""
+    text = str(exc)
+    return text if text.startswith(("is ", "takes ")) else f": {text}"
+
+
+# ---------------------------------------------------------------------- the table
+def _declare(*rows: Setting) -> Dict[str, Setting]:
+    return {row.name: row for row in rows}
+
+
+TABLE: Dict[str, Setting] = _declare(
+    Setting("backend", "UNIFIED_DIST_BACKEND", Choice(BACKEND_NAMES, "backend"), None,
+            "the backend to drive, whatever the launcher's variables say (ud.launch sets it in its workers)",
+            flag=False, read_by="detection", default_text="detected from the launcher"),
+    Setting("mixed_precision", "UNIFIED_DIST_MIXED_PRECISION", Choice(("no", "bf16", "fp16"), "mixed precision"), "no",
+            "autocast mode (fp16 needs a CUDA GPU)", error=PrecisionError,
+            launcher=LauncherWord("ACCELERATE_MIXED_PRECISION", "accelerate launch --mixed_precision", silent=("no",))),
+    Setting("gradient_accumulation_steps", "UNIFIED_DIST_GRADIENT_ACCUMULATION_STEPS",
+            Number("micro-batches", "gradient_accumulation_steps", integer=True), 1,
+            "micro-batches per optimizer step (ud.accumulate)",
+            launcher=LauncherWord("ACCELERATE_GRADIENT_ACCUMULATION_STEPS",
+                                  "accelerate launch --gradient_accumulation_steps", silent=("1",))),
+    Setting("timeout", "UNIFIED_DIST_TIMEOUT", Number("seconds", "timeout"), 600.0,
             "how long one collective may wait for the other ranks before it fails"),
-    Setting(DEBUG_ENV, "debug", _SWITCH, "off",
-            "check mode: ranks compare each collective's signature before running it"),
-    Setting(SHARDING_ENV, "sharding", ("no", "fsdp"), "no",
-            "fsdp: ud.prepare shards models with FSDP2 (torch, accelerate); accelerate launch --use_fsdp wins"),
-    Setting(SYNC_BATCHNORM_ENV, "sync_batchnorm", _SWITCH, "off",
+    Setting("debug", "UNIFIED_DIST_DEBUG", Switch(), False,
+            "check mode: ranks compare each collective's signature before running it",
+            launcher=LauncherWord("ACCELERATE_DEBUG_MODE", "accelerate launch --debug", silent=("false", "0", ""))),
+    Setting("sharding", "UNIFIED_DIST_SHARDING", Choice(("no", "fsdp"), "sharding"), "no",
+            "fsdp: ud.prepare shards models with FSDP2 (torch, accelerate)",
+            launcher=LauncherWord("ACCELERATE_USE_FSDP", "accelerate launch --use_fsdp", silent=("false", "0", ""),
+                                  means={"true": "fsdp", "1": "fsdp"})),
+    Setting("shard_modules", None, Text("classes or class names"), None,
+            "the blocks FSDP2 shards one by one (default: a model's _no_split_modules, else ModuleList children)",
+            flag=False, default_text="chosen from the model"),
+    Setting("reshard_after_forward", None, Switch(), True,
+            "False keeps FSDP2's parameters gathered from forward to backward (more memory, one all-gather less)",
+            flag=False, launcher=LauncherWord("FSDP_RESHARD_AFTER_FORWARD",
+                                              "accelerate launch --fsdp_reshard_after_forward", silent=("true",))),
+    Setting("sync_batchnorm", "UNIFIED_DIST_SYNC_BATCHNORM", Switch(), False,
             "ud.prepare makes BatchNorm layers compute statistics over the global batch"),
-    Setting(GRADIENT_COMPRESSION_ENV, "gradient_compression", ("bf16", "fp16", "none"), "none (float32)",
+    Setting("gradient_compression", "UNIFIED_DIST_GRADIENT_COMPRESSION",
+            Choice(("bf16", "fp16"), "gradient compression", nothing=("none", "no", "off")), None,
             "the format gradients travel in for the all-reduce (DDP's hook, Horovod's compressor)"),
-    Setting(BUCKET_MB_ENV, "bucket_mb", "MiB (> 0)", "each stack's own (DDP 25, Horovod 128)",
-            "size of one fused gradient reduction: DDP's buckets, Horovod's fusion buffer"),
-    Setting(BUCKET_VIEW_ENV, None, _SWITCH, "on",
+    Setting("bucket_mb", "UNIFIED_DIST_BUCKET_MB", Number("MiB", "bucket size"), None,
+            "size of one fused gradient reduction: DDP's buckets, Horovod's fusion buffer "
+            "(horovodrun --fusion-threshold-mb must agree)", default_text="each stack's own (DDP 25, Horovod 128)"),
+    Setting("bucket_view", "UNIFIED_DIST_BUCKET_VIEW", Switch(), True,
             "DDP keeps gradients as views into its buckets; off for code that replaces .grad in place"),
-    Setting(CHECK_FINITE_ENV, None, "0 for off; anything else on", "on",
+    Setting("check_finite", "UNIFIED_DIST_CHECK_FINITE", Switch(), True,
             "ud.backward stops every rank at the same step when any rank's loss is NaN/inf"),
-    Setting(SLURM_ENV, None, "0 for off; anything else on", "on",
-            "detection reads srun's variables (off: srun -n N without torchrun is refused)"),
-    Setting(LAUNCHER_ENV, None, "a launcher's name", "the detected launcher",
-            "set by ud.launch in its workers: the name ud.launcher() reports"),
-    Setting(WHEEL_CACHE_ENV, None, "a directory", "$XDG_CACHE_HOME (or ~/.cache)/unified_dist/wheels",
-            "where `make setup` (tools/build_horovod.sh) keeps the Horovod wheel it builds"),
-    Setting(WITHOUT_HOROVOD_ENV, None, "1 for on; anything else off", "off",
-            "1: `make setup` leaves Horovod out and the test suite skips its tests"),
-)}
-"""Every ``UNIFIED_DIST_*`` variable anything in this repository reads, in the order
-``unified-dist env`` lists them."""
+    Setting("slurm", "UNIFIED_DIST_SLURM", Switch(), True,
+            "detection reads srun's variables (off: srun -n N without torchrun is refused)",
+            keyword=False, flag=False, read_by="detection"),
+    Setting("launcher", "UNIFIED_DIST_LAUNCHER", Text("a launcher's name"), None,
+            "set by ud.launch in its workers: the name ud.launcher() reports",
+            keyword=False, flag=False, read_by="detection", default_text="the detected launcher"),
+    Setting("wheel_cache", "UNIFIED_DIST_WHEEL_CACHE", Text("a directory"), None,
+            "where `make setup` (tools/build_horovod.sh) keeps the Horovod wheel it builds",
+            keyword=False, flag=False, read_by="tools",
+            default_text="$XDG_CACHE_HOME (or ~/.cache)/unified_dist/wheels"),
+    Setting("without_horovod", "UNIFIED_DIST_WITHOUT_HOROVOD", Text("1 for on; anything else off"), None,
+            "1: `make setup` leaves Horovod out and the test suite skips its tests",
+            keyword=False, flag=False, read_by="tools", default_text="off"),
+)
+"""Every setting, in the order ``unified-dist env`` lists them."""
+
+SETTINGS: Dict[str, Setting] = {s.variable: s for s in TABLE.values() if s.variable}
+"""The settings that have an environment variable, by variable."""
+
+KEYWORDS: Tuple[str, ...] = tuple(name for name, s in TABLE.items() if s.keyword)
+"""Every ``ud.init`` keyword (``backend`` is its positional argument)."""
+
+RESOLVED: Tuple[str, ...] = tuple(name for name, s in TABLE.items() if s.keyword and s.read_by == "init")
+"""The keywords :func:`resolve_all` resolves: the fields of :class:`~unified_dist.backends.Config`
+(``backend`` is resolved by detection)."""
+
+FLAGS: Tuple[str, ...] = tuple(name for name, s in TABLE.items() if s.flag and s.variable)
+"""The settings ``unified-dist launch`` has a flag for (it hands them to the script as variables)."""
+
+BACKEND_ENV = TABLE["backend"].variable
+LAUNCHER_ENV = TABLE["launcher"].variable
+SLURM_ENV = TABLE["slurm"].variable
+TIMEOUT_ENV = TABLE["timeout"].variable
 
 
+# ---------------------------------------------------------------------- resolution
+def resolve(name: str, given: Any, environ: Mapping[str, str]) -> Any:
+    """Setting ``name``'s value: ``given`` (the ``init`` keyword; ``None``: not given) > what the
+    launcher said > the environment variable > the default.
+
+    Raises the setting's error (a :class:`SettingError` unless the table says otherwise) for a
+    value that does not read, and :class:`LaunchError` when ``given`` contradicts the launcher.
+    """
+    setting = TABLE[name]
+    code = None if given is None else setting.from_code(given)  # "none" in code says None: still said
+    said, text = setting.from_launcher(environ)
+    if given is not None and said is not None and code != said:
+        raise LaunchError(f"init({name}={given!r}) contradicts {setting.launcher.spelled} "
+                          f"({setting.launcher.variable}={text}); drop one of them")
+    if given is not None:
+        return code
+    if said is not None:
+        return said
+    return setting.from_environment(environ)
+
+
+def resolve_all(given: Mapping[str, Any], environ: Mapping[str, str]) -> Dict[str, Any]:
+    """Every keyword of :data:`RESOLVED`, resolved by :func:`resolve` from ``given`` (the ``init``
+    keywords; missing or ``None``: not given). Raises for a name ``given`` holds that no setting has."""
+    unknown = sorted(set(given) - set(RESOLVED))
+    if unknown:
+        raise SettingError(f"init() has no setting {', '.join(unknown)}; `unified-dist env` lists them")
+    return {name: resolve(name, given.get(name), environ) for name in RESOLVED}
+
+
+def flag_environment(values: Mapping[str, Any]) -> Dict[str, str]:
+    """The variables that hand the settings in ``values`` (name -> value, ``None``: not given) to a
+    script, as ``unified-dist launch`` does for its flags."""
+    unknown = sorted(set(values) - set(FLAGS))
+    if unknown:
+        raise SettingError(f"no launch flag for {', '.join(unknown)}")
+    return {TABLE[name].variable: TABLE[name].kind.flag_value(values[name])
+            for name in FLAGS if values.get(name) is not None}
+
+
+# ---------------------------------------------------------------------- unknown names
 def unknown_variables(environ: Mapping[str, str]) -> List[Tuple[str, Optional[str]]]:
     """Each ``UNIFIED_DIST_*`` name in ``environ`` (in any case) that no setting declares, with the
     closest declared name (``None`` when none is close), sorted by name. Pure."""
@@ -134,14 +398,39 @@ def warn_unknown(environ: Mapping[str, str], stacklevel: int = 3) -> List[Tuple[
 
 
 def in_effect(environ: Mapping[str, str]) -> List[Dict[str, Optional[str]]]:
-    """Every setting as ``environ`` gives it: ``variable``, ``value`` (the variable's text, or the
-    default), ``source`` (``"environment"`` or ``"default"``), ``keyword`` (the ``ud.init`` keyword
-    that overrides it in a script, or ``None``), ``accepted`` and ``help``. JSON-ready."""
+    """Every setting that has a variable, as ``environ`` gives it: ``variable``, ``value`` (the
+    variable's text, or the default), ``source`` (``"environment"`` or ``"default"``), ``keyword``
+    (the ``ud.init`` keyword that overrides it in a script, or ``None``), ``flag`` (the
+    ``unified-dist launch`` flag, or ``None``), ``accepted``, ``help``, and ``problem`` (the error a
+    value that does not read would raise, else ``None``). JSON-ready."""
     rows = []
     for setting in SETTINGS.values():
         value = environ.get(setting.variable)
         rows.append({"variable": setting.variable,
-                     "value": setting.default if value is None else value,
+                     "value": setting.shown_default() if value is None else value,
                      "source": "default" if value is None else "environment",
-                     "keyword": setting.keyword, "accepted": setting.accepted(), "help": setting.help})
+                     "keyword": setting.name if setting.keyword else None,
+                     "flag": flag_name(setting.name) if setting.name in FLAGS else None,
+                     "accepted": setting.accepted(), "help": setting.help,
+                     "problem": _problem(setting, environ) if value is not None else None})
     return rows
+
+
+def flag_name(name: str) -> str:
+    """``unified-dist launch``'s flag for setting ``name``: ``--`` and the name with dashes."""
+    return "--" + name.replace("_", "-")
+
+
+def _problem(setting: Setting, environ: Mapping[str, str]) -> Optional[str]:
+    if setting.read_by == "tools" or isinstance(setting.kind, Text):
+        return None
+    try:
+        setting.from_environment(environ)
+    except Exception as exc:  # the setting's own error class
+        return str(exc)
+    return None
+
+
+__all__ = ["TABLE", "SETTINGS", "KEYWORDS", "RESOLVED", "FLAGS", "Setting", "Switch", "Choice", "Number", "Text",
+           "LauncherWord", "resolve", "resolve_all", "flag_environment", "unknown_variables", "describe_unknown",
+           "warn_unknown", "in_effect", "flag_name", "PREFIX"]

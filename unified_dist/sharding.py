@@ -23,8 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, S
 
 import torch
 
-from .errors import LaunchError, UnifiedDistError
-from .flags import SHARDING_ENV as ENV, SHARDING_MODES as MODES, is_set
+from .errors import UnifiedDistError
 
 
 @dataclass(frozen=True)
@@ -41,29 +40,6 @@ class Sharding:
     @property
     def enabled(self) -> bool:
         return self.mode == "fsdp"
-
-
-def resolve_sharding(explicit: Optional[str], env: Mapping[str, str], modules: Optional[Sequence[Any]] = None,
-                     reshard_after_forward: Optional[bool] = None) -> Sharding:
-    """``init(sharding=...)`` > ``accelerate launch --use_fsdp`` > ``UNIFIED_DIST_SHARDING`` > ``"no"``.
-
-    Raises :class:`UnifiedDistError` for an unknown mode, and :class:`LaunchError` when the code
-    turns sharding off under ``accelerate launch --use_fsdp`` or Accelerate asks for FSDP version 1.
-    """
-    from_accelerate = is_set(env.get("ACCELERATE_USE_FSDP"), False)
-    if from_accelerate and env.get("FSDP_VERSION", "1").strip() != "2":
-        raise LaunchError("accelerate launch --use_fsdp asks for FSDP version "
-                          f"{env.get('FSDP_VERSION', '1')}; unified_dist shards with FSDP2: add --fsdp_version 2")
-    mode = explicit or ("fsdp" if from_accelerate else env.get(ENV)) or "no"
-    mode = str(mode).strip().lower()
-    if mode not in MODES:
-        raise UnifiedDistError(f"unknown sharding {mode!r}; use one of {', '.join(MODES)}")
-    if from_accelerate and mode != "fsdp":
-        raise LaunchError(f"init(sharding={explicit!r}) contradicts accelerate launch --use_fsdp; "
-                          "drop one of them")
-    if reshard_after_forward is None:
-        reshard_after_forward = is_set(env.get("FSDP_RESHARD_AFTER_FORWARD") if from_accelerate else None, True)
-    return Sharding(mode, tuple(modules) if modules else None, bool(reshard_after_forward))
 
 
 def _matches(module: torch.nn.Module, wanted: Iterable[Any]) -> bool:

@@ -1,4 +1,4 @@
-"""Synchronised BatchNorm that runs on any device and backend, built on the facade's collectives.
+"""Synchronised BatchNorm that runs on any device and backend, over collectives it is given.
 
 torch's ``SyncBatchNorm`` refuses CPU modules and Accelerate leaves BatchNorm to the user; this
 module computes a training step's batch statistics over the *global* batch:
@@ -18,6 +18,11 @@ module computes a training step's batch statistics over the *global* batch:
 The state dict keeps BatchNorm's keys (``weight``, ``bias``, ``running_mean``, ``running_var``,
 ``num_batches_tracked``), so a checkpoint loads into the unconverted model and back.
 Every rank must run the same BatchNorm layers in the same order (as with every collective).
+
+This module imports nothing of unified_dist: :func:`portable` takes the gather, the sum and the
+rank and world size as functions (the backend's :meth:`~unified_dist.backends.Backend.convert_sync_batchnorm`
+gets them from the session, which builds them on :mod:`unified_dist.collectives`). A
+:class:`SyncBatchNorm` given none is a world of one: plain BatchNorm.
 """
 from __future__ import annotations
 
@@ -27,10 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .flags import SYNC_BATCHNORM_ENV as ENV  # "1" turns init(sync_batchnorm=...) on when the code does not say
-
 Gather = Callable[[torch.Tensor], torch.Tensor]
+"""Every rank's tensor concatenated along dim 0, in rank order."""
 ReduceSum = Callable[[torch.Tensor], torch.Tensor]
+"""The sum of every rank's tensor."""
+RankWorld = Callable[[], "tuple[int, int]"]
+"""This process's rank and the world size."""
 
 
 class _GatherRows(torch.autograd.Function):
@@ -44,16 +51,6 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         return ctx.reduce_sum(grad.contiguous())[ctx.rank], None, None, None
-
-
-def _facade_gather(t: torch.Tensor) -> torch.Tensor:
-    from . import facade
-    return facade.all_gather(t)
-
-
-def _facade_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    from . import facade
-    return facade.all_reduce(t, "sum")
 
 
 def global_moments(x: torch.Tensor, gather: Gather, reduce_sum: ReduceSum, rank: int):
@@ -80,9 +77,9 @@ class SyncBatchNorm(_BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device: Any = None, dtype: Any = None) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
-        self.gather: Gather = _facade_gather
-        self.reduce_sum: ReduceSum = _facade_reduce_sum
-        self.rank_world: Callable[[], "tuple[int, int]"] = _facade_rank_world
+        self.gather: Optional[Gather] = None
+        self.reduce_sum: Optional[ReduceSum] = None
+        self.rank_world: RankWorld = _alone
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
@@ -112,9 +109,9 @@ class SyncBatchNorm(_BatchNorm):
         self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
 
 
-def _facade_rank_world() -> "tuple[int, int]":
-    from . import facade
-    return facade.rank(), facade.world_size()
+def _alone() -> "tuple[int, int]":
+    """A world of one: what a :class:`SyncBatchNorm` that was given no collectives computes over."""
+    return 0, 1
 
 
 def convert(module: torch.nn.Module, make: Callable[[_BatchNorm], torch.nn.Module]) -> torch.nn.Module:
@@ -142,4 +139,13 @@ def sharing(cls: Callable[..., _BatchNorm]) -> Callable[[_BatchNorm], _BatchNorm
 
 
 portable_from = sharing(SyncBatchNorm)
-"""A :class:`SyncBatchNorm` sharing a BatchNorm's parameters and buffers."""
+"""A :class:`SyncBatchNorm` sharing a BatchNorm's parameters and buffers, with no collectives yet."""
+
+
+def portable(gather: Gather, reduce_sum: ReduceSum, rank_world: RankWorld) -> Callable[[_BatchNorm], _BatchNorm]:
+    """A :func:`convert` factory: :data:`portable_from`, communicating through the functions given."""
+    def make(bn: _BatchNorm) -> _BatchNorm:
+        sync = portable_from(bn)
+        sync.gather, sync.reduce_sum, sync.rank_world = gather, reduce_sum, rank_world
+        return sync
+    return make

@@ -1,5 +1,7 @@
 """``unified-dist launch --gradient-compression`` hands the format to the script in its environment."""
-from unified_dist.compression import ENV_VAR
+from unified_dist.settings import TABLE
+
+ENV_VAR = TABLE["gradient_compression"].variable
 
 
 def test_cli_flag(cli, tmp_path):

@@ -62,14 +62,14 @@ def test_launch_refuses_fp16_by_the_rule_init_applies():
     from unified_dist.cli.errors import UsageError
     from unified_dist.cli.launch import Plan, check_precision
     from unified_dist.errors import PrecisionError
-    from unified_dist.precision import resolve_mixed_precision
+    from unified_dist.session import config_from
 
-    plan = Plan(backend="torch", script="x.py", mixed_precision="fp16")
+    plan = Plan(backend="torch", script="x.py", settings={"mixed_precision": "fp16"})
     check_precision(plan, cuda=True)
-    check_precision(Plan(backend="torch", script="x.py", mixed_precision="bf16"), cuda=False)
+    check_precision(Plan(backend="torch", script="x.py", settings={"mixed_precision": "bf16"}), cuda=False)
     check_precision(Plan(backend="torch", script="x.py"), cuda=False)
     with pytest.raises(UsageError) as refused:
         check_precision(plan, cuda=False)
     with pytest.raises(PrecisionError) as init_refused:
-        resolve_mixed_precision("fp16", {}, cuda=False)
+        config_from({"mixed_precision": "fp16"}, {}, cuda=False)
     assert str(init_refused.value).replace("mixed_precision='bf16'", "--mixed-precision bf16") == str(refused.value)

@@ -103,7 +103,7 @@ def test_exit_status_is_the_launchers_and_the_printed_command_runs_the_same_horo
 def test_sharding_and_sync_batchnorm_reach_the_script_as_variables(backend):
     from unified_dist.cli.launch import Plan, build
 
-    command = build(Plan(backend=backend, script="train.py", nproc=2, sharding="fsdp", sync_batchnorm=True),
+    command = build(Plan(backend=backend, script="train.py", nproc=2, settings={"sharding": "fsdp", "sync_batchnorm": True}),
                     cuda=False, environ={})
     assert command.env["UNIFIED_DIST_SHARDING"] == "fsdp" and command.env["UNIFIED_DIST_SYNC_BATCHNORM"] == "1"
     assert command.line().startswith("UNIFIED_DIST_SHARDING=fsdp UNIFIED_DIST_SYNC_BATCHNORM=1 ")
@@ -114,4 +114,4 @@ def test_sharding_under_horovod_is_refused_before_anything_starts():
     from unified_dist.cli.launch import Plan, build
 
     with pytest.raises(UsageError, match="horovod has no sharding; use --backend torch or accelerate"):
-        build(Plan(backend="horovod", script="train.py", nproc=2, sharding="fsdp"), cuda=False, environ={})
+        build(Plan(backend="horovod", script="train.py", nproc=2, settings={"sharding": "fsdp"}), cuda=False, environ={})

@@ -607,7 +607,7 @@ def porting_mistakes_are_refused_or_warned():
     where it is: 7 samples, batch 2 per rank); gather_for_metrics outside a prepared loop."""
     import warnings
 
-    import unified_dist.facade as facade
+    import unified_dist.session as facade
 
     r, w = ud.rank(), ud.world_size()
     data = torch.utils.data.TensorDataset(*regression_data(7))

@@ -18,6 +18,7 @@ import torch
 
 from ..detection import Detection
 from .. import sync_batchnorm
+from ..settings import TABLE
 from ..sharding import Sharding
 from ..errors import PeerLost, UnifiedDistError, collective_timeout, peer_lost_message
 
@@ -34,23 +35,37 @@ PRIMITIVE_OPS = tuple(op for op in REDUCE_OPS if op != "mean")
 DDP_BUFFER_KWARGS = {"broadcast_buffers": False}
 """What DistributedDataParallel is built with (directly, or through Accelerate's kwargs handler): the
 facade gives every rank rank 0's buffers after each optimizer step instead (:mod:`unified_dist.buffers`)."""
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = float(TABLE["timeout"].default)
 """Seconds a collective may take when neither ``init(timeout=...)`` nor ``UNIFIED_DIST_TIMEOUT`` says."""
 
 
 @dataclass(frozen=True)
 class Config:
-    """Settings resolved by ``init`` and handed to the backend's constructor."""
+    """Settings resolved by ``init`` and handed to the backend's constructor: one field per
+    ``init`` keyword of :data:`unified_dist.settings.TABLE` (defaults the table's), except that
+    ``sharding`` holds the sharding keywords together and ``timeout`` is a ``timedelta``
+    (``tests/test_settings.py`` checks that the two agree)."""
 
-    mixed_precision: str = "no"
-    gradient_accumulation_steps: int = 1
+    mixed_precision: str = TABLE["mixed_precision"].default
+    gradient_accumulation_steps: int = TABLE["gradient_accumulation_steps"].default
     timeout: datetime.timedelta = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S)
-    debug: bool = False
+    debug: bool = TABLE["debug"].default
     sharding: Sharding = Sharding()
-    sync_batchnorm: bool = False
-    gradient_compression: Optional[str] = None  # "bf16", "fp16" or None (see unified_dist.compression)
-    bucket_mb: Optional[float] = None  # MiB per fused reduction; None: each stack's own (unified_dist.buckets)
-    bucket_view: bool = True  # DDP's gradient_as_bucket_view (unified_dist.buckets)
+    sync_batchnorm: bool = TABLE["sync_batchnorm"].default
+    gradient_compression: Optional[str] = TABLE["gradient_compression"].default  # see unified_dist.compression
+    bucket_mb: Optional[float] = TABLE["bucket_mb"].default  # MiB per fused reduction (unified_dist.buckets)
+    bucket_view: bool = TABLE["bucket_view"].default  # DDP's gradient_as_bucket_view (unified_dist.buckets)
+    check_finite: bool = TABLE["check_finite"].default  # ud.backward's NaN/inf check
+
+    def value(self, name: str) -> Any:
+        """The value of setting ``name`` as ``init`` takes it (the sharding keywords from
+        ``sharding``, the timeout in seconds)."""
+        if name == "timeout":
+            return self.timeout.total_seconds()
+        if name in ("sharding", "shard_modules", "reshard_after_forward"):
+            return {"sharding": self.sharding.mode, "shard_modules": self.sharding.modules,
+                    "reshard_after_forward": self.sharding.reshard_after_forward}[name]
+        return getattr(self, name)
 
 
 def weighted(loss: torch.Tensor, weight: Fraction) -> torch.Tensor:
@@ -121,15 +136,18 @@ class Backend(ABC):
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """Move ``model`` to :attr:`device` and make its gradients averaged across ranks."""
 
-    def convert_sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
+    def convert_sync_batchnorm(self, model: torch.nn.Module, gather: sync_batchnorm.Gather,
+                               reduce_sum: sync_batchnorm.ReduceSum) -> torch.nn.Module:
         """``model`` with every BatchNorm1d/2d/3d computing batch statistics over the global batch
-        (``init(sync_batchnorm=True)``); the portable :mod:`unified_dist.sync_batchnorm` here, a
-        stack's own implementation where one runs on this device (CUDA). Unchanged for one process."""
+        (``init(sync_batchnorm=True)``); a stack's own implementation where one runs on this device
+        (CUDA), else the portable :mod:`unified_dist.sync_batchnorm` communicating through ``gather``
+        and ``reduce_sum`` (the caller's collectives over this backend). Unchanged for one process."""
         if self.world_size == 1:
             return model
         if self.device.type == "cuda":
             return self.cuda_sync_batchnorm(model)
-        return sync_batchnorm.convert(model, sync_batchnorm.portable_from)
+        return sync_batchnorm.convert(
+            model, sync_batchnorm.portable(gather, reduce_sum, lambda: (self.rank, self.world_size)))
 
     def cuda_sync_batchnorm(self, model: torch.nn.Module) -> torch.nn.Module:
         """:meth:`convert_sync_batchnorm` for CUDA modules: torch's ``SyncBatchNorm`` (its own

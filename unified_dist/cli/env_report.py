@@ -128,17 +128,18 @@ def hardware() -> Dict[str, Any]:
 
 
 def detection(environ: Mapping[str, str], cuda: bool) -> Dict[str, Any]:
-    from ..detection import DetectionError, detect
-    from ..errors import PrecisionError
-    from ..precision import resolve_mixed_precision
+    from ..detection import detect
+    from ..errors import UnifiedDistError
+    from ..precision import check_device
 
     try:
         found = detect(environ)
-    except DetectionError as exc:
+    except UnifiedDistError as exc:  # a launcher variable or UNIFIED_DIST_SLURM that does not read
         return {"error": str(exc)}
     try:
-        precision = resolve_mixed_precision(None, environ, cuda)
-    except PrecisionError as exc:
+        precision = settings.resolve("mixed_precision", None, environ)
+        check_device(precision, cuda)
+    except UnifiedDistError as exc:
         precision = f"error: {exc}"
     return {"backend": found.backend, "launcher": found.launcher, "reason": found.reason,
             "world_size": found.world_size, "rank": found.rank, "local_rank": found.local_rank,
@@ -160,6 +161,8 @@ def collect(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
         problems.append(f"detection: {chosen['error']}")
     unknown = settings.unknown_variables(environ)
     problems += [f"settings: {settings.describe_unknown(name, close)}" for name, close in unknown]
+    rows = settings.in_effect(environ)
+    problems += [f"settings: {row['problem']} (ud.init() refuses to start here)" for row in rows if row["problem"]]
     return {
         "python": {"version": platform.python_version(), "executable": sys.executable},
         "packages": {name: _version(name) for name in PACKAGES},
@@ -167,7 +170,7 @@ def collect(environ: Mapping[str, str] = os.environ) -> Dict[str, Any]:
         "horovod_build": horovod_build(),
         "hardware": machine,
         "detection": chosen,
-        "settings": settings.in_effect(environ),
+        "settings": rows,
         "unknown_settings": [{"variable": name, "suggestion": close} for name, close in unknown],
         "problems": problems,
     }
@@ -225,7 +228,8 @@ def render(report: Dict[str, Any]) -> str:
         rows += [f"  {'problem':<14}{p}" for p in found["problems"]]
         rows += [f"  {'warning':<14}{w}" for w in found["warnings"]]
 
-    rows += ["", "settings (UNIFIED_DIST_* variables; an init(...) keyword in the script wins over its variable)"]
+    rows += ["", "settings (UNIFIED_DIST_* variables; an init(...) keyword in the script wins over its variable, "
+             "and contradicting the launcher is an error)"]
     width = max(len(row["variable"]) for row in report["settings"]) + 2
     for row in report["settings"]:
         value = row["value"] or "''"

@@ -3,25 +3,25 @@
 :func:`build` turns a :class:`Plan` into the exact native command a user would type on this
 machine; :func:`run` prints it and replaces this process with the launcher, so the launcher
 owns the terminal, receives Ctrl-C, and its exit status is the command's. The launched script
-sees what the native launcher gives it, plus ``UNIFIED_DIST_MIXED_PRECISION`` where the
-launcher has no mixed-precision flag (torchrun, horovodrun), and ``UNIFIED_DIST_SHARDING`` /
-``UNIFIED_DIST_SYNC_BATCHNORM`` for ``--sharding`` / ``--sync-batchnorm`` (no launcher has those).
+sees what the native launcher gives it, plus the ``UNIFIED_DIST_*`` variable of every setting
+flag given (``--mixed-precision``, ``--sharding``, ...; one per setting of
+:data:`unified_dist.settings.TABLE` that has a variable), except where the launcher carries the
+setting itself (``accelerate launch --mixed_precision``).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import shutil
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Mapping, NoReturn, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, NoReturn, Optional, Tuple
 
-from ..buckets import ENV_VAR as ENV_BUCKET_MB, resolve_bucket_mb
-from ..compression import ENV_VAR as ENV_COMPRESSION, MODES as COMPRESSION_MODES
+from .. import settings
 from ..net import DEFAULT_MASTER_PORT
-from ..errors import PrecisionError
-from ..precision import ENV_VAR as ENV_MIXED_PRECISION, MODES as MIXED_PRECISION_MODES, check_device
-from ..flags import SHARDING_ENV, SHARDING_MODES, SYNC_BATCHNORM_ENV
+from ..errors import PrecisionError, SettingError
+from ..precision import check_device
 from .errors import UsageError
 from ..registry import LAUNCHED, SPECS
 
@@ -35,6 +35,10 @@ INSTALL_FIX: Dict[str, str] = {name: SPECS[name].install_fix for name in BACKEND
 """How to get each backend's library and launcher, for error messages and ``unified-dist env``."""
 
 
+NATIVE: Dict[str, FrozenSet[str]] = {"accelerate": frozenset({"mixed_precision"})}
+"""The settings a backend's launcher carries with flags of its own (``accelerate launch --mixed_precision``)
+instead of the script's ``UNIFIED_DIST_*`` variable."""
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -42,7 +46,9 @@ class Plan:
 
     ``nproc`` counts processes per node. ``master_addr``/``master_port`` are for torch and
     accelerate (accelerate also takes the port on one machine); ``hosts`` is horovod's
-    ``host:slots,...`` list; ``mixed_precision`` ``None`` leaves the script's own choice alone.
+    ``host:slots,...`` list; ``settings`` maps setting names (``unified-dist launch``'s flags,
+    :data:`unified_dist.settings.FLAGS`) to the values the script should run with; a setting left
+    out (or ``None``) leaves the script's own choice alone.
     """
 
     backend: str
@@ -55,19 +61,21 @@ class Plan:
     master_port: Optional[int] = None
     hosts: Optional[str] = None
     network_interface: Optional[str] = None
-    mixed_precision: Optional[str] = None
-    sharding: Optional[str] = None
-    sync_batchnorm: bool = False
-    gradient_compression: Optional[str] = None  # every launcher: UNIFIED_DIST_GRADIENT_COMPRESSION
-    bucket_mb: Optional[float] = None  # every launcher: UNIFIED_DIST_BUCKET_MB
+    settings: Mapping[str, Any] = field(default_factory=dict)
+
+    def setting(self, name: str) -> Any:
+        """The value asked for setting ``name``, or ``None``."""
+        return self.settings.get(name)
 
 
 @dataclass(frozen=True)
 class Command:
-    """A launcher command line plus the variables it is run with (shown in front of it)."""
+    """A launcher command line plus the variables it is run with (shown in front of it);
+    ``native`` names the settings its launcher carries with flags of its own."""
 
     argv: Tuple[str, ...]
     env: Dict[str, str] = field(default_factory=dict)
+    native: FrozenSet[str] = frozenset()
 
     def line(self) -> str:
         """One shell line a user can copy: ``VAR=value ... launcher args``."""
@@ -84,7 +92,8 @@ def build(plan: Plan, cuda: bool = False, environ: Mapping[str, str] = os.enviro
     """
     check_plan(plan)
     command = SPECS[plan.backend].load("command")(plan, cuda, environ)
-    return replace(command, env={**command.env, **_settings_env(plan)})
+    given = {name: value for name, value in plan.settings.items() if name not in command.native}
+    return replace(command, env={**command.env, **settings.flag_environment(given)})
 
 
 def check_plan(plan: Plan) -> None:
@@ -98,21 +107,24 @@ def check_plan(plan: Plan) -> None:
         raise UsageError(f"--nnodes must be at least 1, got {plan.nnodes}")
     if not 0 <= plan.node_rank < plan.nnodes:
         raise UsageError(f"--node-rank must be in 0..{plan.nnodes - 1} for --nnodes {plan.nnodes}, got {plan.node_rank}")
-    if plan.mixed_precision is not None and plan.mixed_precision not in MIXED_PRECISION_MODES:
-        raise UsageError(
-            f"unknown mixed precision {plan.mixed_precision!r}; use one of {', '.join(MIXED_PRECISION_MODES)}")
-    if plan.sharding is not None and plan.sharding not in SHARDING_MODES:
-        raise UsageError(f"unknown sharding {plan.sharding!r}; use one of {', '.join(SHARDING_MODES)}")
-    if plan.sharding == "fsdp" and not _backend_class(plan.backend).supports_sharding:
+    for name, value in plan.settings.items():
+        if name not in settings.FLAGS:
+            raise UsageError(f"unified-dist launch has no setting {name!r}; its flags: "
+                             + ", ".join(settings.flag_name(n) for n in settings.FLAGS))
+        try:
+            settings.TABLE[name].from_code(value) if value is not None else None
+        except (SettingError, PrecisionError) as exc:
+            raise UsageError(f"{settings.flag_name(name)}: {exc}") from None
+    if plan.setting("sharding") == "fsdp" and not _backend_class(plan.backend).supports_sharding:
         raise UsageError(f"--sharding fsdp: {plan.backend} has no sharding; use --backend torch or accelerate")
 
 
 def check_precision(plan: Plan, cuda: bool) -> None:
     """Raise :class:`UsageError` when this machine cannot run ``--mixed-precision`` (fp16 without a
     CUDA GPU), as ``ud.init`` would refuse it in every process."""
-    if plan.mixed_precision:
+    if plan.setting("mixed_precision"):
         try:
-            check_device(plan.mixed_precision, cuda, spelling="--mixed-precision {}")
+            check_device(plan.setting("mixed_precision"), cuda, spelling="--mixed-precision {}")
         except PrecisionError as exc:
             raise UsageError(str(exc)) from None
 
@@ -136,26 +148,10 @@ def _socket_env(plan: Plan, cuda: bool) -> Dict[str, str]:
     return env
 
 
-def _precision_env(plan: Plan) -> Dict[str, str]:
-    return {ENV_MIXED_PRECISION: plan.mixed_precision} if plan.mixed_precision else {}
-
-
 def _backend_class(name: str):
     from ..backends import backend_class  # imports torch: only when a plan asks what the backend can do
 
     return backend_class(name)
-
-
-def _settings_env(plan: Plan) -> Dict[str, str]:
-    """The facade's settings that no launcher has a flag for, as the script's environment."""
-    env = {SHARDING_ENV: plan.sharding} if plan.sharding else {}
-    if plan.sync_batchnorm:
-        env[SYNC_BATCHNORM_ENV] = "1"
-    if plan.gradient_compression:
-        env[ENV_COMPRESSION] = plan.gradient_compression
-    if plan.bucket_mb is not None:
-        env[ENV_BUCKET_MB] = f"{plan.bucket_mb:g}"
-    return env
 
 
 def torchrun_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
@@ -168,7 +164,7 @@ def torchrun_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Comm
         layout = ["--nnodes", str(plan.nnodes), "--node_rank", str(plan.node_rank),
                   "--nproc_per_node", str(plan.nproc), "--master_addr", addr, "--master_port", str(port)]
     argv = ("torchrun", *layout, plan.script, *plan.script_args)
-    return Command(argv, {**_precision_env(plan), **_socket_env(plan, cuda)})
+    return Command(argv, _socket_env(plan, cuda))
 
 
 def accelerate_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
@@ -183,10 +179,10 @@ def accelerate_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Co
         args += ["--machine_rank", str(plan.node_rank), "--main_process_ip", addr, "--main_process_port", str(port)]
     elif plan.master_port:
         args += ["--main_process_port", str(plan.master_port)]
-    mode = plan.mixed_precision or environ.get(ENV_MIXED_PRECISION) or "no"
+    mode = plan.setting("mixed_precision") or settings.TABLE["mixed_precision"].from_environment(environ)
     args += ["--mixed_precision", mode, "--dynamo_backend", "no"]
     argv = ("accelerate", "launch", *args, plan.script, *plan.script_args)
-    return Command(argv, _socket_env(plan, cuda))
+    return Command(argv, _socket_env(plan, cuda), native=NATIVE["accelerate"])
 
 
 def parse_hosts(text: str, default_slots: int) -> List[Tuple[str, int]]:
@@ -225,7 +221,7 @@ def horovodrun_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Co
     if plan.network_interface:
         args += ["--network-interface", plan.network_interface]
     argv = ("horovodrun", *args, _python_name(), plan.script, *plan.script_args)
-    return Command(argv, _precision_env(plan))
+    return Command(argv)
 
 
 # ---------------------------------------------------------------------- this machine
@@ -290,19 +286,27 @@ def add_arguments(parser) -> None:
                         help="horovod's hosts and slots; run once, on the first host: horovodrun reaches the others over ssh")
     parser.add_argument("--network-interface", metavar="NIC",
                         help="network interface (horovodrun --network-interface; GLOO_SOCKET_IFNAME for torch/accelerate)")
-    parser.add_argument("--mixed-precision", choices=MIXED_PRECISION_MODES,
-                        help="accelerate --mixed_precision, else UNIFIED_DIST_MIXED_PRECISION for the script")
-    parser.add_argument("--sharding", choices=SHARDING_MODES,
-                        help="fsdp: shard models with FSDP2 (torch, accelerate), as UNIFIED_DIST_SHARDING")
-    parser.add_argument("--sync-batchnorm", action="store_true",
-                        help="BatchNorm statistics over the global batch, as UNIFIED_DIST_SYNC_BATCHNORM=1")
-    parser.add_argument("--gradient-compression", choices=COMPRESSION_MODES,
-                        help=f"send gradients in 16 bits (sets {ENV_COMPRESSION} for the script)")
-    parser.add_argument("--bucket-mb", type=float, metavar="MIB",
-                        help=f"MiB per fused gradient reduction: DDP's buckets, Horovod's fusion buffer (sets {ENV_BUCKET_MB})")
+    for name in settings.FLAGS:
+        _add_setting_flag(parser, settings.TABLE[name])
     parser.add_argument("--dry-run", action="store_true", help="print the command on stdout; do not run it")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs="...", help="arguments for the script")
+
+
+def _add_setting_flag(parser, setting: settings.Setting) -> None:
+    """The flag of one setting of the table: its help, its variable, its choices or its type."""
+    kind, where = setting.kind, f"sets {setting.variable} for the script"
+    carried = [SPECS[name].launcher for name, names in NATIVE.items() if setting.name in names]
+    if carried:
+        where += f"; {', '.join(carried)} takes its own flag instead"
+    options: Dict[str, Any] = {"help": f"{setting.help} ({where})"}
+    if isinstance(kind, settings.Switch):
+        options["action"] = argparse.BooleanOptionalAction
+    elif isinstance(kind, settings.Choice):
+        options["choices"] = kind.values
+    elif isinstance(kind, settings.Number):
+        options.update(type=int if kind.integer else float, metavar=kind.unit.upper().replace("-", "_"))
+    parser.add_argument(settings.flag_name(setting.name), dest=setting.name, default=None, **options)
 
 
 def main(args) -> int:
@@ -310,8 +314,7 @@ def main(args) -> int:
     plan = Plan(backend=args.backend, script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port, hosts=args.hosts, network_interface=args.network_interface,
-                mixed_precision=args.mixed_precision, sharding=args.sharding, sync_batchnorm=args.sync_batchnorm,
-                gradient_compression=args.gradient_compression, bucket_mb=resolve_bucket_mb(args.bucket_mb, {}))
+                settings={name: getattr(args, name) for name in settings.FLAGS if getattr(args, name) is not None})
     build(plan)  # every usage error (the builders check theirs too), and the machine's, before
     check_machine(plan)  # torch's import (seconds): a mistake is answered at once
     import torch  # only asked whether there is a GPU

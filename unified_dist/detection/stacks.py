@@ -1,0 +1,58 @@
+"""The sources of :func:`unified_dist.detection.detect` that recognise a stack's own launcher:
+horovodrun, accelerate launch, torchrun (each named by its record in :data:`unified_dist.registry.SPECS`,
+``source``). Each takes the environment and returns a :class:`Detection`, or ``None`` when its
+launcher did not start this process."""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Tuple
+
+from ..registry import SPECS
+from ..settings import LAUNCHER_ENV as ENV_LAUNCHER
+from .result import Detection, read_int as _int
+
+_TORCH, _ACCELERATE, _HOROVOD = SPECS["torch"], SPECS["accelerate"], SPECS["horovod"]
+_TORCH_KEYS = ("RANK", "WORLD_SIZE")
+
+
+def _torch_style(env: Mapping[str, str], backend: str, launcher: str, reason: str) -> Detection:
+    return Detection(
+        backend, env.get(ENV_LAUNCHER) or launcher, reason,
+        world_size=_int(env, "WORLD_SIZE", 1), rank=_int(env, "RANK", 0),
+        local_rank=_int(env, "LOCAL_RANK", 0),
+    )
+
+
+def horovodrun(env: Mapping[str, str]) -> Optional[Detection]:
+    if not any(env.get(k) for k in _HOROVOD.launcher_keys):
+        return None
+    return Detection(
+        _HOROVOD.name, env.get(ENV_LAUNCHER) or _HOROVOD.launcher,
+        "HOROVOD_RANK/HOROVOD_SIZE are set (started by horovodrun)",
+        world_size=_int(env, "HOROVOD_SIZE", 1), rank=_int(env, "HOROVOD_RANK", 0),
+        local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
+    )
+
+
+def accelerate(env: Mapping[str, str]) -> Optional[Detection]:
+    if not any(env.get(k) for k in _ACCELERATE.launcher_keys):
+        return None
+    if env.get("WORLD_SIZE") and env.get("RANK"):
+        return _torch_style(env, _ACCELERATE.name, _ACCELERATE.launcher,
+                            "ACCELERATE_* and RANK/WORLD_SIZE are set (started by accelerate launch)")
+    problems: Tuple[str, ...] = ()
+    if env.get("MASTER_PORT") or env.get("MASTER_ADDR"):
+        problems = (
+            "accelerate launch asked for several processes but started them without a distributed "
+            "launcher, so each one runs alone (world size 1). On a CPU machine run: accelerate launch "
+            "--multi_gpu --num_processes N --num_machines 1 --mixed_precision no --dynamo_backend no script.py",
+        )
+    return Detection(_ACCELERATE.name, _ACCELERATE.launcher,
+                     "ACCELERATE_* is set without RANK/WORLD_SIZE (accelerate launch, one process)",
+                     problems=problems)
+
+
+def torchrun(env: Mapping[str, str]) -> Optional[Detection]:
+    if not (any(env.get(k) for k in _TORCH.launcher_keys) or all(env.get(k) for k in _TORCH_KEYS)):
+        return None
+    return _torch_style(env, _TORCH.name, _TORCH.launcher,
+                        "TORCHELASTIC_RUN_ID or RANK/WORLD_SIZE are set (started by torchrun)")

@@ -1,0 +1,287 @@
+"""The one process-wide session: what ``ud.init`` set up, and the work behind the facade.
+
+:func:`init` resolves the settings (:mod:`unified_dist.settings`), detects the launcher
+(:mod:`unified_dist.detection`), builds the backend and the :class:`Session` around it; every
+other module of the API layer (:mod:`unified_dist.facade`, :mod:`unified_dist.saving`,
+:mod:`unified_dist.elastic`) reaches it through :func:`current`. A :class:`Session` owns the
+gradient synchronisation, the prepared loaders and optimizers, and the exit hooks.
+
+Layers (``tests/test_layers.py`` checks them): the API layer imports this module; this module
+imports the layers below (backends, collectives, training, data, settings); nothing below
+imports this module or the API layer.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import os
+import random
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, List, Mapping, Optional
+
+import torch
+
+from . import collectives, live, settings
+from .backends import Backend, Config, backend_class
+from .data import LoaderStack, PreparedDataLoader
+from .detection import Detection, detect
+from .errors import LaunchError, NonFiniteLoss, UnifiedDistError
+from .precision import check_device
+from .sharding import Sharding, full_tensor
+from .training import GradientSync, PreparedOptimizer, PreparedScheduler
+
+
+def config_from(given: Mapping[str, Any], environ: Mapping[str, str], cuda: bool) -> Config:
+    """The :class:`Config` that ``init``'s keywords ``given`` (``None``: not given) and ``environ``
+    resolve to (:func:`unified_dist.settings.resolve_all`), checked against this machine (``cuda``)
+    and against itself. Raises the setting's error, :class:`LaunchError` for a contradiction with the
+    launcher, :class:`UnifiedDistError` for settings that exclude each other."""
+    values = settings.resolve_all(given, environ)
+    check_device(values["mixed_precision"], cuda)
+    modules = values.pop("shard_modules")
+    sharding = Sharding(values.pop("sharding"), tuple(modules) if modules else None, values.pop("reshard_after_forward"))
+    if settings.TABLE["sharding"].from_launcher(environ)[0] and environ.get("FSDP_VERSION", "1").strip() != "2":
+        raise LaunchError("accelerate launch --use_fsdp asks for FSDP version "
+                          f"{environ.get('FSDP_VERSION', '1')}; unified_dist shards with FSDP2: add --fsdp_version 2")
+    if sharding.enabled and values["gradient_compression"]:
+        raise UnifiedDistError(
+            f"gradient_compression={values['gradient_compression']!r} compresses DDP's and Horovod's all-reduce; "
+            "sharding='fsdp' reduce-scatters instead: use one of the two")
+    return Config(sharding=sharding, timeout=datetime.timedelta(seconds=values.pop("timeout")), **values)
+
+
+@dataclass
+class Session:
+    """Everything one ``init`` set up; :func:`shutdown` drops it whole."""
+
+    backend: Backend
+    detection: Detection
+    sync: GradientSync
+    loaders: LoaderStack
+    optimizers: List[PreparedOptimizer] = field(default_factory=list)
+    prepared_from: dict = field(default_factory=dict)  # id(user's optimizer) -> PreparedOptimizer
+    seed: int = 0  # the loaders' shuffle seed (seed_everything)
+    failed: bool = False  # an exception reached the top of the program (see _note_failure)
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, objs: tuple) -> List[Any]:
+        """``ud.prepare``'s work: each object made ready, in the order given (see the facade)."""
+        backend = self.backend
+        models = [o for o in objs if isinstance(o, torch.nn.Module)]
+        out: List[Any] = [None] * len(objs)
+        # models first (sharding replaces their parameters, which the optimizers must then step);
+        # schedulers last, so they can be pointed at the optimizer prepared in the same call
+        order = sorted(range(len(objs)), key=lambda i: (not isinstance(objs[i], torch.nn.Module), is_scheduler(objs[i])))
+        for i in order:
+            obj = objs[i]
+            if isinstance(obj, torch.nn.Module):
+                out[i] = self._prepare_model(obj)
+            elif isinstance(obj, PreparedOptimizer):
+                out[i] = obj
+            elif isinstance(obj, torch.optim.Optimizer):
+                inner = backend.prepare_optimizer(obj, models[0] if len(models) == 1 else None)
+                prepared = PreparedOptimizer(inner, self.sync, backend.make_grad_scaler())
+                self.optimizers.append(prepared)
+                self.prepared_from[id(obj)] = prepared
+                out[i] = prepared
+            elif isinstance(obj, torch.utils.data.DataLoader):
+                out[i] = PreparedDataLoader(obj, lambda: (backend.rank, backend.world_size), backend.device,
+                                            self.seed, self.loaders)
+            elif is_scheduler(obj):
+                # The scheduler must drive the optimizer that steps: Horovod's DistributedOptimizer is
+                # a new object, and load_state_dict() replaces param_groups, so a scheduler left on
+                # the original optimizer would stop changing the learning rate after a resume.
+                if id(obj.optimizer) in self.prepared_from:
+                    obj.optimizer = self.prepared_from[id(obj.optimizer)]
+                out[i] = PreparedScheduler(obj, self.sync)
+            else:
+                raise UnifiedDistError(
+                    f"prepare() got a {type(obj).__name__}; it accepts torch.nn.Module, torch.optim.Optimizer, "
+                    "LR schedulers and torch.utils.data.DataLoader")
+        return out
+
+    def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        backend = self.backend
+        if backend.config.sync_batchnorm:
+            model = backend.convert_sync_batchnorm(
+                model, gather=lambda t: collectives.all_gather(backend, t, what="SyncBatchNorm"),
+                reduce_sum=lambda t: collectives.all_reduce(backend, t, "sum"))
+        prepared = backend.prepare_model(model)
+        self.sync.buffers.add(prepared)  # every rank starts from rank 0's buffers (unified_dist.buffers)
+        return prepared
+
+    # ------------------------------------------------------------------ training
+    def backward(self, loss: torch.Tensor) -> None:
+        """``ud.backward``'s work (see the facade)."""
+        if not isinstance(loss, torch.Tensor):
+            raise UnifiedDistError(f"backward() expects the loss tensor, got {type(loss).__name__}")
+        self.sync.check_backward_context()
+        self.sync.backward_calls += 1
+        if self.backend.config.check_finite:
+            self._stop_on_non_finite(loss)
+        scaler = self.optimizers[-1].scaler if self.optimizers else None
+        self.backend.backward(loss, scaler, self.sync.loss_weight())
+
+    def _stop_on_non_finite(self, loss: torch.Tensor) -> None:
+        """Every rank learns whether any rank's loss is NaN/inf, and all stop at the same step."""
+        finite = torch.isfinite(loss.detach()).all().to(torch.uint8).reshape(1)
+        flags = collectives.all_gather(self.backend, finite, what="backward(non-finite check)")
+        if bool(flags.all()):
+            return
+        bad = [r for r, ok in enumerate(flags.tolist()) if not ok]
+        step = (self.optimizers[-1].steps_taken if self.optimizers else 0) + 1
+        raise NonFiniteLoss(
+            f"loss is not finite on rank {', '.join(map(str, bad))} at optimizer step {step}: nothing was "
+            "updated and earlier checkpoints are intact; lower the learning rate, clip gradients or check "
+            "the inputs (UNIFIED_DIST_CHECK_FINITE=0 skips this check)")
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float) -> Optional[torch.Tensor]:
+        """``ud.clip_grad_norm_``'s work (see the facade)."""
+        if not self.sync.sync_gradients:
+            return None
+        for optimizer in self.optimizers:
+            optimizer.synchronize()
+        return full_tensor(torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type))
+
+    def seed_everything(self, seed: int, per_rank: bool) -> int:
+        """``ud.seed_everything``'s work (see the facade)."""
+        self.seed = int(seed)
+        value = self.seed + (self.backend.rank if per_rank else 0)
+        random.seed(value)
+        with contextlib.suppress(ImportError):
+            import numpy
+
+            numpy.random.seed(value % 2**32)
+        torch.manual_seed(value)
+        return value
+
+    # ------------------------------------------------------------------ metrics
+    def gather_for_metrics(self, x: Any) -> Any:
+        """``ud.gather_for_metrics``'s work (see the facade)."""
+        gathered = collectives.all_gather(self.backend, x, what="gather_for_metrics")
+        loader = self.loaders.current
+        if loader is None:
+            warn_once("gather_for_metrics() ran outside the loop of a prepared DataLoader, so it cannot drop the "
+                      "rows a padded last batch repeats and acts as ud.all_gather; prepare the evaluation loader "
+                      "with ud.prepare(...) and call it inside that loop (or call ud.all_gather)")
+        info = loader.batch_info if loader is not None else None
+        if info is None or info.real == info.padded:
+            return gathered
+        return collectives.map_each(
+            gathered, lambda t: t[:info.real] if t.shape[0] == info.padded else t, "gather_for_metrics")
+
+
+def is_scheduler(obj: Any) -> bool:
+    """Whether ``obj`` is an LR scheduler (torch's, or anything shaped like one)."""
+    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
+        hasattr(obj, "step") and hasattr(obj, "state_dict") and hasattr(obj, "optimizer"))
+
+
+# ---------------------------------------------------------------------- the process's session
+_session: Optional[Session] = None
+_hooks_installed = False
+_previous_excepthook: Any = None
+_warned: set = set()
+
+
+def warn_once(message: str) -> None:
+    """A ``UserWarning`` the first time ``message`` is said in this process (a loop repeats the mistake)."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=4)
+
+
+def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
+    """``ud.init``'s work: ``given`` holds its keywords (``None``: not given); see the facade."""
+    global _session
+    if _session is not None:
+        _check_same(_session, backend, given)
+        return
+    settings.warn_unknown(os.environ, stacklevel=4)  # a misspelled UNIFIED_DIST_* variable would do nothing silently
+    config = config_from(given, os.environ, torch.cuda.is_available())
+    detection = detect(os.environ, backend, live.probe())
+    if detection.problems:
+        raise LaunchError(detection.problems[0])
+    for message in detection.warnings:
+        warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=3)
+    cls = backend_class(detection.backend)
+    if config.sharding.enabled and not cls.supports_sharding:
+        raise UnifiedDistError(
+            f"sharding='fsdp' needs torch.distributed, and {detection.launcher} runs the {cls.name} backend, which "
+            "has no sharding; launch with torchrun, accelerate launch, srun or mpirun, or use sharding='no'")
+    instance = cls(detection, config)
+    loaders = LoaderStack()
+    _session = Session(instance, detection, GradientSync(instance, loaders), loaders)
+    _install_exit_hooks()
+
+
+def _check_same(session: Session, backend: Optional[str], given: Mapping[str, Any]) -> None:
+    """A second ``init``: refuse another backend, or a keyword whose value differs from the running one."""
+    current = session.backend
+    if backend is not None and backend != current.name:
+        raise UnifiedDistError(
+            f"unified_dist is already running backend {current.name!r}; call ud.shutdown() before init({backend!r})")
+    for name, value in given.items():
+        if value is None:
+            continue
+        wanted, running = settings.TABLE[name].from_code(value), current.config.value(name)
+        if wanted != running:
+            raise UnifiedDistError(
+                f"init() was already called with {name}={running!r}; call ud.init({name}={value!r}) before any "
+                "other ud function, or ud.shutdown() first")
+
+
+def current() -> Session:
+    """The session, initialised with defaults on first use."""
+    if _session is None:
+        init(None, {})
+    assert _session is not None
+    return _session
+
+
+def current_backend() -> Backend:
+    """The session's backend (initialising with defaults if needed)."""
+    return current().backend
+
+
+def shutdown() -> None:
+    """Leave the process group; a later call to any function initialises again."""
+    global _session
+    if _session is not None:
+        session, _session = _session, None
+        session.backend.shutdown()
+
+
+def _install_exit_hooks() -> None:
+    """Once per process: the ``atexit`` handler, and :func:`_note_failure` as ``sys.excepthook``
+    in front of the hook current now. A hook the user installs later replaces ours and is kept."""
+    global _hooks_installed, _previous_excepthook
+    if _hooks_installed:
+        return
+    _hooks_installed = True
+    atexit.register(_shutdown_at_exit)
+    _previous_excepthook = sys.excepthook
+    sys.excepthook = _note_failure
+
+
+def _note_failure(exc_type: Any, exc: Any, tb: Any) -> None:
+    """Mark the session failed (so :func:`_shutdown_at_exit` frees nothing), then call the hook
+    that was ``sys.excepthook`` when ours was installed."""
+    if _session is not None:
+        _session.failed = True
+    (_previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+
+
+def _shutdown_at_exit() -> None:
+    """At a clean interpreter exit, free DDP reducers and the process group unified_dist created
+    (no communication): see :meth:`Backend.leave_at_exit`.
+
+    Skipped after an uncaught exception: a reducer with a collective still pending on a lost
+    peer cannot be freed, and the launcher must see this process end.
+    """
+    if _session is not None and not _session.failed:
+        with contextlib.suppress(Exception):
+            _session.backend.leave_at_exit()
