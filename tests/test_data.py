@@ -1,6 +1,4 @@
 """The sharded sampler's layout, checked by simulating every rank of several world sizes."""
-import math
-
 import pytest
 import torch
 

@@ -52,6 +52,39 @@ def test_launch_runs_the_function_on_every_rank_and_returns_rank_0s_value(backen
         assert all(outcome[name] == "ok" for name in CHECKS), outcome
 
 
+FROM_STDIN = textwrap.dedent('''
+    import sys
+    import torch
+    import unified_dist as ud
+
+    print("SCRIPT_RAN")  # once: the workers must not re-run a script they cannot read
+
+    def square(x):
+        return x * x
+
+    def work(k):
+        ud.init()
+        total = ud.all_reduce(torch.tensor([ud.rank() + 1.0]), "sum").item()
+        return ud.all_gather_object([ud.rank(), square(ud.rank()) + k, total])
+
+    print("RESULT", ud.launch(work, 7, nproc=2, backend=sys.argv[1]), __file__)
+''')
+
+
+@pytest.mark.parametrize("backend", ["torch", "horovod"])  # accelerate starts its workers as torch does
+def test_launch_works_from_a_script_read_on_standard_input(backend, tmp_path):
+    """``python - <<EOF``: ``__main__.__file__`` is ``<stdin>``, which ``spawn``-ed children cannot re-run."""
+    script = tmp_path / "typed.py"
+    script.write_text(FROM_STDIN)
+    cmd = ["sh", "-c", 'exec "$0" - "$1" < "$2"', str(BIN / "python"), backend, str(script)]
+    result = run(cmd, timeout=180, env=child_env(), cwd=ROOT).check()
+    line = [l for l in result.output.splitlines() if l.startswith("RESULT ")]
+    assert line, result.output[-3000:]
+    expected = [[rank, rank * rank + 7, float(sum(r + 1 for r in range(2)))] for rank in range(2)]
+    assert line[-1] == f"RESULT {expected} <stdin>", result.output[-3000:]  # __file__ is back afterwards
+    assert result.output.count("SCRIPT_RAN") == 1, result.output[-3000:]
+
+
 FAILING = textwrap.dedent('''
     import time
     import torch

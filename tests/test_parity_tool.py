@@ -1,11 +1,8 @@
 """``unified-dist parity``: its parsing and comparison (its real use is in tests/examples)."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from launchers import child_env
 from unified_dist.cli import parity
 from unified_dist.cli.main import main
 
@@ -53,12 +50,9 @@ def test_missing_steps_or_eval_differences_fail(tmp_path):
     assert unified_dist_parity("--compare", ref, str(tmp_path / "nothing")) == 2
 
 
-def test_the_words_after_dashes_go_to_the_script_and_the_old_spelling_still_works(tmp_path, monkeypatch):
+def test_the_words_after_dashes_go_to_the_script(tmp_path, monkeypatch):
     ref = write(tmp_path, "ref", {1: 0.7}, 0.8)
     seen = []
     monkeypatch.setattr(parity, "_run_all", lambda args: seen.append(args.script_args) or [("a", ref), ("b", ref)])
     assert unified_dist_parity("s.py", "--run", "a=python", "--", "--rtol", "3", "--", "x") == 0
     assert seen == [["--rtol", "3", "--", "x"]]
-    old = subprocess.run([sys.executable, "-m", "unified_dist.parity", "--compare", ref, ref],
-                         capture_output=True, text=True, timeout=120, env=child_env())
-    assert old.returncode == 0 and "reference: ref" in old.stdout, old.stderr

@@ -8,7 +8,7 @@ A rebuilt container has the input's type: ``type(d)(pairs)``, ``type(nt)(*items)
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,11 +46,6 @@ def leaves(obj: Any, path: str = "x") -> Iterator[Tuple[str, Any]]:
             yield from leaves(v, f"{path}[{i}]")
     else:
         yield path, obj
-
-
-def tensors_in(obj: Any) -> List[torch.Tensor]:
-    """Every tensor in ``obj``, in order."""
-    return [leaf for _, leaf in leaves(obj) if isinstance(leaf, torch.Tensor)]
 
 
 def first_non_tensor(obj: Any) -> Optional[Tuple[str, Any]]:

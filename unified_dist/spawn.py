@@ -17,10 +17,12 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .detection import ENV_BACKEND, ENV_LAUNCHER, LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
 from .errors import CollectiveTimeout, PeerLost, UnifiedDistError, WorkerFailed
@@ -55,7 +57,8 @@ def launch(fn: Callable[..., Any], *args: Any, nproc: int = 2, backend: str = "t
     try:
         launcher_error: Optional[Exception] = None
         try:
-            SPECS[backend].load("start")(payload, nproc, backend, str(workdir))
+            with _main_not_rerun_unless_a_file():
+                SPECS[backend].load("start")(payload, nproc, backend, str(workdir))
         except Exception as exc:  # the stack's own report; the workers' error files say more
             launcher_error = exc
         failure = _failure(workdir, launcher_error)
@@ -72,6 +75,35 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return "\n" + str(self.args[0]) if self.args else ""
+
+
+@contextmanager
+def _main_not_rerun_unless_a_file() -> Iterator[None]:
+    """Keep ``spawn``-ed children from re-running a ``__main__`` that is no file (``python - <<EOF``).
+
+    A ``spawn`` child re-runs the parent's main script: multiprocessing.spawn's
+    ``get_preparation_data`` sends ``__main__.__file__`` when ``__main__`` has no ``__spec__``, and
+    the child's ``prepare`` hands it to ``runpy.run_path``. A script read on standard input has
+    ``__file__ == "<stdin>"``, so every child died with FileNotFoundError, torch.multiprocessing's
+    workers and ``horovod.run``'s middlemen (also ``spawn``) alike. Such a ``__main__`` cannot be
+    re-run and the workers need nothing from it (``fn`` travels by value with cloudpickle), so its
+    ``__file__`` is hidden while the stack runs, as ``python -c`` has none. A real script file is
+    left alone and re-run as usual.
+    """
+    from multiprocessing import process
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    pseudo = isinstance(path, str) and path.startswith("<") and path.endswith(">")  # <stdin>, <string>
+    if not isinstance(path, str) or getattr(main, "__spec__", None) is not None or (
+            not pseudo and os.path.isfile(os.path.join(process.ORIGINAL_DIR or "", path))):
+        yield  # re-run by module name, or a script file the children can read: multiprocessing's way
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
 
 
 def start_torch(payload: bytes, nproc: int, backend: str, workdir: str) -> None:

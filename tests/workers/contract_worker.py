@@ -320,7 +320,6 @@ def scheduler_drives_the_prepared_optimizer_after_load_state_dict():
 # ----------------------------------------------------------------- loaders
 @check("core")
 def train_loader_shards_disjoint_cover_and_reshuffle():
-    r, w = ud.rank(), ud.world_size()
     n, b = 23, 3
     ds = torch.utils.data.TensorDataset(torch.arange(n))
     loader = ud.prepare(torch.utils.data.DataLoader(ds, batch_size=b, shuffle=True))
