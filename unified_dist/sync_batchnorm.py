@@ -29,7 +29,6 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 Gather = Callable[[torch.Tensor], torch.Tensor]
