@@ -86,6 +86,19 @@ def test_the_same_dict_saves_and_restores_every_live_object(tmp_path):
     assert loader2.state_dict() == loader.state_dict()
 
 
+def test_a_checkpoint_saved_right_after_a_load_holds_the_same_position(tmp_path):
+    """Load, then save before iterating (e.g. a commit at the top of a resumed loop): the loader's
+    state is still the one loaded, mid-epoch, not the start of that epoch."""
+    model, optimizer, loader, scheduler = _objects(0)
+    _train(model, optimizer, loader, scheduler, iter(loader), 3)
+    ud.save({"loader": loader}, str(tmp_path / "a.pt"))
+    _, _, loader2, _ = _objects(1)
+    ud.load(str(tmp_path / "a.pt"), {"loader": loader2})
+    ud.save({"loader": loader2}, str(tmp_path / "b.pt"))
+    assert ud.load(str(tmp_path / "b.pt"))["loader"] == {"epoch": 0, "samples_consumed": 3 * 4, "num_samples": 40,
+                                                        "seed": 0}
+
+
 def test_a_lambda_scheduler_takes_this_runs_schedule_whatever_the_dict_order(tmp_path):
     """A resume with a longer schedule (e.g. a larger --max-steps) takes the new schedule's rate on
     its very next step, though the optimizer's state (loaded after it, here) holds the old rate."""
