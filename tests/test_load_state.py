@@ -170,6 +170,19 @@ def test_the_rng_entry_is_every_ranks_generators(tmp_path):
     assert _draws() == after_save
 
 
+def test_strict_false_skips_names_the_file_lacks(tmp_path):
+    model = torch.nn.Linear(2, 1)
+    path = str(tmp_path / "c.pt")
+    ud.save({"model": model, "step": 3}, path)
+    bigger = torch.nn.Linear(2, 1)
+    bigger.register_buffer("extra", torch.ones(1))  # a key the file lacks
+    state = {"model": bigger, "step": 0, "epoch": 5}
+    with pytest.raises(ud.CheckpointError, match="has no 'epoch'"):
+        ud.load(path, state)
+    assert ud.load(path, state, strict=False) == {}
+    assert state["step"] == 3 and state["epoch"] == 5 and torch.equal(bigger.weight, model.weight)
+
+
 # --------------------------------------------------------------------------- ElasticState layout
 def _elastic_objects(seed):
     torch.manual_seed(seed)
@@ -268,7 +281,7 @@ RNG_WORKER = r'''
 import os, random, sys, time
 import torch
 import unified_dist as ud
-from unified_dist import saving
+from unified_dist import rng, saving
 
 saving.ARRIVAL_SECONDS = 3                            # how long rank 0 waits for the others (20 s by default)
 out = sys.argv[1]
@@ -281,6 +294,14 @@ ud.seed_everything(9)
 ud.load(path, {"rng": ud.RNG})                        # each rank takes its own states back
 restored = (torch.rand(2).tolist(), random.random())
 every = ud.all_gather_object(after_save)
+# a checkpoint of one process: rank r takes states[r % 1], so every rank draws what rank 0 drew after its capture
+one = os.path.join(out, "one.pt")
+if ud.is_main():
+    torch.save({"rng": [rng.capture()]}, one)
+    single = (torch.rand(2).tolist(), random.random())
+ud.barrier()
+ud.load(one, {"rng": ud.RNG})
+fewer = ud.all_gather_object((torch.rand(2).tolist(), random.random()))
 outcome, start = "returned", time.monotonic()
 if ud.is_main():
     try:
@@ -291,6 +312,7 @@ elapsed = time.monotonic() - start
 ud.barrier()
 with open(os.path.join(out, f"rank{ud.rank()}.txt"), "w") as f:
     f.write(repr({"same": restored == after_save, "distinct": every[0] != every[1], "outcome": outcome,
+                  "fewer": fewer[0] == fewer[1] and (not ud.is_main() or fewer[0] == single),
                   "elapsed": elapsed, "rng_entries": len(ud.load(path)["rng"])}))
 '''
 
@@ -303,7 +325,7 @@ def test_every_rank_restores_its_own_generators_and_main_only_saves_are_refused(
     launch("torchrun", str(script), [str(tmp_path)], nproc=2, timeout=180).check()
     ranks = [eval((tmp_path / f"rank{r}.txt").read_text()) for r in range(2)]
     for r, got in enumerate(ranks):
-        assert got["same"] and got["distinct"] and got["rng_entries"] == 2, (r, got)
+        assert got["same"] and got["distinct"] and got["fewer"] and got["rng_entries"] == 2, (r, got)
     outcome = ranks[0]["outcome"]
     assert outcome.startswith("ud.save() of ud.RNG is collective, but rank(s) 1 did not call it within 3 s"), outcome
     assert "`if ud.is_main(): ud.save(...)` hangs" in outcome and "\n" not in outcome
