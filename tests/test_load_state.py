@@ -183,6 +183,20 @@ def test_strict_false_skips_names_the_file_lacks(tmp_path):
     assert state["step"] == 3 and state["epoch"] == 5 and torch.equal(bigger.weight, model.weight)
 
 
+def test_sharded_checkpoints_take_the_rng_entry_too(tmp_path):
+    """save_sharded/load_sharded (one process: DCP runs without a process group) with the same dict."""
+    ud.seed_everything(0)
+    model, optimizer = _elastic_objects(0)
+    _step(model, optimizer)
+    ud.save_sharded({"model": model, "optimizer": optimizer, "rng": ud.RNG, "step": 1}, str(tmp_path / "ck"))
+    after_save = _draws()
+    model2, optimizer2 = _elastic_objects(1)
+    assert ud.load_sharded({"model": model2, "optimizer": optimizer2, "rng": ud.RNG}, str(tmp_path / "ck")) == \
+        {"step": 1}
+    assert _draws() == after_save
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
 # --------------------------------------------------------------------------- ElasticState layout
 def _elastic_objects(seed):
     torch.manual_seed(seed)

@@ -40,12 +40,10 @@ def save(obj: Any, path: str) -> None:
     """
     backend = current_backend()
     sharded = backend.config.sharding.enabled
-    with_rng = any(leaf is rng.RNG for _, leaf in nested.leaves(obj))
+    with_rng = _holds_rng(obj)
     if sharded or with_rng:
         _every_rank_calls(backend, "save", "of a sharded model" if sharded else "of ud.RNG")
-    if with_rng:  # every rank's generators, gathered on every rank
-        states = rng_states()
-        obj = nested.map_leaves(lambda leaf: states if leaf is rng.RNG else leaf, obj)
+    obj = _rng_states_for_markers(obj) if with_rng else obj
     state = None
     if sharded:  # gathering a shard is a collective: every rank walks the state
         state = checkpoint.to_state(obj, backend.unwrap, _full_on_main(backend.rank))
@@ -56,6 +54,16 @@ def save(obj: Any, path: str) -> None:
         error = collectives.broadcast(backend, error, 0, what="save")
     if error is not None:
         raise UnifiedDistError(f"saving {path} failed on the main process: {error}")
+
+
+def _holds_rng(obj: Any) -> bool:
+    return any(leaf is rng.RNG for _, leaf in nested.leaves(obj))
+
+
+def _rng_states_for_markers(obj: Any) -> Any:
+    """``obj`` with each ``ud.RNG`` replaced by every rank's generator states (a collective)."""
+    states = rng_states()
+    return nested.map_leaves(lambda leaf: states if leaf is rng.RNG else leaf, obj)
 
 
 def _write(state: Any, path: str) -> Optional[str]:
@@ -106,11 +114,14 @@ def save_sharded(obj: dict, directory: str) -> None:
     ``torch.distributed.checkpoint``; other values in ``obj`` are written beside them.
 
     ``obj`` is a dict with exactly one model, e.g. ``{"model": model, "optimizer": optimizer,
-    "step": step}``. Atomic: a killed save leaves the previous checkpoint loadable. For models too
-    large to gather on one rank; :func:`save` writes one portable file instead.
+    "rng": ud.RNG, "step": step}`` (``ud.RNG``: every rank's generator states). Atomic: a killed save
+    leaves the previous checkpoint loadable. For models too large to gather on one rank; :func:`save`
+    writes one portable file instead.
     """
     backend = current_backend()
     _every_rank_calls(backend, "save_sharded")
+    if _holds_rng(obj):
+        obj = _rng_states_for_markers(obj)
     parts = sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer)
     sharded_checkpoint.save(parts, directory, backend.rank,
                             lambda value: collectives.broadcast(backend, value, 0, what="save_sharded"),
@@ -119,10 +130,14 @@ def save_sharded(obj: dict, directory: str) -> None:
 
 def load_sharded(obj: dict, directory: str) -> dict:
     """Load what :func:`save_sharded` wrote into ``obj``'s model and optimizers, under any world
-    size and sharding (state is resharded on load); returns the other values that were saved."""
+    size and sharding (state is resharded on load), and for an ``ud.RNG`` entry this rank's
+    generators; returns the other values that were saved."""
     backend = current_backend()
     _every_rank_calls(backend, "load_sharded")
-    return sharded_checkpoint.load(sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer), directory)
+    extra = sharded_checkpoint.load(sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer), directory)
+    for name in [name for name, value in obj.items() if value is rng.RNG and name in extra]:
+        restore_rng_states(extra.pop(name))
+    return extra
 
 
 def _torch_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
