@@ -171,7 +171,7 @@ def example_effective(results: dict) -> dict:
     return {"lr": a["lr"], "global_batch": results["global_batch"], "epochs": a["epochs"],
             "optimizer_steps": results["steps"], "warmup_steps": int(round(a["warmup_ratio"] * results["steps"])),
             "weight_decay": a["weight_decay"], "max_grad_norm": a["max_grad_norm"],
-            "lr_scheduler": "linear",  # train.py: get_linear_schedule_with_warmup
+            "lr_scheduler": "linear",  # modeling.py: get_linear_schedule_with_warmup
             "seed": a["seed"], "max_length": a["max_length"], "train_examples": a["limit_train"],
             "bf16": (results.get("mixed_precision") or a["mixed_precision"]) == "bf16",
             "group_by_length": a["group_by_length"]}

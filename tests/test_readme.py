@@ -102,7 +102,8 @@ def _uninterrupted(nproc: int, script: Path, tmp_path_factory) -> dict:
 
 def test_the_snippet_is_the_readme_loop():
     snippet = readme_snippet()
-    for line in ('ud.load("ckpt.pt", state)', "ud.save(state, \"ckpt.pt\")", "ud.gather_for_metrics(preds == batch[\"labels\"])",
+    for line in ('ud.load("ckpt.pt", state)', "ud.save(state, \"ckpt.pt\")", '"rng": ud.RNG',
+                 "ud.gather_for_metrics(preds == batch[\"labels\"])",
                  "with ud.accumulate(model), ud.autocast():"):
         assert line in snippet, line
 

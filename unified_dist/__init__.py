@@ -23,6 +23,7 @@ _FROM: Dict[str, str] = {
     **dict.fromkeys(["CollectiveMismatch"], ".checkmode"),
     **dict.fromkeys(["ElasticState", "elastic_run"], ".elastic"),
     **dict.fromkeys(["launch"], ".spawn"),
+    **dict.fromkeys(["RNG"], ".rng"),
     **dict.fromkeys(["BackendNotInstalled", "CheckpointError", "CollectiveError", "CollectiveTimeout", "LaunchError",
                      "NonFiniteLoss", "PeerLost", "PrecisionError", "UnifiedDistError", "WorkerFailed"], ".errors"),
     **dict.fromkeys(["accumulate", "all_gather", "all_gather_object", "all_reduce", "autocast", "backend_name",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
                          gradient_accumulation_steps, gradient_compression, init, is_local_main, is_main, launcher,
                          local_rank, main_process_first, mixed_precision, prepare, print, rank, restore_rng_states,
                          rng_states, seed_everything, sharding_mode, shutdown, sync_gradients, unwrap, world_size)
+    from .rng import RNG  # noqa: F401
     from .saving import (get_state_dict, latest_checkpoint, load, load_sharded, save, save_checkpoint,  # noqa: F401
                          save_sharded)
     from .spawn import launch  # noqa: F401

@@ -235,8 +235,8 @@ class PreparedDataLoader:
         """Where the data stream stands: the epoch and the global samples consumed in it."""
         if self._in_pass:
             epoch, consumed = self._epoch, self._consumed
-        else:
-            epoch, consumed = self._next_epoch, 0
+        else:  # between passes: where the next one starts (mid-epoch after a load_state_dict)
+            epoch, consumed = self._next_epoch, self._resume_from
         return {"epoch": epoch, "samples_consumed": consumed, "num_samples": self._num_samples,
                 "seed": self.seed}
 

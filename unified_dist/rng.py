@@ -1,6 +1,9 @@
 """Capture and restore this process's random number generators as checkpoint-safe state.
 
 Only tensors, ints, strings and tuples: loadable with ``torch.load(weights_only=True)``.
+:data:`RNG` stands for the generators in a checkpoint's state dict (``{"model": model, ...,
+"rng": ud.RNG}``): ``ud.save`` writes every rank's states there, ``ud.load(path, state)`` restores
+this rank's.
 """
 from __future__ import annotations
 
@@ -8,6 +11,24 @@ import random
 from typing import Any, Dict
 
 import torch
+
+
+class _RNG:
+    """The type of :data:`RNG` (one instance; compare with ``is``)."""
+
+    def __repr__(self) -> str:
+        return "ud.RNG"
+
+    def __reduce__(self) -> str:
+        return "RNG"  # a copy (deepcopy, pickle) is the same marker
+
+
+RNG = _RNG()
+"""A value in the state dict given to ``ud.save``/``ud.save_checkpoint`` and ``ud.load(path, state)``
+that stands for the random number generators (python, numpy, torch, CUDA). ``save`` writes every
+rank's states in its place (in rank order: a collective, so every rank must call that save);
+``load(path, state)`` restores this rank's (rank r takes ``states[r % len(states)]``, as
+``ud.restore_rng_states`` does), and the marker stays in ``state`` for the next save."""
 
 
 def capture() -> Dict[str, Any]:

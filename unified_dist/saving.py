@@ -9,41 +9,61 @@ from typing import Any, Optional
 
 import torch
 
-from . import checkpoint, collectives, sharded_checkpoint
+from . import checkpoint, collectives, nested, rng, sharded_checkpoint
 from .errors import CheckpointError, UnifiedDistError, summary
-from .facade import barrier, current_backend, rank
+from .facade import barrier, current_backend, rank, restore_rng_states, rng_states
 from .sharding import full_tensor
+from .training import PreparedScheduler
 
 ARRIVAL_SECONDS = 20.0
-"""How long rank 0 waits for the other ranks at a sharded save before it names the
-``if ud.is_main():`` mistake (:func:`_every_rank_calls`), if the collective timeout is not shorter."""
+"""How long rank 0 waits for the other ranks at a collective save (sharded, or with ``ud.RNG``) before
+it names the ``if ud.is_main():`` mistake (:func:`_every_rank_calls`), if the collective timeout is not shorter."""
 
 
 def save(obj: Any, path: str) -> None:
     """The main process writes ``obj`` to ``path`` atomically; on the other ranks it does nothing.
 
-    Prepared models are stored unwrapped (no ``module.`` prefix); optimizers, schedulers and
-    loaders as their state dicts; tensors on the CPU. A failed write raises on the main process
-    and leaves any previous file at ``path`` intact.
+    ``obj`` is usually the dict of live objects that :func:`load` restores, e.g. ``{"model": model,
+    "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "rng": ud.RNG, "epoch": 3}``.
+    Prepared models are stored unwrapped (no ``module.`` prefix); optimizers, schedulers, loaders
+    and anything else with ``state_dict()`` as their state dicts (a prepared optimizer's includes
+    ``steps_taken``); :data:`ud.RNG <unified_dist.rng.RNG>` as every rank's generator states, in
+    rank order; tensors on the CPU; plain values as they are. A failed write raises on the main
+    process and leaves any previous file at ``path`` intact.
 
-    Without sharding it is no collective: call it on every rank or under ``if ud.is_main():``,
-    as DDP scripts do; no rank waits for the write, so call :func:`barrier` before another rank
-    reads the file. With ``sharding="fsdp"`` gathering the shards is a collective: every rank
-    must call it, and rank 0 raises within seconds, naming the mistake, when the others do not.
+    Without sharding or ``ud.RNG`` it is no collective: call it on every rank or under
+    ``if ud.is_main():``, as DDP scripts do; no rank waits for the write, so call :func:`barrier`
+    before another rank reads the file. With ``sharding="fsdp"`` (gathering the shards) or an
+    ``ud.RNG`` entry (gathering every rank's generators) it is a collective: every rank must call
+    it, every rank raises if the write fails, and rank 0 raises within seconds, naming the mistake,
+    when the others do not call it.
     """
     backend = current_backend()
     sharded = backend.config.sharding.enabled
+    with_rng = _holds_rng(obj)
+    if sharded or with_rng:
+        _every_rank_calls(backend, "save", "of a sharded model" if sharded else "of ud.RNG")
+    obj = _rng_states_for_markers(obj) if with_rng else obj
     state = None
     if sharded:  # gathering a shard is a collective: every rank walks the state
-        _every_rank_calls(backend, "save")
         state = checkpoint.to_state(obj, backend.unwrap, _full_on_main(backend.rank))
     error = None
     if backend.rank == 0:
         error = _write(state if sharded else checkpoint.to_state(obj, backend.unwrap), path)
-    if sharded:  # the other ranks are here too: each raises the main process's error
+    if sharded or with_rng:  # the other ranks are here too: each raises the main process's error
         error = collectives.broadcast(backend, error, 0, what="save")
     if error is not None:
         raise UnifiedDistError(f"saving {path} failed on the main process: {error}")
+
+
+def _holds_rng(obj: Any) -> bool:
+    return any(leaf is rng.RNG for _, leaf in nested.leaves(obj))
+
+
+def _rng_states_for_markers(obj: Any) -> Any:
+    """``obj`` with each ``ud.RNG`` replaced by every rank's generator states (a collective)."""
+    states = rng_states()
+    return nested.map_leaves(lambda leaf: states if leaf is rng.RNG else leaf, obj)
 
 
 def _write(state: Any, path: str) -> Optional[str]:
@@ -55,15 +75,15 @@ def _write(state: Any, path: str) -> Optional[str]:
     return None
 
 
-def _every_rank_calls(backend: Any, what: str) -> None:
-    """Before a collective save or load of sharded state: rank 0 raises at once if the other ranks
-    do not arrive within :data:`ARRIVAL_SECONDS` (e.g. ``if ud.is_main(): ud.save(...)``), instead
-    of hanging in the gather until the collective timeout."""
+def _every_rank_calls(backend: Any, what: str, of: str = "of a sharded model") -> None:
+    """Before a collective save or load (of sharded state, or of ``ud.RNG``): rank 0 raises at once if
+    the other ranks do not arrive within :data:`ARRIVAL_SECONDS` (e.g. ``if ud.is_main(): ud.save(...)``),
+    instead of hanging in the gather until the collective timeout."""
     seconds = min(ARRIVAL_SECONDS, backend.config.timeout.total_seconds())
     missing = backend.missing_peers(what, seconds)
     if missing:
         raise UnifiedDistError(
-            f"ud.{what}() of a sharded model is collective, but rank(s) {', '.join(map(str, missing))} did not call "
+            f"ud.{what}() {of} is collective, but rank(s) {', '.join(map(str, missing))} did not call "
             f"it within {seconds:g} s; `if ud.is_main(): ud.{what}(...)` hangs: call ud.{what}(...) on every rank "
             "(only the main process writes)")
 
@@ -94,11 +114,14 @@ def save_sharded(obj: dict, directory: str) -> None:
     ``torch.distributed.checkpoint``; other values in ``obj`` are written beside them.
 
     ``obj`` is a dict with exactly one model, e.g. ``{"model": model, "optimizer": optimizer,
-    "step": step}``. Atomic: a killed save leaves the previous checkpoint loadable. For models too
-    large to gather on one rank; :func:`save` writes one portable file instead.
+    "rng": ud.RNG, "step": step}`` (``ud.RNG``: every rank's generator states). Atomic: a killed save
+    leaves the previous checkpoint loadable. For models too large to gather on one rank; :func:`save`
+    writes one portable file instead.
     """
     backend = current_backend()
     _every_rank_calls(backend, "save_sharded")
+    if _holds_rng(obj):
+        obj = _rng_states_for_markers(obj)
     parts = sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer)
     sharded_checkpoint.save(parts, directory, backend.rank,
                             lambda value: collectives.broadcast(backend, value, 0, what="save_sharded"),
@@ -107,10 +130,14 @@ def save_sharded(obj: dict, directory: str) -> None:
 
 def load_sharded(obj: dict, directory: str) -> dict:
     """Load what :func:`save_sharded` wrote into ``obj``'s model and optimizers, under any world
-    size and sharding (state is resharded on load); returns the other values that were saved."""
+    size and sharding (state is resharded on load), and for an ``ud.RNG`` entry this rank's
+    generators; returns the other values that were saved."""
     backend = current_backend()
     _every_rank_calls(backend, "load_sharded")
-    return sharded_checkpoint.load(sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer), directory)
+    extra = sharded_checkpoint.load(sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer), directory)
+    for name in [name for name, value in obj.items() if value is rng.RNG and name in extra]:
+        restore_rng_states(extra.pop(name))
+    return extra
 
 
 def _torch_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
@@ -125,7 +152,8 @@ def save_checkpoint(obj: Any, directory: str, step: int, keep_last: Optional[int
 
     Older checkpoints are deleted only after the new one is completely written, so the last
     good checkpoint always survives a crash. Returns the new checkpoint's path. Collective only
-    where :func:`save` is (sharded models): ``if ud.is_main(): ud.save_checkpoint(...)`` works otherwise.
+    where :func:`save` is (sharded models, an ``ud.RNG`` entry): ``if ud.is_main():
+    ud.save_checkpoint(...)`` works otherwise.
     """
     if keep_last is not None:
         checkpoint.check_keep_last(keep_last)  # on every rank, before anyone waits for the write
@@ -147,14 +175,18 @@ def load(path: str, state: Optional[dict] = None, map_location: Optional[Any] = 
     """Read a checkpoint written by :func:`save` (under any backend, any world size) with
     ``weights_only=True``; every rank reads ``path`` itself, so it must be visible to every rank.
 
-    Without ``state``, returns what was saved. With ``state``, the dict of live objects given to
-    :func:`save` (e.g. ``{"model": model, "optimizer": optimizer, "loader": loader, "step": 0}``),
-    restores it in place and returns the saved entries that ``state`` does not name: models,
-    prepared or not (DDP wrappers and FSDP2 shards included), take their weights
-    (``load_state_dict(strict=strict)``); optimizers, schedulers, loaders and anything else with
-    ``load_state_dict`` their state; plain values in ``state`` are replaced by the saved ones.
-    A name in ``state`` that the checkpoint lacks is a :class:`CheckpointError` before anything is
-    loaded (``strict=False``: skipped, and models may miss or add keys).
+    Without ``state``, returns what was saved. With ``state``, the same dict of live objects given to
+    :func:`save` (e.g. ``{"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader":
+    loader, "rng": ud.RNG, "epoch": 0}``), restores it in place and returns the saved entries that
+    ``state`` does not name: models, prepared or not (DDP wrappers and FSDP2 shards included), take
+    their weights (``load_state_dict(strict=strict)``); optimizers (a prepared one with its
+    ``steps_taken``), loaders and anything else with ``load_state_dict`` their state; schedulers
+    theirs after every optimizer (whatever the order of ``state``), and a ``LambdaLR`` (e.g.
+    transformers' ``get_linear_schedule_with_warmup``) then sets each group's learning rate from
+    this run's lambdas at the restored step; ``ud.RNG`` restores this rank's generators; plain
+    values in ``state`` are replaced by the saved ones. A name in ``state`` that the checkpoint
+    lacks is a :class:`CheckpointError` before anything is loaded (``strict=False``: skipped, and
+    models may miss or add keys).
     """
     if state is not None and not isinstance(state, dict):
         raise CheckpointError(
@@ -163,20 +195,55 @@ def load(path: str, state: Optional[dict] = None, map_location: Optional[Any] = 
     saved = checkpoint.read_safe(path, map_location)
     if state is None:
         return saved
+    return restore(saved, state, path, strict=strict)
+
+
+def restore(saved: Any, state: dict, source: str, *, strict: bool = True) -> dict:
+    """:func:`load`'s work once the checkpoint ``source`` is read: restore ``saved`` into ``state``'s
+    live objects (see :func:`load`) and return the entries ``state`` does not name."""
     if not isinstance(saved, dict):
-        raise CheckpointError(f"{path} holds a {type(saved).__name__}, not the dict that load(path, state) restores")
+        raise CheckpointError(f"{source} holds a {type(saved).__name__}, not the dict that load(path, state) restores")
     missing = [name for name in state if name not in saved]
     if missing and strict:
-        raise CheckpointError(f"{path} has no {', '.join(map(repr, missing))} (it holds {', '.join(map(repr, saved))}); "
+        raise CheckpointError(f"{source} has no {', '.join(map(repr, missing))} (it holds {', '.join(map(repr, saved))}); "
                               "leave those names out of state, or pass strict=False to skip them")
     unwrap = current_backend().unwrap
-    for name, target in list(state.items()):
-        if name not in saved:
-            continue
-        if isinstance(target, torch.nn.Module):
+    # schedulers after optimizers (an optimizer's state overwrites the learning rates), RNG last
+    names = sorted((name for name in state if name in saved),
+                   key=lambda name: 2 if state[name] is rng.RNG else 1 if _is_scheduler(state[name]) else 0)
+    for name in names:
+        target = state[name]
+        if target is rng.RNG:
+            restore_rng_states(saved[name])
+        elif isinstance(target, torch.nn.Module):
             unwrap(target).load_state_dict(saved[name], strict=strict)
         elif hasattr(target, "load_state_dict") and callable(target.load_state_dict):
             target.load_state_dict(saved[name])
+            if _is_scheduler(target):
+                _lr_from_this_runs_schedule(target.scheduler if isinstance(target, PreparedScheduler) else target)
         else:
             state[name] = saved[name]
     return {name: value for name, value in saved.items() if name not in state}
+
+
+def _is_scheduler(obj: Any) -> bool:
+    """A prepared LR scheduler, or a torch one."""
+    return isinstance(obj, (PreparedScheduler, torch.optim.lr_scheduler.LRScheduler))
+
+
+def _lr_from_this_runs_schedule(scheduler: Any) -> None:
+    """After a ``LambdaLR`` took its state: each group's learning rate is ``base_lr * lambda(step)``
+    with this run's lambdas (which are code, not state), so a resumed run whose schedule changed
+    (e.g. a larger --max-steps) takes the new schedule's rate on its very next step rather than the
+    rate the old schedule had left in the optimizer. Other schedulers compute their rate from the
+    previous one (``MultiplicativeLR``, ``StepLR``, ...) and are left as they loaded."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+        return
+    groups = scheduler.optimizer.param_groups
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        rate = base * factor(scheduler.last_epoch)
+        if isinstance(group["lr"], torch.Tensor):  # a tensor learning rate is updated in place, as torch does
+            group["lr"].fill_(rate)
+        else:
+            group["lr"] = rate
+    scheduler._last_lr = [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"] for g in groups]

@@ -145,10 +145,18 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
     def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's state dict plus ``"steps_taken"``, the optimizer steps so far
+        (a plain torch optimizer loads it too: torch ignores the extra key)."""
+        return {**self.optimizer.state_dict(), "steps_taken": self.steps_taken}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this optimizer or of the plain torch one; ``steps_taken`` comes back
+        when it is there (a checkpoint written before it was saved leaves the count as it is)."""
+        state_dict = dict(state_dict)
+        steps = state_dict.pop("steps_taken", None)
         self.optimizer.load_state_dict(state_dict)
+        if steps is not None:
+            self.steps_taken = int(steps)
 
     def synchronize(self) -> None:
         """Make this step's gradients final now: averaged and unscaled (before reading or clipping them).

@@ -1,4 +1,5 @@
-"""Data for the sentiment example: load, check, split and tokenise; nothing distributed here.
+"""Data for the sentiment example: load, check, split, tokenise and batch; nothing distributed here
+(``ud.prepare`` shards the plain DataLoaders that :func:`make_loaders` builds).
 
 Sources (``--dataset``):
 
@@ -21,7 +22,7 @@ import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -313,3 +314,50 @@ class LengthGroupedOrder:
         batches = [grouped[i * self.global_batch:(i + 1) * self.global_batch] for i in range(full)]
         order = [i for b in torch.randperm(full, generator=generator).tolist() for i in batches[b]]
         return iter(order + grouped[full * self.global_batch:])
+
+
+# --------------------------------------------------------------------------- what train.py uses
+@dataclass
+class TokenisedSplits:
+    """The three tokenised splits, and what to say about where they came from."""
+
+    train: Any  # datasets.Dataset
+    validation: Any
+    test: Any
+    source: str
+    notes: List[str]
+    train_labels: Dict[int, int]  # label counts of the training examples used
+    train_pool: int  # size of the whole training split, before --limit-train
+
+
+def tokenised_splits(args: Any, tokenizer: Any, cache_dir: str) -> TokenisedSplits:
+    """The flags' splits (seeded: the same on every rank), limited and tokenised into ``cache_dir``."""
+    splits = load_splits(args.dataset, args.text_column, args.label_column, args.test_fraction, args.val_fraction,
+                         args.split_seed, cache_dir, hub_cache_dir=args.cache_dir)
+    train_raw = limit(splits.train, args.limit_train)
+    val_raw = limit(splits.validation, args.limit_eval)
+    test_raw = limit(splits.test, args.limit_eval)
+    train_ds = tokenize(train_raw, tokenizer, args.max_length, cache_dir, "train")
+    val_ds = tokenize(val_raw, tokenizer, args.max_length, cache_dir, "validation")
+    test_ds = tokenize(test_raw, tokenizer, args.max_length, cache_dir, "test")
+    return TokenisedSplits(train_ds, val_ds, test_ds, splits.source, splits.notes, label_counts(train_raw),
+                           len(splits.train))
+
+
+def make_loaders(args: Any, splits: TokenisedSplits, tokenizer: Any, global_batch: int):
+    """Train loader (length-grouped or shuffled) and longest-first evaluation loaders, padded per batch.
+
+    They are plain DataLoaders over the whole split: ``ud.prepare`` shards them across processes.
+    """
+    import torch
+    from transformers import DataCollatorWithPadding
+
+    collator = DataCollatorWithPadding(tokenizer)
+    if args.group_by_length:
+        order = LengthGroupedOrder(token_lengths(splits.train), global_batch, args.seed)
+        train = torch.utils.data.DataLoader(splits.train, args.batch_size, sampler=order, collate_fn=collator)
+    else:
+        train = torch.utils.data.DataLoader(splits.train, args.batch_size, shuffle=True, collate_fn=collator)
+    val, test = (torch.utils.data.DataLoader(longest_first(ds), batch_size=args.eval_batch_size, collate_fn=collator)
+                 for ds in (splits.validation, splits.test))
+    return train, val, test

