@@ -1,8 +1,3 @@
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import os
 import shutil
 import subprocess
@@ -10,7 +5,7 @@ import tempfile
 
 import pytest
 
-from launchers import ROOT, unavailable  # noqa: E402
+from unified_dist.testing.launchers import ROOT, unavailable
 
 
 def pytest_collection_modifyitems(config, items):

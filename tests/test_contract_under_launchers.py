@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers import BACKEND_OF, BIN, LAUNCHERS, ROOT, launch, run
+from unified_dist.testing.launchers import BACKEND_OF, BIN, LAUNCHERS, ROOT, launch, run
 
 sys.path.insert(0, str(ROOT / "tests" / "workers"))
 import contract_worker  # noqa: E402  (the check list; the checks run in the launched processes)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from launchers import BIN, child_env, free_port, launch, run
+from unified_dist.testing.launchers import BIN, child_env, free_port, launch, run
 
 WORKER = "tests/workers/elastic_worker.py"
 

@@ -8,7 +8,7 @@ import importlib.util
 import json
 import sys
 
-from launchers import ROOT, child_env, run, unavailable
+from unified_dist.testing.launchers import ROOT, child_env, run, unavailable
 
 LAUNCHERS = ["torchrun", "accelerate"] + (["horovodrun"] if importlib.util.find_spec("horovod") else [])
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from launchers import child_env
+from unified_dist.testing.launchers import child_env
 from unified_dist.cli import parity
 from unified_dist.cli.main import main
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launchers import ROOT, child_env, command, run
+from unified_dist.testing.launchers import ROOT, child_env, command, run
 
 TIMEOUT = 180
 ACCURACY = re.compile(r"^(?:\[\d+\]<stdout>:)?accuracy ([0-9.]+)\s*$", re.M)  # horovodrun prefixes "[rank]<stdout>:"

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from launchers import child_env
+from unified_dist.testing.launchers import child_env
 
 SINGLE = {
     "torch": "torchrun --standalone --nproc_per_node 2 train.py --lr 3",

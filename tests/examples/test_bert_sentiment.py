@@ -26,9 +26,7 @@ from typing import Dict, List
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/launchers.py
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/examples/tensorboard_events.py
-from launchers import BACKEND_OF, LAUNCHER_NAME, ROOT, launch  # noqa: E402
+from unified_dist.testing.launchers import BACKEND_OF, LAUNCHER_NAME, ROOT, launch
 
 SCRIPT = str(ROOT / "examples" / "bert_sentiment" / "train.py")
 TIMEOUT = 240  # seconds per launch; the whole process group is killed after it

@@ -31,7 +31,7 @@ def _final_weights(path):
 
 
 def _launch(launcher, out, args, nproc=2, timeout=400):
-    from launchers import launch
+    from unified_dist.testing.launchers import launch
 
     return launch(launcher, SCRIPT, [*args, "--output-dir", str(out)], nproc=nproc, timeout=timeout).check()
 

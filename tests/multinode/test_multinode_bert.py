@@ -24,8 +24,8 @@ from typing import List
 
 import pytest
 
-from launchers import BIN, ROOT, child_env
-from multinode import LAUNCHES, MODULE_OF, launch_commands
+from unified_dist.testing.launchers import BIN, ROOT, child_env
+from unified_dist.testing.multinode import LAUNCHES, MODULE_OF, launch_commands
 
 SCRIPT = "examples/bert_sentiment/train.py"
 TIMEOUT = 240  # seconds per launch, both nodes together

@@ -22,7 +22,7 @@ from typing import Dict, Tuple
 
 import pytest
 
-from multinode import LAUNCHES, MODULE_OF, JobResult, launch_commands
+from unified_dist.testing.multinode import LAUNCHES, MODULE_OF, JobResult, launch_commands
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
 import contract_worker  # noqa: E402  (the check names; the checks run in the launched processes)

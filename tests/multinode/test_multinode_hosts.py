@@ -5,7 +5,7 @@ import ipaddress
 import subprocess
 
 
-from multinode import ADDRS
+from unified_dist.testing.multinode import ADDRS
 
 NET = ipaddress.ip_network("192.0.2.0/24")
 

@@ -1,0 +1,138 @@
+"""Run a script under a real launcher (python, torchrun, accelerate launch, horovodrun, srun,
+mpirun, the legacy torch.distributed.launch) for the tests and the benchmarks.
+
+Every launch gets its own free port where the launcher takes one, OMP_NUM_THREADS=1, the
+venv's ``bin/`` first on PATH (horovodrun starts ``python`` by name), and a timeout after
+which every process of its session is killed, so a hang fails the test instead of blocking CI.
+srun needs a running cluster: pass ``env={"SLURM_CONF": ...}`` from the ``slurm_cluster`` fixture.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from unified_dist.detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
+from unified_dist.net import free_port  # noqa: F401  (tests import it from here)
+from unified_dist.registry import SPECS
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout this package lies in (its tests/, tools/, examples/ and bench/ are what the tests run)."""
+BIN = Path(sys.executable).parent
+LAUNCHERS = ("python", *(spec.launcher for spec in SPECS.values() if spec.launcher))
+"""python, then every backend's own launcher in the registry's order (``command`` knows each)."""
+BACKEND_OF = {**{spec.launcher or "python": name for name, spec in SPECS.items()},
+              "srun": "torch", "mpirun": "torch", "legacy": "torch", "accelerate-fsdp": "accelerate"}
+"""The backend each launcher's workers run: the registry's launchers, plus those that start torch."""
+LAUNCHER_NAME = {"legacy": "torchrun", "accelerate-fsdp": "accelerate"}  # what ud.launcher() reports, where it differs from the key
+
+
+def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2) -> List[str]:
+    """The exact command line a user would type for ``launcher`` on this CPU machine."""
+    py = str(BIN / "python")
+    if launcher == "python":
+        return [py, script, *args]
+    if launcher == "torchrun":
+        return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *args]
+    if launcher == "accelerate":
+        return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port()), script, *args]
+    if launcher == "accelerate-fsdp":  # Accelerate's FSDP flags (it refuses --multi_gpu beside --use_fsdp)
+        return [str(BIN / "accelerate"), "launch", "--use_fsdp", "--fsdp_version", "2",
+                "--fsdp_reshard_after_forward", "false", "--num_processes", str(nproc),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port()), script, *args]
+    if launcher == "horovodrun":
+        return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo",
+                "python", script, *args]
+    if launcher == "srun":  # fail fast if the cluster cannot place the tasks; a time limit (minutes) as a backstop
+        return ["srun", "-n", str(nproc), "--immediate=60", "--time", "10", "--kill-on-bad-exit=1", py, script, *args]
+    if launcher == "mpirun":
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nproc), py, script, *args]
+    if launcher == "legacy":
+        return [py, "-m", "torch.distributed.launch", "--nproc_per_node", str(nproc),
+                "--master_port", str(free_port()), script, *args]
+    raise ValueError(f"unknown launcher {launcher}")
+
+
+def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(LAUNCHER_VARIABLE_PREFIXES) and k not in TORCH_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    env.update(extra or {})
+    return env
+
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def unavailable(reason: str) -> None:
+    """Skip for a missing system tool, except under CI=true, where `make setup` installs it: fail."""
+    import pytest
+
+    if IN_CI:
+        pytest.fail(f"{reason} (CI=true: `make setup` installs it as root; a skip would hide the gap)")
+    pytest.skip(reason)
+
+
+@dataclass
+class Result:
+    cmd: List[str]
+    returncode: int
+    output: str
+    timed_out: bool
+
+    def check(self) -> "Result":
+        assert not self.timed_out, f"timed out: {' '.join(self.cmd)}\n{self.output[-4000:]}"
+        assert self.returncode == 0, f"exit {self.returncode}: {' '.join(self.cmd)}\n{self.output[-4000:]}"
+        return self
+
+
+def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
+        cwd: Optional[Path] = None) -> Result:
+    """Run ``cmd`` in its own session; on timeout kill the whole process group."""
+    proc = subprocess.Popen(list(cmd), cwd=cwd or ROOT, env=env or child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return Result(list(cmd), proc.returncode, out, False)
+    except subprocess.TimeoutExpired:
+        kill_session(proc.pid)
+        out, _ = proc.communicate()
+        return Result(list(cmd), -9, out, True)
+    finally:
+        if proc.poll() is None:
+            kill_session(proc.pid)
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (a launcher may move its workers to their own groups)
+    and every descendant of its leader (torchrun starts each worker in a session of its own)."""
+    import psutil
+
+    try:
+        for child in psutil.Process(sid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+    except psutil.Error:
+        pass
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                p.kill()
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            pass
+
+
+def launch(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2, timeout: float = 180,
+           env: Optional[Dict[str, str]] = None) -> Result:
+    """Run ``script`` under ``launcher`` with ``nproc`` processes (1 for plain python)."""
+    return run(command(launcher, script, args, nproc), timeout, child_env(env))
+
