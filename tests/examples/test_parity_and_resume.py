@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+pytestmark = [pytest.mark.example, pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = "examples/bert_sentiment/train.py"
 TINY = ["--limit-train", "96", "--limit-eval", "40", "--max-length", "32", "--log-every", "1", "--no-progress",
         "--eval-batch-size", "16", "--threads", "1", "--eval-every", "0"]

@@ -27,6 +27,7 @@ from unified_dist.testing.multinode import LAUNCHES, MODULE_OF, JobResult, launc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
 import contract_worker  # noqa: E402  (the check names; the checks run in the launched processes)
 
+pytestmark = [pytest.mark.multinode, pytest.mark.distributed, pytest.mark.slow]
 WORKER = "tests/multinode/node_worker.py"
 TIMEOUT = 180  # seconds per launch, both nodes together; then every process group is killed
 SUITES = ("core", "accum")
