@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import provenance  # noqa: E402  (bench/provenance.py)
 from run import launch_command  # noqa: E402  (bench/run.py)
 from unified_dist.cli.launch import LAUNCHER_OF  # noqa: E402
+from unified_dist.testing.launchers import run  # noqa: E402
 
 WORKER = ROOT / "bench" / "exit_worker.py"
 BACKEND_OF = {launcher: backend for backend, launcher in LAUNCHER_OF.items()}
@@ -35,15 +35,13 @@ NPROC = 2
 def one_launch(launcher: str, timeout: float) -> tuple:
     """(outcome, output) of one launch: 'ok', 'exit crash' or 'failure'."""
     argv, env = launch_command(BACKEND_OF[launcher], NPROC, str(WORKER), [])
-    try:
-        proc = subprocess.run(argv, cwd=ROOT, env=env, timeout=timeout, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        return "failure", f"timed out after {timeout:g}s\n{exc.output or ''}"
-    done = all(f"done rank {r}" in proc.stdout for r in range(NPROC))
+    proc = run(argv, timeout, env=env, cwd=ROOT)  # on timeout the launcher's whole process tree is killed
+    if proc.timed_out:
+        return "failure", f"timed out after {timeout:g}s\n{proc.output}"
+    done = all(f"done rank {r}" in proc.output for r in range(NPROC))
     if proc.returncode == 0 and done:
-        return "ok", proc.stdout
-    return ("exit crash" if done else "failure"), proc.stdout
+        return "ok", proc.output
+    return ("exit crash" if done else "failure"), proc.output
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ latency 50ms``; with ``--delay``, a netem qdisc with that delay in front of it, 
 kernel has netem); the qdiscs go with the namespaces, and are also deleted after each rate.
 
 Per (rate, backend, compression) the 2-host job is started with the backend's own multi-node
-line (tests/multinode/multinode.py's: torchrun's static rendezvous, accelerate launch's
+line (unified_dist/testing/multinode.py's: torchrun's static rendezvous, accelerate launch's
 two-machine line, horovodrun over ssh), running bench/network_worker.py. The 1-host baseline is
 the same worker under plain python (one process, nothing sent) on the first host.
 
@@ -60,11 +60,11 @@ from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "tests"), str(ROOT / "tests" / "multinode")]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import provenance  # noqa: E402  (bench/provenance.py)
-import multinode  # noqa: E402  (tests/multinode/multinode.py: the hosts and the multi-node launch lines)
-from launchers import BIN  # noqa: E402
+from unified_dist.testing import multinode  # noqa: E402  (the hosts and the multi-node launch lines, as the tests')
+from unified_dist.testing.launchers import BIN  # noqa: E402
 from unified_dist.buckets import HOROVOD_CYCLE_VAR as CYCLE_VAR  # noqa: E402
 from unified_dist.settings import TABLE  # noqa: E402
 
@@ -74,7 +74,7 @@ COMPRESSION_VAR = TABLE["gradient_compression"].variable
 
 WORKER = "bench/network_worker.py"
 LAUNCH = {"torch": "torchrun-static", "accelerate": "accelerate", "horovod": "horovodrun"}
-"""Each backend's two-host launch line in tests/multinode/multinode.py."""
+"""Each backend's two-host launch line in unified_dist/testing/multinode.py."""
 SIXTEEN_BIT = {"horovod": "fp16"}
 """Where ``--compression bf16`` runs another 16-bit format: Horovod has no bf16 compressor."""
 LAUNCH_TIMEOUT_S = 900

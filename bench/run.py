@@ -33,6 +33,7 @@ from unified_dist.buckets import horovod_env  # noqa: E402
 from unified_dist.cli import launch as ud_launch  # noqa: E402
 from unified_dist.net import free_port  # noqa: E402
 from unified_dist.registry import LAUNCHED  # noqa: E402
+from unified_dist.testing.launchers import run  # noqa: E402
 
 BACKENDS = LAUNCHED
 NO_FINITE_CHECK = "facade_without_finite_check"
@@ -67,14 +68,15 @@ def launch(backend: str, nproc: int, script: str, args: list, timeout: float = 9
         result.unlink()
     cmd, env = launch_command(backend, nproc, script, args)
     env.update(extra_env or {})
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    if proc.returncode == 0:
+    done = run(cmd, timeout, env=env, cwd=ROOT)  # on timeout the launcher's whole process tree is killed
+    if done.returncode == 0:
         return True
-    if result is not None and result.exists() and "terminate called without an active exception" in proc.stdout:
+    if done.timed_out:
+        raise RuntimeError(f"{' '.join(cmd)} timed out after {timeout:g}s:\n{done.output[-3000:]}")
+    if result is not None and result.exists() and "terminate called without an active exception" in done.output:
         print(f"  (exit crash after the measurement: {' '.join(cmd[:3])} ... {script})", flush=True)
         return False
-    raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}")
+    raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.output[-3000:]}")
 
 
 def overhead(short: bool) -> dict:

@@ -1,8 +1,5 @@
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
+"""Session fixtures for the HPC launchers, the skips of a Horovod-less setup, and the guard that keeps
+``pytest -m "not distributed"`` in process (the markers: pyproject.toml)."""
 import os
 import shutil
 import subprocess
@@ -10,11 +7,20 @@ import tempfile
 
 import pytest
 
-from launchers import ROOT, unavailable  # noqa: E402
+from unified_dist.testing.launchers import ROOT, LaunchWatch, unavailable
+
+pytest_plugins = ("pytester",)  # tests/test_test_kinds.py runs the guard below on a test file of its own
+
+MARKED_HERE = {"tests/test_launch_from_python.py": ("distributed", "slow")}
+"""Modules whose own ``pytestmark`` is still to come (their owners edit them): their markers, meanwhile."""
 
 
 def pytest_collection_modifyitems(config, items):
-    """Horovod is skipped only where it was deliberately left out (UNIFIED_DIST_WITHOUT_HOROVOD=1)."""
+    """Markers for the modules in :data:`MARKED_HERE`; Horovod is skipped only where it was deliberately
+    left out (UNIFIED_DIST_WITHOUT_HOROVOD=1)."""
+    for item in items:
+        for name in MARKED_HERE.get(item.nodeid.split("::")[0], ()):
+            item.add_marker(getattr(pytest.mark, name))
     if os.environ.get("UNIFIED_DIST_WITHOUT_HOROVOD") != "1":
         return
     skip = pytest.mark.skip(reason="UNIFIED_DIST_WITHOUT_HOROVOD=1: Horovod deliberately not installed")
@@ -23,8 +29,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "horovod: launches horovodrun although its name does not say so")
+def _refuse_unmarked_launches(item):
+    """Run a test's setup or body under a :class:`LaunchWatch` unless it is marked ``distributed``: a test
+    that launches without the marker fails, so ``-m "not distributed"`` stays the in-process tests."""
+    if item.get_closest_marker("distributed"):
+        return (yield)
+    with LaunchWatch() as watch:
+        result = yield
+    if watch.launched:
+        pytest.fail(f"{item.nodeid} launched {watch.launched} but is not marked distributed: add "
+                    "@pytest.mark.distributed (or pytestmark = pytest.mark.distributed for its module)", pytrace=False)
+    return result
+
+
+pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_refuse_unmarked_launches)
+pytest_runtest_call = pytest.hookimpl(wrapper=True)(_refuse_unmarked_launches)
 
 
 @pytest.fixture(scope="session")

@@ -158,7 +158,7 @@ def test_killing_a_process_mid_save_leaves_the_previous_checkpoint_loadable(tmp_
     import sys
     import time
 
-    from launchers import ROOT, child_env
+    from unified_dist.testing.launchers import ROOT, child_env
 
     path = tmp_path / "ckpt.pt"
     ud.save({"w": torch.arange(5.0), "tag": "previous"}, str(path))

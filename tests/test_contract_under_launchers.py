@@ -1,20 +1,23 @@
 """The facade's contract, checked inside real launchers: python, torchrun, accelerate launch, horovodrun,
 and a real srun (one-node SLURM made by tools/slurm_cluster.sh) and Open MPI's mpirun.
 
-Each (launcher, suite) pair is launched once with 2 processes (1 for plain python); every
-check in tests/workers/contract_worker.py (whose core suite starts with the self-test's list,
-unified_dist/cli/contract.py) becomes one test item here, asserted on every rank.
+Each (launcher, suite) pair is launched once per session with 2 processes (1 for plain python), by
+the first test that needs it (the ``runs`` fixture); every check in tests/workers/contract_worker.py
+(whose core suite starts with the self-test's list, unified_dist/cli/contract.py) becomes one test
+item here, asserted on every rank.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
+from typing import Dict, Optional, Tuple
 
 import pytest
 
-from launchers import BACKEND_OF, BIN, LAUNCHERS, ROOT, launch, run
+from unified_dist.testing.launchers import BACKEND_OF, BIN, LAUNCHERS, ROOT, Result, launch, run
 
 sys.path.insert(0, str(ROOT / "tests" / "workers"))
 import contract_worker  # noqa: E402  (the check list; the checks run in the launched processes)
@@ -24,7 +27,52 @@ NPROC = {"python": 1, "torchrun": 2, "accelerate": 2, "horovodrun": 2}
 # In this suite's launches the worker starts the launcher's own stack before the facade
 # (dist.init_process_group / Accelerate's PartialState / hvd.init): the facade must adopt it.
 ADOPTING_SUITE = "bf16"
-_cache: dict = {}
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _launch(launcher: str, suite: str, out: Path, env=None) -> Tuple[Result, Dict[int, dict]]:
+    """Launch the worker; returns the launch and each rank's results."""
+    nproc = NPROC.get(launcher, 2)
+    args = ["--suite", suite, "--out", str(out)]
+    if suite == ADOPTING_SUITE and launcher != "python":
+        args.append("--adopt")
+    result = launch(launcher, WORKER, args, nproc=nproc, timeout=240, env=env)
+    ranks = {}
+    for r in range(nproc):
+        path = out / f"{suite}_rank{r}.json"
+        if path.exists():
+            ranks[r] = json.loads(path.read_text())
+            path.rename(out / f"{launcher}_{suite}_rank{r}.json")
+    return result, ranks
+
+
+def _installed(launcher: str) -> bool:
+    """Whether the library that ``launcher``'s workers run is installed (python's and torchrun's: torch)."""
+    module = {"accelerate": "accelerate", "horovod": "horovod"}.get(BACKEND_OF[launcher], "torch")
+    return importlib.util.find_spec(module) is not None
+
+
+class Runs:
+    """Each (launcher, suite) launched once, by the first test that asks; every check's item reads it.
+
+    The core suite loads every checkpoint that earlier core runs left in the shared directory, so
+    a core run first has the registry's launchers before it run theirs, in :data:`LAUNCHERS` order
+    (srun and mpirun after all of them): what each run loads never depends on which test came first.
+    """
+
+    def __init__(self, shared: Path):
+        self.shared = shared
+        self._done: Dict[Tuple[str, str], Tuple[Result, Dict[int, dict]]] = {}
+
+    def get(self, launcher: str, suite: str, out: Optional[Path] = None, env=None) -> Tuple[Result, Dict[int, dict]]:
+        if suite == "core":
+            before = LAUNCHERS[:LAUNCHERS.index(launcher)] if launcher in LAUNCHERS else LAUNCHERS
+            for other in before:
+                if _installed(other):
+                    self.get(other, "core")
+        if (launcher, suite) not in self._done:
+            self._done[(launcher, suite)] = _launch(launcher, suite, out or self.shared, env)
+        return self._done[(launcher, suite)]
 
 
 @pytest.fixture(scope="session")
@@ -33,23 +81,9 @@ def shared_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("contract")
 
 
-def _run(launcher: str, suite: str, out: Path, env=None) -> dict:
-    """Launch the worker once per (launcher, suite); every check's test item reads the same results."""
-    key = (launcher, suite)
-    if key not in _cache:
-        nproc = NPROC.get(launcher, 2)
-        args = ["--suite", suite, "--out", str(out)]
-        if suite == ADOPTING_SUITE and launcher != "python":
-            args.append("--adopt")
-        result = launch(launcher, WORKER, args, nproc=nproc, timeout=240, env=env)
-        ranks = {}
-        for r in range(nproc):
-            path = out / f"{suite}_rank{r}.json"
-            if path.exists():
-                ranks[r] = json.loads(path.read_text())
-                path.rename(out / f"{launcher}_{suite}_rank{r}.json")
-        _cache[key] = (result, ranks)
-    return _cache[key]
+@pytest.fixture(scope="session")
+def runs(shared_dir) -> Runs:
+    return Runs(shared_dir)
 
 
 CASES = [(launcher, suite, fn.__name__)
@@ -57,8 +91,8 @@ CASES = [(launcher, suite, fn.__name__)
 
 
 @pytest.mark.parametrize("launcher,suite,check", CASES, ids=["-".join(c) for c in CASES])
-def test_contract(launcher, suite, check, shared_dir):
-    result, ranks = _run(launcher, suite, shared_dir)
+def test_contract(launcher, suite, check, runs):
+    result, ranks = runs.get(launcher, suite)
     result.check()
     assert sorted(ranks) == list(range(NPROC[launcher])), f"missing rank results:\n{result.output[-3000:]}"
     for r, data in ranks.items():
@@ -69,11 +103,10 @@ def test_contract(launcher, suite, check, shared_dir):
 
 
 @pytest.mark.horovod
-def test_every_checkpoint_loaded_by_every_other_backend(shared_dir):
-    """Runs above wrote ckpt_<backend>.pt in launcher order; the last one must have loaded all others,
-    and this plain process loads the last one's."""
-    for launcher in LAUNCHERS:
-        _run(launcher, "core", shared_dir)
+def test_every_checkpoint_loaded_by_every_other_backend(runs, shared_dir):
+    """The core runs wrote ckpt_<backend>.pt in launcher order; the last one must have loaded all
+    others, and this plain process loads the last one's."""
+    runs.get("horovodrun", "core")  # the last of LAUNCHERS: its core run comes after all the others
     seen = json.loads((shared_dir / "loaded_by_horovod_rank1.json").read_text())
     assert seen == ["ckpt_accelerate.pt", "ckpt_single.pt", "ckpt_torch.pt"], seen
     import torch
@@ -88,15 +121,15 @@ def test_every_checkpoint_loaded_by_every_other_backend(shared_dir):
 
 # srun and mpirun start processes that carry SLURM's or MPI's variables and no torch ones:
 # the core suite (collectives, gradient averaging against one process, loaders, checkpoints
-# from the other backends' runs above) runs once under each, with 2 processes.
+# from the other launchers' core runs, which go first) runs once under each, with 2 processes.
 HPC_CASES = [(launcher, fn.__name__) for launcher in ("srun", "mpirun") for fn in contract_worker.CHECKS["core"]]
 _HPC_FIXTURE = {"srun": "slurm_cluster", "mpirun": "mpirun_available"}
 
 
 @pytest.mark.parametrize("launcher,check", HPC_CASES, ids=["-".join(c) for c in HPC_CASES])
-def test_contract_under_srun_and_mpirun(launcher, check, shared_dir, request):
+def test_contract_under_srun_and_mpirun(launcher, check, runs, request):
     env = request.getfixturevalue(_HPC_FIXTURE[launcher]) or {}
-    result, ranks = _run(launcher, "core", shared_dir, env)
+    result, ranks = runs.get(launcher, "core", env=env)
     result.check()
     assert sorted(ranks) == [0, 1], f"missing rank results:\n{result.output[-3000:]}"
     for r, data in ranks.items():
@@ -105,8 +138,8 @@ def test_contract_under_srun_and_mpirun(launcher, check, shared_dir, request):
 
 
 @pytest.mark.parametrize("launcher", [l for l in LAUNCHERS if l != "python"])
-def test_a_stack_started_before_the_facade_is_adopted_and_left_running(launcher, shared_dir):
-    result, ranks = _run(launcher, ADOPTING_SUITE, shared_dir)
+def test_a_stack_started_before_the_facade_is_adopted_and_left_running(launcher, runs):
+    result, ranks = runs.get(launcher, ADOPTING_SUITE)
     result.check()
     assert sorted(ranks) == [0, 1], result.output[-3000:]
     for r, data in ranks.items():
@@ -115,21 +148,24 @@ def test_a_stack_started_before_the_facade_is_adopted_and_left_running(launcher,
 
 
 SPAWN_CHECKS = [fn.__name__ for fn in contract_worker.CHECKS["core"]] + ["native_stack_survives_shutdown"]
-_spawned: dict = {}
+
+
+@pytest.fixture(scope="session")
+def spawned(tmp_path_factory) -> Tuple[Result, Dict[int, dict]]:
+    """One launch: plain python whose mp.spawn workers join a tcp:// group themselves."""
+    out = tmp_path_factory.mktemp("spawned")
+    result = run([str(BIN / "python"), WORKER, "--suite", "core", "--out", str(out), "--spawn", "2"], timeout=240)
+    return result, {r: json.loads((out / f"core_rank{r}.json").read_text())
+                    for r in range(2) if (out / f"core_rank{r}.json").exists()}
 
 
 @pytest.mark.parametrize("check", SPAWN_CHECKS)
-def test_contract_in_mp_spawn_workers_that_joined_a_tcp_group_themselves(check, tmp_path_factory):
+def test_contract_in_mp_spawn_workers_that_joined_a_tcp_group_themselves(check, spawned):
     """No launcher variables at all: mp.spawn workers call init_process_group("gloo", "tcp://...")."""
-    if not _spawned:
-        out = tmp_path_factory.mktemp("spawned")
-        _spawned["result"] = run([str(BIN / "python"), WORKER, "--suite", "core", "--out", str(out), "--spawn", "2"],
-                                 timeout=240)
-        _spawned["ranks"] = {r: json.loads((out / f"core_rank{r}.json").read_text())
-                             for r in range(2) if (out / f"core_rank{r}.json").exists()}
-    _spawned["result"].check()
-    assert sorted(_spawned["ranks"]) == [0, 1], _spawned["result"].output[-3000:]
-    for r, data in _spawned["ranks"].items():
+    result, ranks = spawned
+    result.check()
+    assert sorted(ranks) == [0, 1], result.output[-3000:]
+    for r, data in ranks.items():
         assert data["identity"] == {"backend": "torch", "launcher": "existing", "world_size": 2, "rank": r}
         assert data["results"][check] == "ok", f"rank {r}: {data['results'][check]}"
 
@@ -161,8 +197,8 @@ def fsdp_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("launcher,check", FSDP_CASES, ids=["-".join(c) for c in FSDP_CASES])
-def test_fsdp_contract(launcher, check, fsdp_dir):
-    result, ranks = _run(launcher, "fsdp", fsdp_dir)
+def test_fsdp_contract(launcher, check, runs, fsdp_dir):
+    result, ranks = runs.get(launcher, "fsdp", fsdp_dir)
     result.check()
     assert sorted(ranks) == [0, 1], f"missing rank results:\n{result.output[-3000:]}"
     for r, data in ranks.items():
@@ -171,13 +207,13 @@ def test_fsdp_contract(launcher, check, fsdp_dir):
 
 
 @pytest.mark.parametrize("launcher", FSDP_LAUNCHERS)
-def test_shards_written_by_2_ranks_load_into_one_unsharded_process(launcher, fsdp_dir):
+def test_shards_written_by_2_ranks_load_into_one_unsharded_process(launcher, runs, fsdp_dir):
     """save_sharded at world size 2 -> load_sharded at world size 1 equals the full checkpoint."""
     import torch
 
     from unified_dist import sharded_checkpoint
 
-    _run(launcher, "fsdp", fsdp_dir)
+    runs.get(launcher, "fsdp", fsdp_dir)[0].check()
     backend = BACKEND_OF[launcher]
     full = torch.load(fsdp_dir / f"fsdp_full_{backend}.pt", weights_only=True)
     model = contract_worker._BlockNet()

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from launchers import BIN, child_env, free_port, launch, run
+from unified_dist.testing.launchers import BIN, child_env, free_port, launch, run
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = "tests/workers/elastic_worker.py"
 
 

@@ -7,7 +7,7 @@ import torch
 
 import unified_dist as ud
 from unified_dist.session import config_from
-from launchers import ROOT, child_env
+from unified_dist.testing.launchers import ROOT, child_env
 
 
 @pytest.fixture(autouse=True)

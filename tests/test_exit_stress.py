@@ -8,8 +8,11 @@ import importlib.util
 import json
 import sys
 
-from launchers import ROOT, child_env, run, unavailable
+import pytest
 
+from unified_dist.testing.launchers import ROOT, child_env, run, unavailable
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 LAUNCHERS = ["torchrun", "accelerate"] + (["horovodrun"] if importlib.util.find_spec("horovod") else [])
 
 

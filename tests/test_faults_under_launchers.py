@@ -4,8 +4,9 @@ import time
 
 import pytest
 
-from launchers import launch
+from unified_dist.testing.launchers import launch
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 DIST = ["torchrun", "accelerate", "horovodrun"]
 WORKER = "tests/workers/fault_worker.py"
 
@@ -82,7 +83,7 @@ def test_nan_loss_stops_every_rank_at_the_same_step(launcher, tmp_path):
 
 
 def test_accelerate_without_multi_gpu_is_refused_with_the_right_command(tmp_path):
-    from launchers import BIN, child_env, free_port, run as run_cmd
+    from unified_dist.testing.launchers import BIN, child_env, free_port, run as run_cmd
 
     script = tmp_path / "s.py"
     script.write_text("import unified_dist as ud\nud.init()\nprint('started alone')\n")
@@ -95,7 +96,7 @@ def test_accelerate_without_multi_gpu_is_refused_with_the_right_command(tmp_path
 
 
 def test_half_set_launcher_variables_are_refused(tmp_path):
-    from launchers import child_env, run as run_cmd
+    from unified_dist.testing.launchers import child_env, run as run_cmd
     import sys
 
     result = run_cmd([sys.executable, "-c", "import unified_dist as ud; ud.init()"], timeout=60,

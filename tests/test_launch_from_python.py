@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from launchers import BIN, ROOT, child_env, run
+from unified_dist.testing.launchers import BIN, ROOT, child_env, run
 
 WORK = textwrap.dedent('''
     import json

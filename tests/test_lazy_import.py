@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import unified_dist as ud
-from launchers import ROOT, child_env
+from unified_dist.testing.launchers import ROOT, child_env
 
 
 def test_neither_the_package_nor_the_command_imports_torch_until_asked():

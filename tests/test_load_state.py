@@ -332,7 +332,7 @@ with open(os.path.join(out, f"rank{ud.rank()}.txt"), "w") as f:
 
 
 def test_every_rank_restores_its_own_generators_and_main_only_saves_are_refused(tmp_path):
-    from launchers import launch
+    from unified_dist.testing.launchers import launch
 
     script = tmp_path / "rng_worker.py"
     script.write_text(RNG_WORKER)

@@ -19,11 +19,12 @@ from __future__ import annotations
 import re
 import textwrap
 from pathlib import Path
+from typing import Callable, Dict
 
 import pytest
 import torch
 
-from launchers import ROOT, child_env, command, run
+from unified_dist.testing.launchers import ROOT, child_env, command, run
 
 TIMEOUT = 180
 ACCURACY = re.compile(r"^(?:\[\d+\]<stdout>:)?accuracy ([0-9.]+)\s*$", re.M)  # horovodrun prefixes "[rank]<stdout>:"
@@ -87,17 +88,21 @@ def _weights(folder: Path) -> dict:
     return torch.load(folder / "ckpt.pt", weights_only=True)["model"]
 
 
-_straight: dict = {}
+@pytest.fixture(scope="module")
+def uninterrupted(script, tmp_path_factory) -> Callable[[int], dict]:
+    """The reference weights per world size: 2 epochs in one run (python for 1 process, torchrun for 2),
+    each launched once, by the first test that asks for it."""
+    weights: Dict[int, dict] = {}
 
+    def of(nproc: int) -> dict:
+        if nproc not in weights:
+            folder = tmp_path_factory.mktemp(f"straight{nproc}")
+            accuracies = _run("python" if nproc == 1 else "torchrun", script, folder, 2)
+            assert len(accuracies) == 2, accuracies
+            weights[nproc] = _weights(folder)
+        return weights[nproc]
 
-def _uninterrupted(nproc: int, script: Path, tmp_path_factory) -> dict:
-    """The reference: 2 epochs in one run (python for 1 process, torchrun for 2)."""
-    if nproc not in _straight:
-        folder = tmp_path_factory.mktemp(f"straight{nproc}")
-        accuracies = _run("python" if nproc == 1 else "torchrun", script, folder, 2)
-        assert len(accuracies) == 2, accuracies
-        _straight[nproc] = _weights(folder)
-    return _straight[nproc]
+    return of
 
 
 def test_the_snippet_is_the_readme_loop():
@@ -108,8 +113,10 @@ def test_the_snippet_is_the_readme_loop():
         assert line in snippet, line
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "torchrun", "accelerate", "horovodrun"])
-def test_snippet_runs_unchanged_and_resumes_to_the_uninterrupted_weights(launcher, script, tmp_path, tmp_path_factory):
+def test_snippet_runs_unchanged_and_resumes_to_the_uninterrupted_weights(launcher, script, tmp_path, uninterrupted):
     first = _run(launcher, script, tmp_path, 1)
     assert len(first) == 1 and 0 <= first[0] <= 1, first  # one line: ud.print prints on the main process only
     # every example counted once: the accuracy is a multiple of 1/37
@@ -117,7 +124,7 @@ def test_snippet_runs_unchanged_and_resumes_to_the_uninterrupted_weights(launche
     resumed = _run(launcher, script, tmp_path, 2)
     assert len(resumed) == 1, f"the resumed run trained {len(resumed)} epochs, expected only the second"
     got = _weights(tmp_path)
-    expected = _uninterrupted(1 if launcher == "python" else 2, script, tmp_path_factory)
+    expected = uninterrupted(1 if launcher == "python" else 2)
     assert list(got) == list(expected), (list(got), list(expected))
     for name, value in expected.items():
         difference = (got[name].double() - value.double()).abs().max().item()

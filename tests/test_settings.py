@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from launchers import ROOT
+from unified_dist.testing.launchers import ROOT
 import unified_dist as ud
 from unified_dist import settings
 from unified_dist.errors import SettingError

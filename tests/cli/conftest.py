@@ -4,7 +4,6 @@ parser, checks and output without a new interpreter importing torch, about 5 s a
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +11,14 @@ from typing import Dict, Optional
 
 import pytest
 
-from launchers import BIN, LAUNCHER_VARIABLE_PREFIXES, ROOT, TORCH_VARIABLES, child_env
+from unified_dist.testing.launchers import BIN, LAUNCHER_VARIABLE_PREFIXES, ROOT, TORCH_VARIABLES, child_env, kill_session
 
 
 def unified_dist(*args: str, cwd: Optional[Path] = None, env: Optional[Dict[str, str]] = None,
                  timeout: float = 60, code: Optional[str] = None) -> subprocess.CompletedProcess:
     """``python -m unified_dist ARGS`` (or ``python -c CODE ARGS``) in ``cwd``, in its own process group.
 
-    On timeout the whole group (the launcher and its workers) is killed and the test fails.
+    On timeout its whole process tree (the launcher and its workers) is killed and the test fails.
     """
     cmd = [sys.executable, *(["-c", code] if code else ["-m", "unified_dist"]), *args]
     proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=child_env(env), stdout=subprocess.PIPE,
@@ -27,7 +26,7 @@ def unified_dist(*args: str, cwd: Optional[Path] = None, env: Optional[Dict[str,
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc.pid)
         out, err = proc.communicate()
         pytest.fail(f"unified-dist {' '.join(args)} did not finish in {timeout}s\n{out[-2000:]}\n{err[-2000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

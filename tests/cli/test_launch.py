@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from launchers import child_env
+from unified_dist.testing.launchers import child_env
 
 SINGLE = {
     "torch": "torchrun --standalone --nproc_per_node 2 train.py --lr 3",
@@ -71,6 +71,8 @@ ud.shutdown()
 """
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("backend,launcher", [("torch", "torchrun"), ("accelerate", "accelerate"),
                                               ("horovod", "horovodrun")])
 def test_real_launch_two_ranks_with_bf16(cli, tmp_path, backend, launcher):
@@ -90,6 +92,7 @@ def test_real_launch_two_ranks_with_bf16(cli, tmp_path, backend, launcher):
             (2, backend, launcher, "bf16"), data
 
 
+@pytest.mark.distributed
 def test_exit_status_is_the_launchers_and_the_printed_command_runs_the_same_horovod(cli, tmp_path):
     (tmp_path / "fail.py").write_text("import sys; sys.exit(3)\n")
     result = cli("launch", "--backend", "horovod", "--nproc", "1", "fail.py", cwd=tmp_path, timeout=60)

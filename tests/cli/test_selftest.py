@@ -1,6 +1,9 @@
 """``unified-dist test``: the built-in self-test passes under every launcher, and a hang fails it."""
 import os
 
+import pytest
+
+pytestmark = pytest.mark.distributed
 WITHOUT_HOROVOD = os.environ.get("UNIFIED_DIST_WITHOUT_HOROVOD") == "1"  # deliberately left out (make setup)
 BACKENDS = ["torch", "accelerate"] + ([] if WITHOUT_HOROVOD else ["horovod"])
 CHECKS = ["launch", "init", "identity", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "all_reduce_min",
@@ -13,6 +16,7 @@ def _table(stdout):
     return {(r[0], r[1]): r[2] for r in rows if len(r) >= 3 and r[0] in ("torch", "accelerate", "horovod")}
 
 
+@pytest.mark.slow
 def test_every_installed_backend_passes_with_two_processes(cli):
     choice = ["--backend", ",".join(BACKENDS)] if WITHOUT_HOROVOD else []  # else: the default, every installed one
     result = cli("test", *choice, "--nproc", "2", "--timeout", "150", timeout=480)

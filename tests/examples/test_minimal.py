@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import sys
 from pathlib import Path
 from typing import Dict
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/launchers.py
-from launchers import ROOT, launch, unavailable  # noqa: E402
+from unified_dist.testing.launchers import ROOT, launch, unavailable
 
+pytestmark = [pytest.mark.example, pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = str(ROOT / "examples" / "minimal" / "train.py")
 TIMEOUT = 120  # seconds per launch; the whole process group is killed after it
 STEPS = 40

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
+pytestmark = [pytest.mark.example, pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = "examples/bert_sentiment/train.py"
 TINY = ["--limit-train", "96", "--limit-eval", "40", "--max-length", "32", "--log-every", "1", "--no-progress",
         "--eval-batch-size", "16", "--threads", "1", "--eval-every", "0"]
@@ -31,7 +33,7 @@ def _final_weights(path):
 
 
 def _launch(launcher, out, args, nproc=2, timeout=400):
-    from launchers import launch
+    from unified_dist.testing.launchers import launch
 
     return launch(launcher, SCRIPT, [*args, "--output-dir", str(out)], nproc=nproc, timeout=timeout).check()
 

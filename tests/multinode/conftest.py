@@ -22,10 +22,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from multinode import NETNS_SCRIPT, Hosts, kill_group, cannot_make_namespaces, start_sshd  # noqa: E402
-
-from launchers import unavailable  # noqa: E402
+from unified_dist.testing.launchers import unavailable
+from unified_dist.testing.multinode import NETNS_SCRIPT, Hosts, cannot_make_namespaces, kill_group, start_sshd
 
 _NAME = re.compile(r"^ud-h[12]-(\d+)-[0-9a-f]{4}$")
 

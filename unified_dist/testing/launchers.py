@@ -1,5 +1,5 @@
 """Run a script under a real launcher (python, torchrun, accelerate launch, horovodrun, srun,
-mpirun, the legacy torch.distributed.launch) for tests.
+mpirun, the legacy torch.distributed.launch) for the tests and the benchmarks.
 
 Every launch gets its own free port where the launcher takes one, OMP_NUM_THREADS=1, the
 venv's ``bin/`` first on PATH (horovodrun starts ``python`` by name), and a timeout after
@@ -12,6 +12,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -20,7 +21,8 @@ from unified_dist.detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
 from unified_dist.net import free_port  # noqa: F401  (tests import it from here)
 from unified_dist.registry import SPECS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout this package lies in (its tests/, tools/, examples/ and bench/ are what the tests run)."""
 BIN = Path(sys.executable).parent
 LAUNCHERS = ("python", *(spec.launcher for spec in SPECS.values() if spec.launcher))
 """python, then every backend's own launcher in the registry's order (``command`` knows each)."""
@@ -134,3 +136,81 @@ def launch(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2,
            env: Optional[Dict[str, str]] = None) -> Result:
     """Run ``script`` under ``launcher`` with ``nproc`` processes (1 for plain python)."""
     return run(command(launcher, script, args, nproc), timeout, child_env(env))
+
+
+# ---------------------------------------------------------------------- what counts as a launch
+LAUNCHER_PROGRAMS = ("torchrun", "horovodrun", "srun", "mpirun", "mpiexec")
+LAUNCHER_MODULES = ("torch.distributed.launch", "torch.distributed.run")
+HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+"""Processes Python starts beside a single one (its multiprocessing bookkeeping): not a launch."""
+
+
+def is_launcher(cmdline: Sequence[str]) -> bool:
+    """Whether a process with this command line is a launcher: torchrun, accelerate launch, horovodrun,
+    srun, mpirun/mpiexec, or ``python -m torch.distributed.launch|run`` (entry-point scripts run as
+    ``python /venv/bin/torchrun ...``, so the first two words are looked at)."""
+    head = [os.path.basename(word) for word in cmdline[:2]]
+    if any(word in LAUNCHER_PROGRAMS for word in head):
+        return True
+    if "accelerate" in head and "launch" in cmdline[:3]:
+        return True
+    return any(module in cmdline[:4] for module in LAUNCHER_MODULES)
+
+
+class LaunchWatch:
+    """While open, a thread looks at this process's descendants every ``interval`` seconds;
+    :attr:`launched` then says how the code inside launched processes, or is ``None``.
+
+    A launch is what the tests' ``distributed`` marker declares: a launcher (:func:`is_launcher`),
+    or two or more processes alive at once that were not there when the watch opened, however
+    they were started (subprocess, multiprocessing, ``ud.launch``, or a child that launches in turn).
+    One process at a time (``python -c ...``, ``unified-dist env``) is not a launch. A launch
+    shorter than ``interval`` can go unseen; real ones import torch and last seconds.
+    """
+
+    def __init__(self, interval: float = 0.1):
+        self.interval = interval
+        self.launched: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._before: set = set()
+
+    def __enter__(self) -> "LaunchWatch":
+        import psutil
+
+        self._me = psutil.Process()
+        self._before = {p.pid for p in self._me.children(recursive=True)}
+        self._thread = threading.Thread(target=self._watch, name="launch-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while self.launched is None:
+            self._look()
+            if self._stop.wait(self.interval):
+                break
+
+    def _look(self) -> None:
+        import psutil
+
+        running = []
+        for child in self._me.children(recursive=True):
+            if child.pid in self._before:
+                continue
+            try:
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                cmdline = child.cmdline()
+            except psutil.Error:
+                continue
+            if not any(helper in " ".join(cmdline) for helper in HELPERS):
+                running.append(cmdline)
+        launchers = [cmdline for cmdline in running if is_launcher(cmdline)]
+        if launchers:
+            self.launched = f"a launcher ({' '.join(launchers[0])[:200]})"
+        elif len(running) >= 2:
+            self.launched = f"{len(running)} processes at once ({'; '.join(' '.join(c)[:80] for c in running[:3])})"

@@ -24,9 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS))
-from launchers import BIN, ROOT, child_env  # noqa: E402
+from unified_dist.testing.launchers import BIN, ROOT, child_env
 
 NETNS_SCRIPT = ROOT / "tools" / "netns_hosts.sh"
 NIC = "udnet0"

@@ -1,0 +1,12 @@
+"""What this repository's tests and benchmarks share (as ``accelerate.test_utils`` is Accelerate's).
+
+- :mod:`unified_dist.testing.launchers`: run a script under a real launcher with a free port and a
+  timeout that kills the launcher's whole process tree; a clean child environment.
+- :mod:`unified_dist.testing.multinode`: two hosts made of network namespaces, and the launch
+  lines users type on each node of a two-node job.
+- :class:`unified_dist.testing.launchers.LaunchWatch`: whether code launched processes (the tests'
+  ``distributed`` marker must say so).
+
+The library never imports this package and importing it imports no torch (tests/test_markers.py
+checks both). It expects to lie in a checkout: ``launchers.ROOT`` is the repository root.
+"""
