@@ -331,6 +331,8 @@ with open(os.path.join(out, f"rank{ud.rank()}.txt"), "w") as f:
 '''
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_every_rank_restores_its_own_generators_and_main_only_saves_are_refused(tmp_path):
     from unified_dist.testing.launchers import launch
 
