@@ -63,10 +63,10 @@ RESULTS = ROOT / "bench" / "results"
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import provenance  # noqa: E402  (bench/provenance.py)
-from unified_dist.testing import multinode  # noqa: E402  (the hosts and the multi-node launch lines, as the tests')
-from unified_dist.testing.launchers import BIN  # noqa: E402
 from unified_dist.buckets import HOROVOD_CYCLE_VAR as CYCLE_VAR  # noqa: E402
 from unified_dist.settings import TABLE  # noqa: E402
+from unified_dist.testing import multinode  # noqa: E402  (the hosts and the multi-node launch lines, as the tests')
+from unified_dist.testing.launchers import BIN  # noqa: E402
 
 BUCKET_VAR, VIEW_ENV = TABLE["bucket_mb"].variable, TABLE["bucket_view"].variable
 COMPRESSION_VAR = TABLE["gradient_compression"].variable

@@ -96,8 +96,9 @@ def test_accelerate_without_multi_gpu_is_refused_with_the_right_command(tmp_path
 
 
 def test_half_set_launcher_variables_are_refused(tmp_path):
-    from unified_dist.testing.launchers import child_env, run as run_cmd
     import sys
+
+    from unified_dist.testing.launchers import child_env, run as run_cmd
 
     result = run_cmd([sys.executable, "-c", "import unified_dist as ud; ud.init()"], timeout=60,
                      env=child_env({"WORLD_SIZE": "2", "MASTER_PORT": "29555"}))

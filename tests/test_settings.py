@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from unified_dist.testing.launchers import ROOT
 import unified_dist as ud
 from unified_dist import settings
 from unified_dist.errors import SettingError
 from unified_dist.settings import SETTINGS, TABLE, in_effect, unknown_variables, warn_unknown
+from unified_dist.testing.launchers import ROOT
 
 SCANNED = ("unified_dist", "examples", "tools", "bench", "Makefile")
 """Where the variables are read: the library, its examples, tools and benchmarks, the Makefile."""

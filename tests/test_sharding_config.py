@@ -85,7 +85,6 @@ def test_sharding_is_off_by_default():
 
 def test_sharding_under_horovod_is_a_one_line_error_before_horovod_starts(monkeypatch):
     import unified_dist as ud
-
     from unified_dist.backends.horovod_backend import HorovodBackend
 
     def must_not_start(*args, **kwargs):

@@ -57,14 +57,52 @@ def __dir__():
 if TYPE_CHECKING:  # what type checkers and IDEs see
     from .checkmode import CollectiveMismatch  # noqa: F401
     from .elastic import ElasticState, elastic_run  # noqa: F401
-    from .errors import (BackendNotInstalled, CheckpointError, CollectiveError, CollectiveTimeout,  # noqa: F401
-                         LaunchError, NonFiniteLoss, PeerLost, PrecisionError, UnifiedDistError, WorkerFailed)
-    from .facade import (accumulate, all_gather, all_gather_object, all_reduce, autocast, backend_name,  # noqa: F401
-                         backward, barrier, broadcast, clip_grad_norm_, device, gather_for_metrics,
-                         gradient_accumulation_steps, gradient_compression, init, is_local_main, is_main, launcher,
-                         local_rank, main_process_first, mixed_precision, prepare, print, rank, restore_rng_states,
-                         rng_states, seed_everything, sharding_mode, shutdown, sync_gradients, unwrap, world_size)
+    from .errors import (  # noqa: F401
+        BackendNotInstalled,
+        CheckpointError,
+        CollectiveError,
+        CollectiveTimeout,
+        LaunchError,
+        NonFiniteLoss,
+        PeerLost,
+        PrecisionError,
+        UnifiedDistError,
+        WorkerFailed,
+    )
+    from .facade import (  # noqa: F401
+        accumulate,
+        all_gather,
+        all_gather_object,
+        all_reduce,
+        autocast,
+        backend_name,
+        backward,
+        barrier,
+        broadcast,
+        clip_grad_norm_,
+        device,
+        gather_for_metrics,
+        gradient_accumulation_steps,
+        gradient_compression,
+        init,
+        is_local_main,
+        is_main,
+        launcher,
+        local_rank,
+        main_process_first,
+        mixed_precision,
+        prepare,
+        print,
+        rank,
+        restore_rng_states,
+        rng_states,
+        seed_everything,
+        sharding_mode,
+        shutdown,
+        sync_gradients,
+        unwrap,
+        world_size,
+    )
     from .rng import RNG  # noqa: F401
-    from .saving import (get_state_dict, latest_checkpoint, load, load_sharded, save, save_checkpoint,  # noqa: F401
-                         save_sharded)
+    from .saving import get_state_dict, latest_checkpoint, load, load_sharded, save, save_checkpoint, save_sharded  # noqa: F401
     from .spawn import launch  # noqa: F401

@@ -26,6 +26,7 @@ import torch
 from . import collectives
 from .backends.base import Backend
 
+
 def _unique_buffers(models: Iterable[torch.nn.Module]) -> List[torch.Tensor]:
     seen: Dict[int, torch.Tensor] = {}
     for model in models:

@@ -17,8 +17,8 @@ What ``sharding="fsdp"`` means (``ud.init(sharding=...)``, ``UNIFIED_DIST_SHARDI
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch

@@ -16,10 +16,9 @@ import time
 
 import torch
 
+import facade
 import unified_dist as ud
 from common import model_and_batches, parse_args
-
-import facade
 
 args = parse_args()
 ud.init()

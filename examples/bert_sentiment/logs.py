@@ -12,17 +12,16 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
-import unified_dist as ud
-
 import plots
+import unified_dist as ud
 from args import UserError
 from modeling import DEFAULT_MODEL
 
 
 def quiet_libraries() -> None:
     """No progress bars or advisory warnings from transformers and datasets (ours is enough)."""
-    from transformers.utils import logging as hf_logging
     import datasets
+    from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()

@@ -38,12 +38,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the modules be
 
 import torch  # noqa: E402
 
-import unified_dist as ud  # noqa: E402
-
 import data as sentiment_data  # noqa: E402
 import logs  # noqa: E402
 import modeling  # noqa: E402
 import plots  # noqa: E402
+import unified_dist as ud  # noqa: E402
 from args import Plan, UserError, default_eval_every, parse_args  # noqa: E402,F401 (tests read them here)
 from logs import require_tensorboard  # noqa: E402,F401
 

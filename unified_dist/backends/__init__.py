@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Type
 
-from .base import Backend, Config
 from ..registry import SPECS
+from .base import Backend, Config
 
 
 def backend_class(name: str) -> Type[Backend]:

@@ -7,15 +7,21 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
-from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config, weighted
 from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
-from .ddp_lifetime import DdpTracker
-from .fsdp import FsdpModels
-from .process_group import (TORCH_OPS, StoreArrivals, destroy_at_exit, export_rendezvous, gather_stacked,
-                            join_default_group)
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
+from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config, weighted
+from .ddp_lifetime import DdpTracker
+from .fsdp import FsdpModels
+from .process_group import (
+    TORCH_OPS,
+    StoreArrivals,
+    destroy_at_exit,
+    export_rendezvous,
+    gather_stacked,
+    join_default_group,
+)
 
 
 def _running_precision(config: Config) -> Config:

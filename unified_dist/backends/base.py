@@ -16,11 +16,11 @@ from typing import Any, ContextManager, List, Optional
 
 import torch
 
-from ..detection import Detection
 from .. import sync_batchnorm
+from ..detection import Detection
+from ..errors import PeerLost, UnifiedDistError, collective_timeout, peer_lost_message
 from ..settings import TABLE
 from ..sharding import Sharding
-from ..errors import PeerLost, UnifiedDistError, collective_timeout, peer_lost_message
 
 # torch.distributed raises DistBackendError/RuntimeError for everything gloo and nccl report: the
 # text is the only witness of a timeout or of a peer's closed connection.

@@ -9,12 +9,19 @@ from typing import Any, Optional
 
 import torch
 
-from .base import Backend, Config
 from .. import sync_batchnorm
 from ..buckets import horovod_env
 from ..detection import Detection
-from ..errors import (BackendNotInstalled, PeerLost, ShapeMismatch, UnifiedDistError, deadline_passed, first_line,
-                      peer_lost_message)
+from ..errors import (
+    BackendNotInstalled,
+    PeerLost,
+    ShapeMismatch,
+    UnifiedDistError,
+    deadline_passed,
+    first_line,
+    peer_lost_message,
+)
+from .base import Backend, Config
 
 
 @functools.lru_cache(maxsize=None)

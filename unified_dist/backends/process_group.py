@@ -25,10 +25,9 @@ if TYPE_CHECKING:
 import torch
 import torch.distributed as dist
 
-from .base import Backend
 from ..errors import LaunchError
 from ..net import DEFAULT_MASTER_PORT
-
+from .base import Backend
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 """torch.distributed's op for each of :data:`~unified_dist.backends.base.PRIMITIVE_OPS`."""

@@ -6,14 +6,21 @@ from typing import Any, ContextManager, Optional
 import torch
 import torch.distributed as dist
 
-from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config
 from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
+from ..detection import Detection
+from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels
-from .process_group import (TORCH_OPS, StoreArrivals, destroy_at_exit, export_rendezvous, gather_stacked,
-                            join_default_group, local_rank_from_hosts)
-from ..detection import Detection
+from .process_group import (
+    TORCH_OPS,
+    StoreArrivals,
+    destroy_at_exit,
+    export_rendezvous,
+    gather_stacked,
+    join_default_group,
+    local_rank_from_hosts,
+)
 
 
 class TorchBackend(StoreArrivals, Backend):

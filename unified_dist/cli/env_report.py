@@ -13,10 +13,10 @@ import sys
 import sysconfig
 from typing import Any, Dict, List, Mapping, Optional
 
-from . import launch
 from .. import settings
 from ..errors import summary as _first_line
 from ..registry import SPECS
+from . import launch
 
 PACKAGES = ("unified_dist", *(spec.library for spec in SPECS.values() if spec.library), "transformers", "datasets")
 NOT_INSTALLED = "not installed"

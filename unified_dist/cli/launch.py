@@ -19,11 +19,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, FrozenSet, List, Mapping, NoReturn, Optional, Tuple
 
 from .. import settings
-from ..net import DEFAULT_MASTER_PORT
 from ..errors import PrecisionError, SettingError
+from ..net import DEFAULT_MASTER_PORT
 from ..precision import check_device
-from .errors import UsageError
 from ..registry import LAUNCHED, SPECS
+from .errors import UsageError
 
 BACKENDS: Tuple[str, ...] = LAUNCHED
 """Backends that have a multi-process launcher (``single`` is plain ``python script.py``)."""

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .errors import UsageError
 from ..registry import LAUNCHED
+from .errors import UsageError
 
 SCRIPT_ARGS_AFTER_DASHES = True
 """``unified-dist`` hands this subcommand the words after the first ``--`` as ``args.script_args``."""
@@ -65,8 +65,8 @@ def command_for(spec: RunSpec, script: str, args: Sequence[str]) -> Tuple[List[s
     """The native command (same as ``unified-dist launch`` prints) and its environment."""
     if spec.backend == "python":
         return [sys.executable, script, *args], dict(os.environ)
-    from . import launch
     from ..net import free_port
+    from . import launch
 
     plan = launch.Plan(backend=spec.backend, script=script, script_args=tuple(args), nproc=spec.nproc,
                        master_port=free_port())

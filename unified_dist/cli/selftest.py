@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from . import launch
-from .errors import UsageError
 from ..detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
 from ..net import free_port
 from ..registry import SPECS
 from ..settings import TIMEOUT_ENV
+from . import launch
+from .errors import UsageError
 
 WORKER = Path(__file__).with_name("selftest_worker.py")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
