@@ -160,7 +160,7 @@ def main() -> None:
     for name, fn in (("overhead", overhead_section), ("collectives", collectives_section)):
         data = load(name + suffix)
         if data:
-            if not any("Machine" in l for l in lines):
+            if not any("Machine" in line for line in lines):
                 m = data["machine"]
                 lines += [f"Machine: {m['cpus']} CPUs ({m['processor']}), {m['platform']}, Python {m['python']}, "
                           f"torch {m['torch']}; {m['date']}.", ""]

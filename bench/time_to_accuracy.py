@@ -310,7 +310,7 @@ def summarise(out: Path, record: dict, runs: dict, configs: dict, seeds: list, e
                       "steal_fraction": spread([r.get("steal_fraction") for r in per_seed]),
                       "reference": configs[name][1]}
                for name, per_seed in runs.items()}
-    for name, s in summary.items():
+    for _name, s in summary.items():
         ref = summary.get(s["reference"])
         for measure, ratio in (("time_to_threshold_s", "time_ratio_vs_reference"),
                                ("cpu_to_threshold_s", "cpu_ratio_vs_reference")):

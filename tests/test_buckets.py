@@ -6,6 +6,7 @@ import os
 import pytest
 
 from unified_dist.buckets import CPU_CYCLE_MS, HOROVOD_CYCLE_VAR, HOROVOD_VAR, ddp_kwargs, horovod_env
+from unified_dist.errors import UnifiedDistError
 from unified_dist.settings import TABLE, resolve
 
 ENV_VAR, VIEW_ENV = TABLE["bucket_mb"].variable, TABLE["bucket_view"].variable
@@ -17,7 +18,6 @@ def resolve_bucket_mb(given, env):
 
 def resolve_bucket_view(env):
     return resolve("bucket_view", None, env)
-from unified_dist.errors import UnifiedDistError
 
 
 def test_explicit_beats_the_variable_and_none_keeps_the_stacks_default():

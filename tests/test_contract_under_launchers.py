@@ -137,7 +137,7 @@ def test_contract_under_srun_and_mpirun(launcher, check, runs, request):
         assert data["results"][check] == "ok", f"rank {r}: {data['results'][check]}"
 
 
-@pytest.mark.parametrize("launcher", [l for l in LAUNCHERS if l != "python"])
+@pytest.mark.parametrize("launcher", [name for name in LAUNCHERS if name != "python"])
 def test_a_stack_started_before_the_facade_is_adopted_and_left_running(launcher, runs):
     result, ranks = runs.get(launcher, ADOPTING_SUITE)
     result.check()

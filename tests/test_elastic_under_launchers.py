@@ -15,7 +15,7 @@ WORKER = "tests/workers/elastic_worker.py"
 
 
 def result(out):
-    entries = [json.loads(l) for l in (out / "entries.jsonl").read_text().splitlines()]
+    entries = [json.loads(line) for line in (out / "entries.jsonl").read_text().splitlines()]
     return json.loads((out / "result.json").read_text()), entries
 
 

@@ -132,7 +132,7 @@ def test_every_exception_class_of_the_library_is_a_unified_dist_error():
         if info.name == "unified_dist.__main__":
             continue
         module = importlib.import_module(info.name)
-        for name, cls in inspect.getmembers(module, inspect.isclass):
+        for _name, cls in inspect.getmembers(module, inspect.isclass):
             qualified = f"{cls.__module__}.{cls.__qualname__}"
             if (cls.__module__ == module.__name__ and issubclass(cls, BaseException)
                     and not issubclass(cls, ud.UnifiedDistError) and qualified not in carriers):

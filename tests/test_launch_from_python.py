@@ -42,7 +42,7 @@ def _python_c(code: str, timeout: float = 180):
 def test_launch_runs_the_function_on_every_rank_and_returns_rank_0s_value(backend):
     code = WORK + f"print('RESULT', json.dumps(ud.launch(work, 'x7', {CHECKS!r}, nproc=2, backend={backend!r})))\n"
     result = _python_c(code).check()
-    line = [l for l in result.output.splitlines() if l.startswith("RESULT ")]
+    line = [ln for ln in result.output.splitlines() if ln.startswith("RESULT ")]
     assert line, result.output[-3000:]
     per_rank = json.loads(line[-1][len("RESULT "):])
     assert [o["rank"] for o in per_rank] == [0, 1]
@@ -78,7 +78,7 @@ def test_launch_works_from_a_script_read_on_standard_input(backend, tmp_path):
     script.write_text(FROM_STDIN)
     cmd = ["sh", "-c", 'exec "$0" - "$1" < "$2"', str(BIN / "python"), backend, str(script)]
     result = run(cmd, timeout=180, env=child_env(), cwd=ROOT).check()
-    line = [l for l in result.output.splitlines() if l.startswith("RESULT ")]
+    line = [ln for ln in result.output.splitlines() if ln.startswith("RESULT ")]
     assert line, result.output[-3000:]
     expected = [[rank, rank * rank + 7, float(sum(r + 1 for r in range(2)))] for rank in range(2)]
     assert line[-1] == f"RESULT {expected} <stdin>", result.output[-3000:]  # __file__ is back afterwards
@@ -113,7 +113,7 @@ def test_an_exception_in_a_worker_is_raised_in_the_caller_with_its_traceback(bac
     script = tmp_path / "failing.py"
     script.write_text(FAILING.replace("BACKEND", repr(backend)))
     result = run([str(BIN / "python"), str(script)], timeout=180, env=child_env(), cwd=ROOT).check()
-    line = [l for l in result.output.splitlines() if l.startswith("CAUGHT ")]
+    line = [ln for ln in result.output.splitlines() if ln.startswith("CAUGHT ")]
     assert line, result.output[-3000:]
     rank, message, names_fn, cause_has_line, seconds = [p.strip() for p in line[-1][len("CAUGHT "):].split("|")]
     assert rank == "1" and message == "rank 1 raised ValueError: bad batch on purpose", line

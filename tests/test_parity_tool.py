@@ -14,7 +14,7 @@ def unified_dist_parity(*args):
 def write(tmp_path, name, losses, acc):
     d = tmp_path / name
     d.mkdir()
-    lines = [{"type": "train", "step": s, "loss": l} for s, l in losses.items()]
+    lines = [{"type": "train", "step": s, "loss": loss} for s, loss in losses.items()]
     lines.append({"type": "eval", "step": max(losses), "accuracy": acc, "eval_examples": 50})
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     return str(d)
@@ -36,7 +36,7 @@ def test_compare_reports_the_worst_step_and_fails_past_tolerance(tmp_path, capsy
     assert unified_dist_parity("--compare", ref, same, "--rtol", "1e-5") == 0
     assert unified_dist_parity("--compare", ref, off, "--rtol", "1e-5") == 1
     out = capsys.readouterr().out
-    row = [l for l in out.splitlines() if l.startswith("off")][0]
+    row = [line for line in out.splitlines() if line.startswith("off")][0]
     assert "1.538e-02" in row and row.split()[3] == "2" and row.endswith("FAIL")
 
 

@@ -19,7 +19,7 @@ TINY = ["--limit-train", "96", "--limit-eval", "40", "--max-length", "32", "--lo
 
 
 def _metrics(path):
-    return [json.loads(l) for l in (path / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def _train_losses(path):

@@ -171,7 +171,7 @@ def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, set_to_none=True
 
 
 def _same_params(model, ref, atol=1e-6):
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    for (_name, p), q in zip(model.named_parameters(), ref.parameters()):
         close(full(p.detach()).cpu(), q.detach(), atol=atol)
 
 
@@ -290,7 +290,7 @@ def accumulation_steps_only_every_kth_microstep():
     model, opt = ud.prepare(model, opt)
     synced, stepped = [], []
     first = copy.deepcopy(ud.unwrap(model).state_dict())
-    for i in range(4):
+    for _ in range(4):
         with ud.accumulate(model):
             ud.backward(model(torch.ones(2, 5)).sum())
             synced.append(ud.sync_gradients())
@@ -744,7 +744,7 @@ def fsdp_adamw_with_accumulation_matches_single_process():
     2e-6: float32 rounding of the reduce-scatter's other summation order (~1e-7 per gradient),
     which AdamW's normalised update carries into the weights at lr 0.05 over 3 steps."""
     model, _, ref, _, norms, ref_norms = _sharded_training(3)
-    for (name, p), q in zip(ud.unwrap(model).named_parameters(), ref.parameters()):
+    for (_name, p), q in zip(ud.unwrap(model).named_parameters(), ref.parameters()):
         close(full(p.detach()).cpu(), q.detach(), atol=2e-6)
     assert len(norms) == 3 and all(type(n) is torch.Tensor for n in norms), [type(n) for n in norms]
     close(torch.stack(norms).cpu(), torch.stack(ref_norms), atol=1e-5)
@@ -798,7 +798,7 @@ def fsdp_full_and_sharded_checkpoints(ctx):
 
 
 def _same_full_params(model, ref, atol):
-    for (name, p), q in zip(ud.unwrap(model).named_parameters(), ref.parameters()):
+    for (_name, p), q in zip(ud.unwrap(model).named_parameters(), ref.parameters()):
         close(full(p.detach()).cpu(), q.detach(), atol=atol)
 # ----------------------------------------------------------------- gradient compression
 def _compression_for(suite):

@@ -57,7 +57,7 @@ def main():
                 opt.zero_grad()
     except ud.UnifiedDistError as exc:
         record(out, error=type(exc).__name__, message=str(exc), elapsed=time.monotonic() - start)
-        raise SystemExit(3)
+        raise SystemExit(3) from exc
     record(out, error=None, message="", elapsed=time.monotonic() - start)
 
 

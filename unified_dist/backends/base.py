@@ -128,7 +128,7 @@ class Backend(ABC):
         meet the others only in ``elastic_run``'s state sync)."""
         return True
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Leave the process group; the backend is unusable afterwards."""
 
     # ----------------------------------------------------------------- preparation
@@ -192,7 +192,7 @@ class Backend(ABC):
         """Context in which backward passes accumulate locally without communicating."""
         return contextlib.nullcontext()
 
-    def set_sync_gradients(self, sync: bool) -> None:
+    def set_sync_gradients(self, sync: bool) -> None:  # noqa: B027 - optional hook, no-op by default
         """Told before each micro-step whether its backward is the one that synchronises."""
 
     def autocast(self) -> ContextManager:
