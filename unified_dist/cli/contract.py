@@ -259,38 +259,38 @@ def dtype_matrix(ctx: Context) -> None:
         is_bool, is_float = dtype == torch.bool, dtype.is_floating_point
 
         def row(k: int) -> torch.Tensor:  # rank k's all_reduce input, as int64
-            return torch.tensor([1, 0, int(k == 0)]) if is_bool else torch.tensor([k + 1, 3, w - k])
+            return torch.tensor([1, 0, int(k == 0)]) if is_bool else torch.tensor([k + 1, 3, w - k])  # noqa: B023 - called within this iteration
 
         every = torch.stack([row(k) for k in range(w)])
         mine = _ints(row(r), dtype)
         total = every.sum(0)
         mean = total.double() / w  # integers: (w + 1) / 2 and 3, exact in every floating dtype
-        attempt(dtype, "all_reduce sum", lambda: ud.all_reduce(mine, "sum"),
+        attempt(dtype, "all_reduce sum", lambda: ud.all_reduce(mine, "sum"),  # noqa: B023 - called within this iteration
                 total if is_bool else total.to(dtype), "count" if is_bool else "same")
-        attempt(dtype, "all_reduce mean", lambda: ud.all_reduce(mine, "mean"),
+        attempt(dtype, "all_reduce mean", lambda: ud.all_reduce(mine, "mean"),  # noqa: B023 - called within this iteration
                 mean.to(dtype) if is_float else mean, "same" if is_float else "floating")
-        attempt(dtype, "all_reduce max", lambda: ud.all_reduce(mine, "max"), every.max(0).values.to(dtype))
-        attempt(dtype, "all_reduce min", lambda: ud.all_reduce(mine, "min"), every.min(0).values.to(dtype))
+        attempt(dtype, "all_reduce max", lambda: ud.all_reduce(mine, "max"), every.max(0).values.to(dtype))  # noqa: B023 - called within this iteration
+        attempt(dtype, "all_reduce min", lambda: ud.all_reduce(mine, "min"), every.min(0).values.to(dtype))  # noqa: B023 - called within this iteration
         if dtype in (torch.uint8, torch.int8):  # a sum past the range wraps modulo 256, as gloo's does
             big = 200 if dtype == torch.uint8 else 100
             wrapped = (big * w) % 256 if dtype == torch.uint8 else (big * w + 128) % 256 - 128
             large = torch.tensor([big], dtype=dtype)
-            attempt(dtype, "all_reduce sum past its range", lambda: ud.all_reduce(large, "sum"),
+            attempt(dtype, "all_reduce sum past its range", lambda: ud.all_reduce(large, "sum"),  # noqa: B023 - called within this iteration
                     torch.tensor([wrapped], dtype=dtype))
 
         def even(k: int) -> torch.Tensor:
-            return _ints(torch.arange(6).reshape(2, 3) + k, dtype)
+            return _ints(torch.arange(6).reshape(2, 3) + k, dtype)  # noqa: B023 - called within this iteration
 
         def uneven(k: int) -> torch.Tensor:  # k + 1 rows
-            return _ints(torch.arange(2 * (k + 1)).reshape(k + 1, 2) + 3 * k, dtype)
+            return _ints(torch.arange(2 * (k + 1)).reshape(k + 1, 2) + 3 * k, dtype)  # noqa: B023 - called within this iteration
 
         attempt(dtype, "all_gather even", lambda: ud.all_gather(even(r)), torch.cat([even(k) for k in range(w)]))
         attempt(dtype, "all_gather uneven", lambda: ud.all_gather(uneven(r)),
                 torch.cat([uneven(k) for k in range(w)]))
         values = _ints(torch.arange(2 * w + 1) * 7 % 13, dtype)  # batches of 2: the last one is ragged
-        attempt(dtype, "gather_for_metrics", lambda: _gathered_for_metrics(values, 2), values)
+        attempt(dtype, "gather_for_metrics", lambda: _gathered_for_metrics(values, 2), values)  # noqa: B023 - called within this iteration
         sent = _ints(torch.arange(4) + r, dtype)
-        attempt(dtype, "broadcast", lambda: ud.broadcast(sent, src=src), _ints(torch.arange(4) + src, dtype))
+        attempt(dtype, "broadcast", lambda: ud.broadcast(sent, src=src), _ints(torch.arange(4) + src, dtype))  # noqa: B023 - called within this iteration
         if not torch.equal(sent, _ints(torch.arange(4) + r, dtype)):
             failures.append(f"{_short(dtype)} broadcast: modified its input")
     assert not failures, f"{len(failures)} of {cases} dtype cases failed: " + "; ".join(failures)
