@@ -3,7 +3,8 @@
     <launcher> bench/collectives_worker.py --out FILE [--sizes-kb 4,64,...] [--rounds N]
 
 Raw calls are what a competent user writes for the same contract (a new result, input kept):
-torch: ``t.clone()`` + ``dist.all_reduce``, and ``all_gather_into_tensor`` into one buffer; accelerate: ``accelerate.utils.reduce``;
+torch: ``t.clone()`` + ``dist.all_reduce``, and ``all_gather_into_tensor`` into one buffer;
+accelerate: ``accelerate.utils.reduce``;
 horovod: ``hvd.allreduce``. Also: uneven vs even all_gather of the same bytes, and the cost of
 check mode (the facade's signature exchange before each collective).
 """

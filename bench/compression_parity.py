@@ -64,7 +64,8 @@ def main() -> int:
     p.add_argument("--short", action="store_true")
     p.add_argument("--out")
     args = p.parse_args()
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"compression_parity{'_short' if args.short else ''}.json"
+    out = (Path(args.out) if args.out
+           else ROOT / "bench" / "results" / f"compression_parity{'_short' if args.short else ''}.json")
     example_args = [*(SHORT if args.short else []), *COMMON]
     record = {**provenance.start(), "loss_rtol": LOSS_RTOL, "example_args": example_args, "rows": []}
     tmp = Path(tempfile.mkdtemp(prefix="ud-parity-"))

@@ -153,7 +153,8 @@ def baseline(hosts, args, tmp: Path) -> dict:
 def two_hosts(hosts, ssh, backend: str, compression: Optional[str], args, tmp: Path,
               bucket_mb: Optional[str] = None, cycle_ms: Optional[str] = None, bucket_view: bool = True) -> dict:
     fmt = SIXTEEN_BIT.get(backend, compression) if compression else None
-    label = f"{backend}-{fmt or 'none'}-{bucket_mb or 'default'}-{cycle_ms or 'default'}-view{'on' if bucket_view else 'off'}"
+    label = (f"{backend}-{fmt or 'none'}-{bucket_mb or 'default'}-{cycle_ms or 'default'}"
+             f"-view{'on' if bucket_view else 'off'}")
     out = tmp / f"network_{label}.json"
     commands = multinode.launch_commands(LAUNCH[backend], hosts, "", [], ssh if backend == "horovod" else None)
     script = worker_args(out, args)
@@ -227,12 +228,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--backends", default="torch,accelerate,horovod")
     p.add_argument("--compression", default="none,bf16", help="none and/or bf16 (Horovod: fp16)")
     p.add_argument("--bucket-mb", default="default",
-                   help="comma-separated MiB per fused reduction (UNIFIED_DIST_BUCKET_MB), 'default' for the stack's own")
+                   help="comma-separated MiB per fused reduction (UNIFIED_DIST_BUCKET_MB), "
+                        "'default' for the stack's own")
     p.add_argument("--accum", type=int, default=1,
-                   help="micro-batches per optimizer step (gradient_accumulation_steps; --steps/--warmup count micro-batches)")
+                   help="micro-batches per optimizer step (gradient_accumulation_steps; "
+                        "--steps/--warmup count micro-batches)")
     p.add_argument("--horovod-cycle-ms", default="default",
                    help="comma-separated Horovod cycle times in ms (HOROVOD_CYCLE_TIME), 'default' for the facade's")
-    p.add_argument("--bucket-view", default="on", help="on and/or off: DDP's gradient_as_bucket_view (torch, Accelerate)")
+    p.add_argument("--bucket-view", default="on",
+                   help="on and/or off: DDP's gradient_as_bucket_view (torch, Accelerate)")
     p.add_argument("--delay", default="0ms", help="netem delay added on each side (needs netem in the kernel)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -286,13 +290,15 @@ def main() -> int:
                                     view == "on")
                     row = summarise(job, one_host, rate, args.delay, tc)
                     record["rows"].append(row)
-                    print(f"{rate:>8} {backend:<10} {row['compression'] or 'none':<5} bucket {bucket:>7} cycle {cycle:>7} view {view:>3} accum {row['accum']} "
+                    hidden = row["comm_hidden_fraction"]
+                    print(f"{rate:>8} {backend:<10} {row['compression'] or 'none':<5} bucket {bucket:>7} "
+                          f"cycle {cycle:>7} view {view:>3} accum {row['accum']} "
                           f"{row['samples_per_s']:6.2f} samples/s  efficiency {row['efficiency']:.2f}  "
                           f"{row['wire_bytes_per_step'] / 1e6:7.1f} MB/step on the wire  bound "
                           f"{row['ring_allreduce_bound_s']:.2f} s  serialised all-reduce "
                           f"{row['serialised_allreduce_s']:.2f} s  step {row['median_step_s']:.2f} s "
                           f"(1 host {row['median_step_s_1host']:.2f} s)  hidden "
-                          f"{row['comm_hidden_fraction'] if row['comm_hidden_fraction'] is None else round(row['comm_hidden_fraction'], 2)}",
+                          f"{hidden if hidden is None else round(hidden, 2)}",
                           flush=True)
                     out.parent.mkdir(parents=True, exist_ok=True)  # partial results survive a later failure
                     out.write_text(json.dumps(provenance.finish(dict(record)), indent=1))

@@ -55,14 +55,18 @@ def table(data: dict) -> list:
              f"{data['settings']['steps']} timed steps after {data['settings']['warmup']} warm-up, batch "
              f"{data['settings']['batch_size']} x {data['settings']['max_length']} tokens per process; "
              f"link: `{data['rows'][0]['tc'][0].split(' ', 4)[-1] if data['rows'] else ''}` on both sides.", "",
-             "| rate | delay | backend | compression | bucket MiB | Horovod cycle ms | bucket view | accum | samples/s | efficiency | MB/step on the wire "
+             "| rate | delay | backend | compression | bucket MiB | Horovod cycle ms | bucket view | accum | samples/s "
+             "| efficiency | MB/step on the wire "
              "| ring all-reduce bound s | efficiency at the bound, no overlap | serialised all-reduce s "
              "| step s (1 host) | comm hidden | quiet micro-batch 2 hosts / 1 host |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, r in enumerate(data["rows"]):
         hidden = "–" if r["comm_hidden_fraction"] is None else f"{r['comm_hidden_fraction']:.2f}"
         lines.append(f"| {r['rate']} | {r['delay']} | {r['backend']} | {r['compression'] or 'none'} | "
-                     f"{r.get('bucket_mb') or 'default'} | {cycle(r)} | {'–' if r['backend'] == 'horovod' else ('on' if r.get('bucket_view', True) else 'off')} | {r.get('accum', 1)} | {r['samples_per_s']:.2f} | **{r['efficiency']:.2f}** | {r['wire_bytes_per_step'] / 1e6:.1f} | "
+                     f"{r.get('bucket_mb') or 'default'} | {cycle(r)} | "
+                     f"{'–' if r['backend'] == 'horovod' else ('on' if r.get('bucket_view', True) else 'off')} | "
+                     f"{r.get('accum', 1)} | {r['samples_per_s']:.2f} | **{r['efficiency']:.2f}** | "
+                     f"{r['wire_bytes_per_step'] / 1e6:.1f} | "
                      f"{r['ring_allreduce_bound_s']:.3f} | {r['efficiency_if_not_overlapped_at_bound']:.2f} | "
                      f"{r['serialised_allreduce_s']:.3f} | {r['median_step_s']:.3f} ({r['median_step_s_1host']:.3f}) | "
                      f"{hidden} | {quiet(r, one[i] if isinstance(one, list) else None)} |")
@@ -76,7 +80,8 @@ def plot(data: dict, png: Path) -> bool:
     for r in data["rows"]:
         if r.get("bucket_mb") or r.get("horovod_cycle_ms") or not r.get("bucket_view", True) or r.get("accum", 1) != 1:
             continue  # tuning rows (one rate): their own table
-        series.setdefault((r["backend"], r["compression"] or "none"), []).append((rate_bits(r["rate"]), r["efficiency"]))
+        series.setdefault((r["backend"], r["compression"] or "none"), []).append(
+            (rate_bits(r["rate"]), r["efficiency"]))
     if len({rate for points in series.values() for rate, _ in points}) < 2:
         return False  # one rate (a tuning run): the table says it all
     fig, ax = plt.subplots(figsize=(6.5, 4))

@@ -88,12 +88,14 @@ def run_example(name: str, nproc: int, eval_every: int, seed: int, extra: tuple 
     if nproc == 1:
         cmd = [sys.executable, script, *args]
     else:
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *args]
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
+               script, *args]
     wall, steal = timed_run(cmd)
     curve = curve_from_metrics(out / "metrics.jsonl", cpu=nproc == 1)
     results = json.loads((out / "results.json").read_text())
     return {"effective": example_effective(results),
-            "cmd": " ".join(cmd[:1] + [Path(c).name if c == script else c for c in cmd[1:]]).replace(str(ROOT) + "/", ""),
+            "cmd": " ".join(cmd[:1] + [Path(c).name if c == script else c
+                                       for c in cmd[1:]]).replace(str(ROOT) + "/", ""),
             "curve": curve, "wall_s": wall, "steal_fraction": steal, "final_validation_accuracy": curve[-1][1],
             "test_accuracy": results["test_accuracy"], "test_examples": results["test_examples"]}
 
@@ -187,7 +189,8 @@ def hyperparameter_differences(trainer: dict, example: dict, ablation: tuple = (
 
 
 def run_trainer(eval_every: int, seed: int, group_by_length: bool = False, bf16: bool = False) -> dict:
-    out = fresh(RESULTS / "tmp" / f"tta_trainer{'_grouped' if group_by_length else ''}{'_bf16' if bf16 else ''}_s{seed}")
+    out = fresh(RESULTS / "tmp"
+                / f"tta_trainer{'_grouped' if group_by_length else ''}{'_bf16' if bf16 else ''}_s{seed}")
     cfg = dict(COMMON, out=str(out), cache=str(out / "cache"), eval_every=eval_every, result=str(out / "r.json"),
                threads=os.cpu_count(), group_by_length=group_by_length, seed=seed, bf16=bf16)
     cfg["training_arguments"] = trainer_arguments(cfg)
@@ -218,7 +221,8 @@ def spread(values: list) -> dict:
 def plan(cores: int) -> dict:
     """Configuration name -> (the run for one seed and evaluation interval, the reference it is
     compared with, the settings it may change against that reference)."""
-    trainer, trainer_bf16 = "Trainer, fp32 (1 process, %d threads)" % cores, "Trainer, bf16 (1 process, %d threads)" % cores
+    trainer, trainer_bf16 = ("Trainer, fp32 (1 process, %d threads)" % cores,
+                             "Trainer, bf16 (1 process, %d threads)" % cores)
     bf16 = ("--mixed-precision", "bf16")
     return {
         trainer: (lambda seed, ev: run_trainer(ev, seed), trainer, ()),
@@ -283,7 +287,8 @@ def main() -> None:
     partial_path.unlink(missing_ok=True)
 
 
-def summarise(out: Path, record: dict, runs: dict, configs: dict, seeds: list, eval_every: int, threshold: float) -> None:
+def summarise(out: Path, record: dict, runs: dict, configs: dict, seeds: list, eval_every: int,
+              threshold: float) -> None:
     """Check every run's settings against its reference (where the run had it), then write ``out`` with the
     per-configuration statistics (and print them)."""
     for per_seed in runs.values():

@@ -34,39 +34,49 @@ TABLE = [
     ("accelerate launch (carries torchrun vars too)", ACCELERATE, None, "accelerate", "accelerate", 2, 1, 1),
     ("horovodrun", HOROVODRUN, None, "horovod", "horovodrun", 4, 1, 1),
     ("horovodrun wins over stray torch vars", dict(HOROVODRUN, **TORCHRUN), None, "horovod", "horovodrun", 4, 1, 1),
-    ("horovodrun wins over stray accelerate vars", dict(HOROVODRUN, **ACCELERATE), None, "horovod", "horovodrun", 4, 1, 1),
-    ("env var forces a backend", dict(TORCHRUN, UNIFIED_DIST_BACKEND="accelerate"), None, "accelerate", "torchrun", 2, 1, 1),
-    ("explicit beats env var", dict(TORCHRUN, UNIFIED_DIST_BACKEND="accelerate"), "torch", "torch", "torchrun", 2, 1, 1),
+    ("horovodrun wins over stray accelerate vars", dict(HOROVODRUN, **ACCELERATE), None,
+     "horovod", "horovodrun", 4, 1, 1),
+    ("env var forces a backend", dict(TORCHRUN, UNIFIED_DIST_BACKEND="accelerate"), None,
+     "accelerate", "torchrun", 2, 1, 1),
+    ("explicit beats env var", dict(TORCHRUN, UNIFIED_DIST_BACKEND="accelerate"), "torch",
+     "torch", "torchrun", 2, 1, 1),
     ("explicit horovod in a plain process", {}, "horovod", "horovod", "python", 1, 0, 0),
     ("explicit name is case-insensitive", {}, "Torch", "torch", "python", 1, 0, 0),
     ("srun", SRUN, None, "torch", "srun", 4, 3, 1),
     ("srun of one task", dict(SRUN, SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_STEP_NUM_TASKS="1"), None,
      "single", "srun", 1, 0, 0),
-    ("srun torchrun: torchrun's variables are the workers'", dict(SRUN, **TORCHRUN), None, "torch", "torchrun", 2, 1, 1),
+    ("srun torchrun: torchrun's variables are the workers'", dict(SRUN, **TORCHRUN), None,
+     "torch", "torchrun", 2, 1, 1),
     ("srun accelerate launch", dict(SRUN, **ACCELERATE), None, "accelerate", "accelerate", 2, 1, 1),
     ("horovodrun inside a SLURM step", dict(SRUN, **HOROVODRUN), None, "horovod", "horovodrun", 4, 1, 1),
-    ("srun asked to drive accelerate", dict(SRUN, UNIFIED_DIST_BACKEND="accelerate"), None, "accelerate", "srun", 4, 3, 1),
+    ("srun asked to drive accelerate", dict(SRUN, UNIFIED_DIST_BACKEND="accelerate"), None,
+     "accelerate", "srun", 4, 3, 1),
     ("sbatch script with one task", dict(SBATCH_SCRIPT, SLURM_NTASKS="1"), None, "single", "python", 1, 0, 0),
     ("Open MPI mpirun", OPENMPI, None, "torch", "mpirun", 2, 1, 1),
     ("MPICH/Intel MPI mpiexec (PMI)", MPICH, None, "torch", "mpirun", 3, 2, 2),
     ("MVAPICH mpirun", MVAPICH, None, "torch", "mpirun", 2, 1, 1),
-    ("mpirun -np 1", dict(OPENMPI, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="1"), None, "single", "mpirun", 1, 0, 0),
-    ("mpirun inside a SLURM step: MPI's ranks, not the step's", dict(SRUN, **OPENMPI), None, "torch", "mpirun", 2, 1, 1),
-    ("srun --mpi=pmi2 also sets PMI_*: SLURM wins", dict(SRUN, PMI_RANK="3", PMI_SIZE="4"), None, "torch", "srun", 4, 3, 1),
+    ("mpirun -np 1", dict(OPENMPI, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="1"), None,
+     "single", "mpirun", 1, 0, 0),
+    ("mpirun inside a SLURM step: MPI's ranks, not the step's", dict(SRUN, **OPENMPI), None,
+     "torch", "mpirun", 2, 1, 1),
+    ("srun --mpi=pmi2 also sets PMI_*: SLURM wins", dict(SRUN, PMI_RANK="3", PMI_SIZE="4"), None,
+     "torch", "srun", 4, 3, 1),
     ("horovodrun wins over MPI variables", dict(OPENMPI, **HOROVODRUN), None, "horovod", "horovodrun", 4, 1, 1),
     ("mpirun torchrun", dict(OPENMPI, **TORCHRUN), None, "torch", "torchrun", 2, 1, 1),
     ("a group the process joined itself", {}, None, "torch", "existing", 2, 1, None),
     ("a live group beats launcher variables", dict(SRUN), None, "torch", "srun", 2, 1, None),
     ("explicit torch adopts the live group", {}, "torch", "torch", "existing", 2, 1, None),
 ]
-LIVE = {"a group the process joined itself", "a live group beats launcher variables", "explicit torch adopts the live group"}
+LIVE = {"a group the process joined itself", "a live group beats launcher variables",
+        "explicit torch adopts the live group"}
 
 
 @pytest.mark.parametrize("name,env,explicit,backend,launcher,world,rank,local", TABLE, ids=[t[0] for t in TABLE])
 def test_detection_table(name, env, explicit, backend, launcher, world, rank, local):
     live = SPAWNED_TCP if name in LIVE else None
     got = detect(env, explicit, live)
-    assert (got.backend, got.launcher, got.world_size, got.rank, got.local_rank) == (backend, launcher, world, rank, local)
+    assert ((got.backend, got.launcher, got.world_size, got.rank, got.local_rank)
+            == (backend, launcher, world, rank, local))
     assert got.reason
     assert got.warnings == () and got.problems == ()
     assert got.adopt == (live is not None)
@@ -168,7 +178,8 @@ def test_half_set_torch_variables_are_a_problem():
 
 @pytest.mark.parametrize("explicit,env", [("mpi", {}), (None, {"UNIFIED_DIST_BACKEND": "deepspeed"})])
 def test_unknown_backend_is_one_line_error(explicit, env):
-    with pytest.raises(DetectionError, match="unknown backend .* choose one of torch, accelerate, horovod, single") as info:
+    with pytest.raises(DetectionError,
+                       match="unknown backend .* choose one of torch, accelerate, horovod, single") as info:
         detect(env, explicit)
     assert "\n" not in str(info.value)
 

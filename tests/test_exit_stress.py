@@ -1,7 +1,8 @@
 """The reduced form of bench/exit_stress.py: short jobs that end without ud.shutdown() exit cleanly.
 
 The full benchmark (30 launches per launcher) measures the exit-crash rate; here one launch per
-launcher (plus every other launch of the suite, none of which is retried) guards against it coming back (it was about 1 launch in 6-30 before the
+launcher (plus every other launch of the suite, none of which is retried) guards against it coming back
+(it was about 1 launch in 6-30 before the
 facade destroyed its process group at exit, issue 12 item 9).
 """
 import importlib.util

@@ -95,7 +95,8 @@ def test_a_users_accelerator_is_adopted_with_its_precision(clean_env, accelerate
 
     Accelerator(cpu=True, mixed_precision="bf16")
     ud.init()
-    assert (ud.backend_name(), ud.launcher(), ud.world_size(), ud.mixed_precision()) == ("accelerate", "existing", 1, "bf16")
+    assert ((ud.backend_name(), ud.launcher(), ud.world_size(), ud.mixed_precision())
+            == ("accelerate", "existing", 1, "bf16"))
     ud.shutdown()
     assert PartialState._shared_state, "ud.shutdown() reset an Accelerate state it did not create"
 
@@ -104,6 +105,7 @@ def test_asking_a_running_accelerator_for_another_precision_is_one_line(clean_en
     from accelerate import Accelerator
 
     Accelerator(cpu=True)
-    with pytest.raises(ud.UnifiedDistError, match="already runs in this process and Accelerate cannot change it") as info:
+    with pytest.raises(ud.UnifiedDistError,
+                       match="already runs in this process and Accelerate cannot change it") as info:
         ud.init(mixed_precision="bf16")
     assert "\n" not in str(info.value)

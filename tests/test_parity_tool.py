@@ -22,7 +22,8 @@ def write(tmp_path, name, losses, acc):
 
 def test_parse_run():
     spec = parity.parse_run("accum=python:1 --grad-accum 2 --batch-size 8")
-    assert (spec.name, spec.backend, spec.nproc, spec.extra) == ("accum", "python", 1, ("--grad-accum", "2", "--batch-size", "8"))
+    assert ((spec.name, spec.backend, spec.nproc, spec.extra)
+            == ("accum", "python", 1, ("--grad-accum", "2", "--batch-size", "8")))
     assert parity.parse_run("h=horovod:4").nproc == 4
     for bad in ("torch:2", "x=mpi:2", "x=torch:two", "x=python:2"):
         with pytest.raises(ValueError):

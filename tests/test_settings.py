@@ -23,7 +23,8 @@ def literals(root: Path):
     found = set()
     for top in SCANNED:
         path = root / top
-        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+        files = ([path] if path.is_file()
+                 else [p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts])
         for file in files:
             found.update(LITERAL.findall(file.read_text(errors="ignore")))
     return found
@@ -230,7 +231,8 @@ def test_launch_hands_every_flag_to_the_script_by_its_variable():
 
 
 def test_the_docs_table_is_the_settings_table():
-    """docs/settings.md's table states every row of TABLE as it is (keyword, variable, flag, launcher, accepts, default)."""
+    """docs/settings.md's table states every row of TABLE as it is (keyword, variable, flag, launcher,
+    accepts, default)."""
     text = (ROOT / "docs" / "settings.md").read_text()
     documented = [line for line in text.splitlines() if line.startswith("| `") or line.startswith("| —")]
     expected = []

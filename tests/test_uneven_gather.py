@@ -84,7 +84,8 @@ def test_shrinking_sizes_fit_in_one_round():
 
 @pytest.mark.parametrize("second, message", [
     (lambda r: torch.zeros(2, 3 + r), "rank 0: (2, 3), rank 1: (2, 4)"),
-    (lambda r: torch.zeros(2, dtype=torch.float32 if r == 0 else torch.int64), "rank 0: (2,) float32, rank 1: (2,) int64"),
+    (lambda r: torch.zeros(2, dtype=torch.float32 if r == 0 else torch.int64),
+     "rank 0: (2,) float32, rank 1: (2,) int64"),
 ])
 def test_mismatch_raises_the_same_one_line_error_on_every_rank(second, message):
     results, errors, _ = run_ranks(2, lambda rank: [torch.ones(3), second(rank)])

@@ -10,7 +10,8 @@ Why not each stack's own rule: DDP (torch, Accelerate) broadcasts rank 0's buffe
 forward of a synchronising micro-step (``broadcast_buffers=True``), so after that forward every
 rank holds its own statistics again, and evaluation right after training differs between ranks;
 Horovod and FSDP2 never broadcast buffers at all. The facade turns DDP's broadcast off
-(:data:`unified_dist.backends.base.DDP_BUFFER_KWARGS`) and broadcasts once after each optimizer step instead, on every backend: the
+(:data:`unified_dist.backends.base.DDP_BUFFER_KWARGS`) and broadcasts once after each optimizer step instead, on
+every backend: the
 same number of collectives as DDP's rule, one per buffer dtype. Between two steps (the micro-steps
 of an accumulation window) each rank's buffers follow its own micro-batches, as under DDP.
 

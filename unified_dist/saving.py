@@ -205,7 +205,8 @@ def restore(saved: Any, state: dict, source: str, *, strict: bool = True) -> dic
         raise CheckpointError(f"{source} holds a {type(saved).__name__}, not the dict that load(path, state) restores")
     missing = [name for name in state if name not in saved]
     if missing and strict:
-        raise CheckpointError(f"{source} has no {', '.join(map(repr, missing))} (it holds {', '.join(map(repr, saved))}); "
+        raise CheckpointError(f"{source} has no {', '.join(map(repr, missing))} "
+                              f"(it holds {', '.join(map(repr, saved))}); "
                               "leave those names out of state, or pass strict=False to skip them")
     unwrap = current_backend().unwrap
     # schedulers after optimizers (an optimizer's state overwrites the learning rates), RNG last

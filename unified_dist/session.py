@@ -42,7 +42,8 @@ def config_from(given: Mapping[str, Any], environ: Mapping[str, str], cuda: bool
     values = settings.resolve_all(given, environ)
     check_device(values["mixed_precision"], cuda)
     modules = values.pop("shard_modules")
-    sharding = Sharding(values.pop("sharding"), tuple(modules) if modules else None, values.pop("reshard_after_forward"))
+    sharding = Sharding(values.pop("sharding"), tuple(modules) if modules else None,
+                        values.pop("reshard_after_forward"))
     if settings.TABLE["sharding"].from_launcher(environ)[0] and environ.get("FSDP_VERSION", "1").strip() != "2":
         raise LaunchError("accelerate launch --use_fsdp asks for FSDP version "
                           f"{environ.get('FSDP_VERSION', '1')}; unified_dist shards with FSDP2: add --fsdp_version 2")
@@ -74,7 +75,8 @@ class Session:
         out: List[Any] = [None] * len(objs)
         # models first (sharding replaces their parameters, which the optimizers must then step);
         # schedulers last, so they can be pointed at the optimizer prepared in the same call
-        order = sorted(range(len(objs)), key=lambda i: (not isinstance(objs[i], torch.nn.Module), is_scheduler(objs[i])))
+        order = sorted(range(len(objs)),
+                       key=lambda i: (not isinstance(objs[i], torch.nn.Module), is_scheduler(objs[i])))
         for i in order:
             obj = objs[i]
             if isinstance(obj, torch.nn.Module):

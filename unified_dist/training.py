@@ -72,7 +72,8 @@ class GradientSync:
             raise UnifiedDistError(
                 f"ud.backward() ran outside `with ud.accumulate(model):` while gradient_accumulation_steps="
                 f"{self.steps}, so the optimizer would step every micro-batch with 1/{self.steps} of the gradient; "
-                "wrap each micro-step (forward, ud.backward, optimizer.step, zero_grad) in `with ud.accumulate(model):`")
+                "wrap each micro-step (forward, ud.backward, optimizer.step, zero_grad) in "
+                "`with ud.accumulate(model):`")
 
     def weighting_matters(self, scaler: Any) -> Optional[str]:
         """Why this step's gradient needs ``ud.backward``'s weighting (``None`` when a plain
@@ -200,7 +201,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if why is not None:
             raise UnifiedDistError(
                 f"optimizer.step() found gradients but no ud.backward(loss) since its last step; with {why} "
-                "loss.backward() gives a wrongly weighted gradient: call ud.backward(loss) instead (nothing was updated)")
+                "loss.backward() gives a wrongly weighted gradient: "
+                "call ud.backward(loss) instead (nothing was updated)")
 
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # counted above, as torch's wrapper does
 

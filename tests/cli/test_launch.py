@@ -43,7 +43,8 @@ def _dry_run(cli, cwd, *args):
 
 @pytest.mark.parametrize("backend", list(SINGLE))
 def test_dry_run_single_node(cli_in_process, workdir, backend):
-    assert _dry_run(cli_in_process, workdir, "--backend", backend, "--nproc", "2", "train.py", "--lr", "3") == SINGLE[backend]
+    assert (_dry_run(cli_in_process, workdir, "--backend", backend, "--nproc", "2", "train.py", "--lr", "3")
+            == SINGLE[backend])
 
 
 @pytest.mark.parametrize("backend", list(MULTI_NODE))
@@ -56,7 +57,8 @@ def test_dry_run_multi_node(cli_in_process, workdir, backend):
 
 def test_dry_run_accelerate_one_process_is_not_multi_gpu(cli_in_process, workdir):
     line = _dry_run(cli_in_process, workdir, "--backend", "accelerate", "train.py")
-    assert line == "accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no train.py"
+    assert line == ("accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no "
+                    "--dynamo_backend no train.py")
 
 
 WORKER = """
@@ -106,7 +108,8 @@ def test_exit_status_is_the_launchers_and_the_printed_command_runs_the_same_horo
 def test_sharding_and_sync_batchnorm_reach_the_script_as_variables(backend):
     from unified_dist.cli.launch import Plan, build
 
-    command = build(Plan(backend=backend, script="train.py", nproc=2, settings={"sharding": "fsdp", "sync_batchnorm": True}),
+    command = build(Plan(backend=backend, script="train.py", nproc=2,
+                         settings={"sharding": "fsdp", "sync_batchnorm": True}),
                     cuda=False, environ={})
     assert command.env["UNIFIED_DIST_SHARDING"] == "fsdp" and command.env["UNIFIED_DIST_SYNC_BATCHNORM"] == "1"
     assert command.line().startswith("UNIFIED_DIST_SHARDING=fsdp UNIFIED_DIST_SYNC_BATCHNORM=1 ")
@@ -117,4 +120,5 @@ def test_sharding_under_horovod_is_refused_before_anything_starts():
     from unified_dist.cli.launch import Plan, build
 
     with pytest.raises(UsageError, match="horovod has no sharding; use --backend torch or accelerate"):
-        build(Plan(backend="horovod", script="train.py", nproc=2, settings={"sharding": "fsdp"}), cuda=False, environ={})
+        build(Plan(backend="horovod", script="train.py", nproc=2, settings={"sharding": "fsdp"}),
+              cuda=False, environ={})

@@ -391,7 +391,8 @@ def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
     data.write_text("\n".join(rows) + "\n")
     out = tmp_path / "run"
     result = launch("python", SCRIPT, ["--dataset", str(data), "--text-column", "review", "--label-column",
-                                       "sentiment", "--max-steps", "2", "--eval-every", "0", "--batch-size", "8", "--max-length", "16",
+                                       "sentiment", "--max-steps", "2", "--eval-every", "0", "--batch-size", "8",
+                                       "--max-length", "16",
                                        "--no-progress", "--output-dir", str(out)], nproc=1, timeout=TIMEOUT).check()
     evals = [r for r in read_metrics(out) if r["type"] == "eval" and r["split"] == "test"]
     assert evals and evals[-1]["eval_examples"] == 12  # a stratified 20% of 60

@@ -19,7 +19,8 @@ LENGTHS = [int(x) for x in torch.randint(3, 64, (1000,), generator=torch.Generat
 
 
 def padded_tokens(order, batch):
-    return sum(max(LENGTHS[i] for i in order[k:k + batch]) * len(order[k:k + batch]) for k in range(0, len(order), batch))
+    return sum(max(LENGTHS[i] for i in order[k:k + batch]) * len(order[k:k + batch])
+               for k in range(0, len(order), batch))
 
 
 def test_order_is_a_permutation_with_less_padding_and_a_short_last_batch_last():

@@ -1,7 +1,8 @@
 """The facade's contract across two hosts (network namespaces), under every multi-node launch line.
 
 Two nodes x one process each. Each (launch, suite) runs tests/workers/contract_worker.py's
-``core`` checks (every launch line) or ``accum`` checks (one native line per backend) once, through tests/multinode/node_worker.py which also records the
+``core`` checks (every launch line) or ``accum`` checks (one native line per backend) once, through
+tests/multinode/node_worker.py which also records the
 host each rank ran on; every check must be "ok" on both ranks, and the ranks must have run on
 different hosts. Launches:
 

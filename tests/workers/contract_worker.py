@@ -230,7 +230,8 @@ def horovod_cycles_at_the_cpu_default_and_other_stacks_are_left_alone():
         ud.all_reduce(x, "sum")
         seconds.append(time.perf_counter() - start)
     median_ms = 1e3 * statistics.median(seconds)
-    assert median_ms >= 0.6 * CPU_CYCLE_MS, f"a scalar all-reduce took {median_ms:.2f} ms: the cycle is not {CPU_CYCLE_MS} ms"
+    assert median_ms >= 0.6 * CPU_CYCLE_MS, (f"a scalar all-reduce took {median_ms:.2f} ms: "
+                                             f"the cycle is not {CPU_CYCLE_MS} ms")
 
 
 def _reference_windows(x, y, window, lr):
@@ -421,7 +422,8 @@ def bf16_autocast_trains_on_cpu():
     assert torch.equal(weights[0], weights[-1]), "ranks diverged"
 
 
-# ----------------------------------------------------------------- SyncBatchNorm (suite "syncbn" inits with sync_batchnorm=True)
+# ----------------------------------------------------------------- SyncBatchNorm
+# (suite "syncbn" inits with sync_batchnorm=True)
 def _bn_model():
     torch.manual_seed(99)
     return torch.nn.Sequential(torch.nn.Conv1d(3, 4, 1), torch.nn.BatchNorm1d(4), torch.nn.ReLU(),
@@ -660,7 +662,8 @@ def accumulation_mistakes_are_refused():
     assert all(torch.equal(a, b) for a, b in zip(before, ud.unwrap(model).parameters())), "a refused backward updated"
 
 
-# ----------------------------------------------------------------- FSDP2 (suite "fsdp": torchrun, accelerate launch --use_fsdp)
+# ----------------------------------------------------------------- FSDP2
+# (suite "fsdp": torchrun, accelerate launch --use_fsdp)
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -846,7 +849,8 @@ def compressed_sgd_step_matches_single_process_within_format_precision():
         assert bool((diff <= bound).all()), f"{mode}: off by {float((diff - bound).max()):+.3g} beyond the bound"
         worst = max(worst, float(diff.max()))
     if w > 1:
-        assert worst > 1e-6, f"{mode} compression did not change the result (max diff {worst:.3g}): the hook did not run"
+        assert worst > 1e-6, (f"{mode} compression did not change the result (max diff {worst:.3g}): "
+                              "the hook did not run")
     else:
         assert worst <= 1e-6, f"one process sends nothing, yet differs by {worst:.3g}"
 
@@ -899,7 +903,8 @@ def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=N
     ud.barrier()
     ud.shutdown()
     if adopt:  # the facade used the running stack and must leave it running
-        results["native_stack_survives_shutdown"] = "ok" if _native_stack_alive() else "FAIL: torn down by ud.shutdown()"
+        results["native_stack_survives_shutdown"] = ("ok" if _native_stack_alive()
+                                                     else "FAIL: torn down by ud.shutdown()")
     with open(os.path.join(out, f"{suite}_rank{identity['rank']}.json"), "w") as f:
         json.dump({"identity": identity, "results": results}, f)
 

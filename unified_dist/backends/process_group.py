@@ -56,7 +56,8 @@ def export_rendezvous(detection: "Detection") -> None:
     """
     values = {"RANK": detection.rank, "WORLD_SIZE": detection.world_size, "LOCAL_RANK": detection.local_rank or 0,
               # single-node default: rendezvous on loopback, never on a public interface
-              "MASTER_ADDR": detection.master_addr or "127.0.0.1", "MASTER_PORT": detection.master_port or DEFAULT_MASTER_PORT}
+              "MASTER_ADDR": detection.master_addr or "127.0.0.1",
+              "MASTER_PORT": detection.master_port or DEFAULT_MASTER_PORT}
     for key, value in values.items():
         os.environ.setdefault(key, str(value))
 

@@ -223,7 +223,8 @@ def render(report: Dict[str, Any]) -> str:
         rows.append(f"  {'reason':<14}{found['reason']}")
         rows.append(f"  {'rank':<14}{found['rank']} of world size {found['world_size']}")
         if found["rendezvous"]:
-            rows.append(f"  {'rendezvous':<14}{found['rendezvous']} (derived for {found['launcher']}; MASTER_ADDR/MASTER_PORT override)")
+            rows.append(f"  {'rendezvous':<14}{found['rendezvous']} (derived for {found['launcher']}; "
+                        "MASTER_ADDR/MASTER_PORT override)")
         rows.append(f"  {'precision':<14}{found['mixed_precision']}")
         rows += [f"  {'problem':<14}{p}" for p in found["problems"]]
         rows += [f"  {'warning':<14}{w}" for w in found["warnings"]]

@@ -106,7 +106,8 @@ def check_plan(plan: Plan) -> None:
     if plan.nnodes < 1:
         raise UsageError(f"--nnodes must be at least 1, got {plan.nnodes}")
     if not 0 <= plan.node_rank < plan.nnodes:
-        raise UsageError(f"--node-rank must be in 0..{plan.nnodes - 1} for --nnodes {plan.nnodes}, got {plan.node_rank}")
+        raise UsageError(f"--node-rank must be in 0..{plan.nnodes - 1} for --nnodes {plan.nnodes}, "
+                         f"got {plan.node_rank}")
     for name, value in plan.settings.items():
         if name not in settings.FLAGS:
             raise UsageError(f"unified-dist launch has no setting {name!r}; its flags: "
@@ -207,7 +208,8 @@ def horovodrun_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Co
     if plan.hosts:
         hosts = parse_hosts(plan.hosts, plan.nproc)
         if plan.nnodes > 1 and plan.nnodes != len(hosts):
-            raise UsageError(f"--nnodes {plan.nnodes} but --hosts names {len(hosts)} hosts; give one host:slots per node")
+            raise UsageError(f"--nnodes {plan.nnodes} but --hosts names {len(hosts)} hosts; "
+                             "give one host:slots per node")
     elif plan.nnodes > 1:
         raise UsageError(f"horovod on {plan.nnodes} nodes needs --hosts host1:slots,host2:slots "
                          "(horovodrun runs once, on the first node, and starts the others over ssh)")
@@ -283,9 +285,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--master-port", type=int, metavar="P",
                         help=f"port on node 0 (multi-node torch, accelerate; default {DEFAULT_MASTER_PORT})")
     parser.add_argument("--hosts", metavar="H1:S,H2:S",
-                        help="horovod's hosts and slots; run once, on the first host: horovodrun reaches the others over ssh")
+                        help="horovod's hosts and slots; run once, on the first host: "
+                             "horovodrun reaches the others over ssh")
     parser.add_argument("--network-interface", metavar="NIC",
-                        help="network interface (horovodrun --network-interface; GLOO_SOCKET_IFNAME for torch/accelerate)")
+                        help="network interface (horovodrun --network-interface; "
+                             "GLOO_SOCKET_IFNAME for torch/accelerate)")
     for name in settings.FLAGS:
         _add_setting_flag(parser, settings.TABLE[name])
     parser.add_argument("--dry-run", action="store_true", help="print the command on stdout; do not run it")

@@ -216,5 +216,6 @@ def main(args) -> int:
             print("\n".join(f"  {line}" for line in run.log_tail.splitlines()), file=sys.stderr)
     failed = sum(row.status != "pass" for row in rows)
     print(f"\n{len(rows) - failed} of {len(rows)} passed"
-          + (f", {failed} failed" if failed else f" ({', '.join(backends)}; {args.nproc} process{'es' if args.nproc > 1 else ''} each)"))
+          + (f", {failed} failed" if failed
+             else f" ({', '.join(backends)}; {args.nproc} process{'es' if args.nproc > 1 else ''} each)"))
     return 1 if failed else 0

@@ -109,7 +109,8 @@ def slurm_without_step(env: Mapping[str, str]) -> Optional[str]:
     if tasks <= 1:
         return None
     if (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")) and not slurm_on(env):
-        return (f"srun started {tasks} tasks but {ENV_SLURM}={env.get(ENV_SLURM)} turns SLURM detection off, so each would run "
+        return (f"srun started {tasks} tasks but {ENV_SLURM}={env.get(ENV_SLURM)} turns SLURM detection off, "
+                "so each would run "
                 f"alone; unset {ENV_SLURM}, or run one task per node: srun --ntasks-per-node 1 torchrun ...")
     return (f"this SLURM job has {tasks} tasks but this process was not started by srun, so it would run "
             f"alone; start it with `srun python script.py`, or set {ENV_BACKEND}=single to run one process")

@@ -60,7 +60,8 @@ def read_int(env: Mapping[str, str], key: str, default: int) -> int:
     try:
         return int(value)
     except ValueError:
-        raise DetectionError(f"environment variable {key}={value!r} is not an integer; unset it or fix the launcher") from None
+        raise DetectionError(f"environment variable {key}={value!r} is not an integer; "
+                             "unset it or fix the launcher") from None
 
 
 def first_set(env: Mapping[str, str], keys: Sequence[str]) -> Optional[str]:

@@ -29,7 +29,8 @@ LAUNCHERS = ("python", *(spec.launcher for spec in SPECS.values() if spec.launch
 BACKEND_OF = {**{spec.launcher or "python": name for name, spec in SPECS.items()},
               "srun": "torch", "mpirun": "torch", "legacy": "torch", "accelerate-fsdp": "accelerate"}
 """The backend each launcher's workers run: the registry's launchers, plus those that start torch."""
-LAUNCHER_NAME = {"legacy": "torchrun", "accelerate-fsdp": "accelerate"}  # what ud.launcher() reports, where it differs from the key
+# what ud.launcher() reports, where it differs from the key
+LAUNCHER_NAME = {"legacy": "torchrun", "accelerate-fsdp": "accelerate"}
 
 
 def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2) -> List[str]:
