@@ -34,7 +34,9 @@ $(STAMP): requirements-ci.txt requirements-offline-data.txt setup.cfg tools/buil
 	$(PY) -c "import torch, accelerate, transformers, datasets, unified_dist; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)
 
+# Lint first (rules in pyproject.toml's [tool.ruff]): a finding fails the target before the tests run.
 test: setup
+	$(PY) -m ruff check .
 	$(PY) -m pytest -ra --durations=30 tests
 
 demo: setup
