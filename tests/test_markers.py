@@ -74,8 +74,9 @@ def test_an_unmarked_test_that_launches_fails(pytester):
     assert time.monotonic() - start < 60
 
 
-LIBRARY_IMPORT = re.compile(r"^\s*(from\s+(unified_dist\.testing|\.+testing)\b|from\s+(unified_dist|\.+)\s+import\s+.*\btesting\b|"
-                            r"import\s+unified_dist\.testing)", re.M)
+LIBRARY_IMPORT = re.compile(r"^\s*(from\s+(unified_dist\.testing|\.+testing)\b"
+                            r"|from\s+(unified_dist|\.+)\s+import\s+.*\btesting\b"
+                            r"|import\s+unified_dist\.testing)", re.M)
 
 
 def test_the_library_never_imports_its_test_helpers():

@@ -11,7 +11,8 @@ from typing import Dict, Optional
 
 import pytest
 
-from unified_dist.testing.launchers import BIN, LAUNCHER_VARIABLE_PREFIXES, ROOT, TORCH_VARIABLES, child_env, kill_session
+from unified_dist.testing.launchers import (BIN, LAUNCHER_VARIABLE_PREFIXES, ROOT, TORCH_VARIABLES, child_env,
+                                            kill_session)
 
 
 def unified_dist(*args: str, cwd: Optional[Path] = None, env: Optional[Dict[str, str]] = None,
