@@ -1,5 +1,5 @@
 """Session fixtures for the HPC launchers, the skips of a Horovod-less setup, and the guard that keeps
-``pytest -m "not distributed"`` in process (the markers: pyproject.toml)."""
+``pytest -m "not distributed"`` to one process (the markers: pyproject.toml)."""
 import os
 import shutil
 import subprocess
@@ -9,18 +9,11 @@ import pytest
 
 from unified_dist.testing.launchers import ROOT, LaunchWatch, unavailable
 
-pytest_plugins = ("pytester",)  # tests/test_test_kinds.py runs the guard below on a test file of its own
-
-MARKED_HERE = {"tests/test_launch_from_python.py": ("distributed", "slow")}
-"""Modules whose own ``pytestmark`` is still to come (their owners edit them): their markers, meanwhile."""
+pytest_plugins = ("pytester",)  # tests/test_markers.py runs the guard below on a test file of its own
 
 
 def pytest_collection_modifyitems(config, items):
-    """Markers for the modules in :data:`MARKED_HERE`; Horovod is skipped only where it was deliberately
-    left out (UNIFIED_DIST_WITHOUT_HOROVOD=1)."""
-    for item in items:
-        for name in MARKED_HERE.get(item.nodeid.split("::")[0], ()):
-            item.add_marker(getattr(pytest.mark, name))
+    """Horovod is skipped only where it was deliberately left out (UNIFIED_DIST_WITHOUT_HOROVOD=1)."""
     if os.environ.get("UNIFIED_DIST_WITHOUT_HOROVOD") != "1":
         return
     skip = pytest.mark.skip(reason="UNIFIED_DIST_WITHOUT_HOROVOD=1: Horovod deliberately not installed")
@@ -31,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 
 def _refuse_unmarked_launches(item):
     """Run a test's setup or body under a :class:`LaunchWatch` unless it is marked ``distributed``: a test
-    that launches without the marker fails, so ``-m "not distributed"`` stays the in-process tests."""
+    that launches without the marker fails, so ``-m "not distributed"`` stays the one-process tests."""
     if item.get_closest_marker("distributed"):
         return (yield)
     with LaunchWatch() as watch:

@@ -14,6 +14,8 @@ import pytest
 
 from unified_dist.testing.launchers import BIN, ROOT, child_env, run
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 WORK = textwrap.dedent('''
     import json
     import torch
