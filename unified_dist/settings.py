@@ -301,9 +301,6 @@ TABLE: Dict[str, Setting] = _declare(
 SETTINGS: Dict[str, Setting] = {s.variable: s for s in TABLE.values() if s.variable}
 """The settings that have an environment variable, by variable."""
 
-KEYWORDS: Tuple[str, ...] = tuple(name for name, s in TABLE.items() if s.keyword)
-"""Every ``ud.init`` keyword (``backend`` is its positional argument)."""
-
 RESOLVED: Tuple[str, ...] = tuple(name for name, s in TABLE.items() if s.keyword and s.read_by == "init")
 """The keywords :func:`resolve_all` resolves: the fields of :class:`~unified_dist.backends.Config`
 (``backend`` is resolved by detection)."""
@@ -431,6 +428,6 @@ def _problem(setting: Setting, environ: Mapping[str, str]) -> Optional[str]:
     return None
 
 
-__all__ = ["TABLE", "SETTINGS", "KEYWORDS", "RESOLVED", "FLAGS", "Setting", "Switch", "Choice", "Number", "Text",
+__all__ = ["TABLE", "SETTINGS", "RESOLVED", "FLAGS", "Setting", "Switch", "Choice", "Number", "Text",
            "LauncherWord", "resolve", "resolve_all", "flag_environment", "unknown_variables", "describe_unknown",
            "warn_unknown", "in_effect", "flag_name", "PREFIX"]

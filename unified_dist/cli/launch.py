@@ -112,8 +112,10 @@ def check_plan(plan: Plan) -> None:
         if name not in settings.FLAGS:
             raise UsageError(f"unified-dist launch has no setting {name!r}; its flags: "
                              + ", ".join(settings.flag_name(n) for n in settings.FLAGS))
+        if value is None:
+            continue
         try:
-            settings.TABLE[name].from_code(value) if value is not None else None
+            settings.TABLE[name].from_code(value)
         except (SettingError, PrecisionError) as exc:
             raise UsageError(f"{settings.flag_name(name)}: {exc}") from None
     if plan.setting("sharding") == "fsdp" and not _backend_class(plan.backend).supports_sharding:
