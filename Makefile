@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 
-.PHONY: setup system-deps test demo bench clean
+.PHONY: setup system-deps test demo bench mutants clean
 
 setup: system-deps $(STAMP)
 
@@ -41,6 +41,11 @@ test: setup
 
 demo: setup
 	$(PY) examples/bert_sentiment/train.py
+
+# The mutation check (bench/mutants.py): each mutant in bench/mutants.toml breaks one documented
+# promise on a copy of the code; its guarding tests must fail. Not in `make test` (it reruns launches).
+mutants: setup
+	$(PY) bench/mutants.py
 
 bench: setup
 	$(PY) bench/run.py --short

@@ -302,6 +302,54 @@ def accumulation_steps_only_every_kth_microstep():
     assert stepped[0] is False and stepped[1] is True, stepped
 
 
+def _gradient_all_reduces(step):
+    """How many all-reduces ``step()`` started on this rank: c10d's ``allreduce_`` events in torch's
+    profiler (torch DDP and Accelerate's DDP), or under Horovod the calls of the all-reduce functions
+    its DistributedOptimizer's gradient hooks use."""
+    if os.environ.get("HOROVOD_RANK"):
+        import horovod.torch.optimizer as hvd_optimizer
+        calls = []
+        originals = {name: getattr(hvd_optimizer, name) for name in ("allreduce_async_", "grouped_allreduce_async_")}
+
+        def counted(fn):
+            def call(*args, **kwargs):
+                calls.append(fn.__name__)
+                return fn(*args, **kwargs)
+            return call
+        for name, fn in originals.items():
+            setattr(hvd_optimizer, name, counted(fn))
+        try:
+            step()
+        finally:
+            for name, fn in originals.items():
+                setattr(hvd_optimizer, name, fn)
+        return len(calls)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(1 for event in prof.events() if event.name == "c10d::allreduce_")
+
+
+@check("accum")
+def micro_steps_that_accumulate_send_nothing():
+    """A micro-step inside ``ud.accumulate`` that does not synchronise starts no all-reduce (DDP's
+    ``no_sync``, Horovod's ``backward_passes_per_step``); the synchronising one does (with > 1 rank).
+    Averaging every micro-step would give the same numbers, so only counting the traffic can tell."""
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = ud.prepare(model, opt)
+
+    def micro_step():
+        with ud.accumulate(model):
+            ud.backward(model(torch.ones(2, 5)).sum())
+            opt.step()
+            opt.zero_grad()
+    counts = [_gradient_all_reduces(micro_step) for _ in range(4)]
+    assert counts[0] == counts[2] == 0, f"all-reduces per micro-step {counts}: accumulating micro-steps sent"
+    if ud.world_size() > 1:
+        assert counts[1] > 0 and counts[3] > 0, f"all-reduces per micro-step {counts}: the step sent nothing"
+
+
 @check("core")
 def scheduler_drives_the_prepared_optimizer_after_load_state_dict():
     model = tiny_model()

@@ -1,0 +1,66 @@
+"""The mutation check's list stays usable: every mutant still applies to the code as it is, names
+tests that exist, and the recorded run (bench/results/mutants.json) caught every listed mutant.
+
+The mutants themselves run in `make mutants` (bench/mutants.py), not here: each reruns launches."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from unified_dist.testing.launchers import ROOT
+
+sys.path.insert(0, str(ROOT / "bench"))
+import mutants  # noqa: E402  (bench/mutants.py)
+
+MUTANTS = mutants.load()
+RESULTS = ROOT / "bench" / "results" / "mutants.json"
+
+
+def test_the_list_has_at_least_twelve_named_promises():
+    assert len(MUTANTS) >= 12, len(MUTANTS)
+    for m in MUTANTS:
+        assert m["promise"].strip() and m["tests"], m["name"]
+        assert m["old"] != m["new"], m["name"]
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m["name"] for m in MUTANTS])
+def test_each_mutant_applies_exactly_once(mutant, tmp_path):
+    target = tmp_path / mutant["file"]
+    target.parent.mkdir(parents=True)
+    target.write_text((ROOT / mutant["file"]).read_text())
+    mutants.apply(tmp_path, mutant)  # raises unless `old` occurs exactly once
+    assert target.read_text() != (ROOT / mutant["file"]).read_text()
+
+
+def test_every_guarding_test_exists():
+    """One collection of every file the list names; each node id must be collected and each ``-k``
+    expression must select something in its file (a renamed test would make its mutant 'error')."""
+    from _pytest.mark.expression import Expression
+
+    files = sorted({t.partition(" -k ")[0].split("::")[0] for m in MUTANTS for t in m["tests"]})
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                                *files], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert collected.returncode == 0, collected.stdout[-2000:]
+    ids = [line for line in collected.stdout.splitlines() if "::" in line]
+    for m in MUTANTS:
+        for test in m["tests"]:
+            path, _, expression = test.partition(" -k ")
+            if not expression:
+                assert path in ids, f"{m['name']}: no test {path}"
+                continue
+            matcher = Expression.compile(expression)
+            assert any(i.startswith(path + "::") and matcher.evaluate(lambda word, i=i: word in i) for i in ids), \
+                f"{m['name']}: -k {expression!r} selects nothing in {path}"
+
+
+def test_the_recorded_run_caught_every_listed_mutant():
+    """bench/results/mutants.json is the last full `make mutants`; a mutant added since needs a new run."""
+    record = json.loads(RESULTS.read_text())
+    assert record["commit"] and record["command"].startswith("python"), record.get("command")
+    outcomes = {name: entry["outcome"] for name, entry in record["mutants"].items()}
+    missing = [m["name"] for m in MUTANTS if m["name"] not in outcomes]
+    assert not missing, f"not in the recorded run (run `make mutants`): {missing}"
+    assert all(outcome == "caught" for outcome in outcomes.values()), outcomes
