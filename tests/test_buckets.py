@@ -145,3 +145,29 @@ def test_ddp_gradients_are_bucket_views_unless_switched_off(monkeypatch, tmp_pat
     finally:
         ud.shutdown()
         dist.destroy_process_group()
+
+
+def test_horovod_backend_sets_the_fusion_buffer_before_its_init_and_refuses_a_contradiction(monkeypatch):
+    """README: bucket_mb becomes Horovod's HOROVOD_FUSION_THRESHOLD (bytes) before hvd.init; a different
+    value already set there is refused, before init."""
+    import types
+
+    import torch
+
+    from unified_dist.backends import horovod_backend
+    from unified_dist.backends.base import Config
+    from unified_dist.detection import Detection
+    seen = []
+    fake = types.SimpleNamespace(Compression=types.SimpleNamespace(none=None, fp16=None),
+                                 is_initialized=lambda: False, local_rank=lambda: 0,
+                                 init=lambda: seen.append(os.environ.get("HOROVOD_FUSION_THRESHOLD")))
+    monkeypatch.setattr(horovod_backend, "_import_horovod", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    detection = Detection(backend="horovod", launcher="horovodrun", reason="test")
+    monkeypatch.delenv("HOROVOD_FUSION_THRESHOLD", raising=False)
+    horovod_backend.HorovodBackend(detection, Config(bucket_mb=4.0))
+    assert seen == [str(4 * 2 ** 20)]
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", str(64 * 2 ** 20))
+    with pytest.raises(UnifiedDistError, match="fusion-threshold-mb"):
+        horovod_backend.HorovodBackend(detection, Config(bucket_mb=4.0))
+    assert len(seen) == 1

@@ -195,3 +195,11 @@ def test_detection_imports_no_backend():
     detect(HOROVODRUN)
     assert not {m for m in set(sys.modules) - before if m.split(".")[0] in ("accelerate", "horovod")}
     assert set(BACKENDS) == {"torch", "accelerate", "horovod", "single"}
+
+
+def test_derived_port_is_the_documented_formula_below_the_ephemeral_range():
+    """README: the port is 15000 + crc32(job id) % 10000, below Linux's ephemeral range (32768-60999)."""
+    import zlib
+    port = detect(SRUN).master_port
+    assert port == 15000 + zlib.crc32(b"slurm:4242.0") % 10000
+    assert 15000 <= port < 25000 < 32768

@@ -59,3 +59,41 @@ def test_seed_and_failure_flag_belong_to_the_session(fresh_hooks):
     ud.shutdown()
     ud.init(backend="single")
     assert facade._session.seed == 0
+
+
+def test_seed_everything_seeds_the_loaders_shuffle():
+    """README: seed_everything seeds the shuffle of loaders prepared after it (a seed that did nothing
+    would give every seed the same data order)."""
+    import torch
+    ud.shutdown()
+    ud.init(backend="single")
+    try:
+        ud.seed_everything(17)
+        loader = ud.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(10)),
+                                                        batch_size=10, shuffle=True))
+        expected = torch.randperm(10, generator=torch.Generator().manual_seed(17)).tolist()
+        assert next(iter(loader))[0].tolist() == expected
+    finally:
+        ud.shutdown()
+
+
+@pytest.mark.parametrize("value,refused", [("0", False), ("1", True)])
+def test_check_finite_off_lets_a_nan_loss_through(monkeypatch, value, refused):
+    """README: a NaN loss stops before any update; UNIFIED_DIST_CHECK_FINITE=0 turns the check off."""
+    import torch
+    monkeypatch.setenv("UNIFIED_DIST_CHECK_FINITE", value)
+    ud.shutdown()
+    ud.init(backend="single")
+    try:
+        model = torch.nn.Linear(2, 1)
+        model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        before = [p.detach().clone() for p in model.parameters()]
+        try:
+            ud.backward(model(torch.ones(2, 2)).mean() * float("nan"))
+            raised = False
+        except ud.NonFiniteLoss:
+            raised = True
+        assert raised is refused
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    finally:
+        ud.shutdown()

@@ -242,3 +242,27 @@ def test_the_docs_table_is_the_settings_table():
                  f"`{s.launcher.spelled}`" if s.launcher else "—", s.accepted().replace(" | ", ", "), s.shown_default()]
         expected.append("| " + " | ".join(cells) + " |")
     assert documented == expected
+
+
+def test_init_itself_warns_once_about_a_misspelled_variable(monkeypatch):
+    """docs/settings.md: ``ud.init`` (not only ``unified-dist env``) warns once with the closest name."""
+    monkeypatch.setattr(settings, "_warned", set())
+    monkeypatch.setenv("UNIFIED_DIST_SYNCBATCHNORM", "1")
+    ud.shutdown()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            ud.init(backend="single")
+            ud.shutdown()
+    messages = [str(c.message) for c in caught if "UNIFIED_DIST_SYNCBATCHNORM" in str(c.message)]
+    assert len(messages) == 1 and "did you mean UNIFIED_DIST_SYNC_BATCHNORM?" in messages[0], messages
+
+
+@pytest.mark.parametrize("name,launcher,variable,expected", [
+    ("mixed_precision", {"ACCELERATE_MIXED_PRECISION": "bf16"}, {"UNIFIED_DIST_MIXED_PRECISION": "no"}, "bf16"),
+    ("gradient_accumulation_steps", {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4"},
+     {"UNIFIED_DIST_GRADIENT_ACCUMULATION_STEPS": "2"}, 4),
+])
+def test_what_the_launcher_said_beats_the_variable(name, launcher, variable, expected):
+    """docs/settings.md: the code > what the launcher said > the variable > the default."""
+    assert settings.resolve(name, None, {**launcher, **variable}) == expected

@@ -128,3 +128,29 @@ def test_horovod_backend_averages_then_unscales_and_step_skips_a_second_wait():
     sync.backward_calls += 1
     prepared.step()  # no clip this time: horovod's own step() waits for the averaging itself
     assert inner.events[-1] == "step" and inner.events.count("skip") == 1
+
+
+def test_clip_waits_for_every_prepared_optimizer_first(monkeypatch):
+    """README, clip_grad_norm_: it clips the averaged gradients, so it first waits for the averaging
+    (Horovod's is asynchronous): every prepared optimizer's synchronize() runs before the norm."""
+    import unified_dist as ud
+    calls = []
+    real = PreparedOptimizer.synchronize
+
+    def counted(self):
+        calls.append("synchronize")
+        return real(self)
+    monkeypatch.setattr(PreparedOptimizer, "synchronize", counted)
+    ud.shutdown()
+    ud.init(backend="single")
+    try:
+        model = torch.nn.Linear(2, 1)
+        model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with ud.accumulate(model):
+            ud.backward(model(torch.ones(2, 2)).sum())
+            norm = ud.clip_grad_norm_(model.parameters(), 1e-3)
+            assert calls == ["synchronize"], calls
+            opt.step()
+    finally:
+        ud.shutdown()
+    assert norm is not None and float(norm) > 1e-3

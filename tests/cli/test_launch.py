@@ -122,3 +122,26 @@ def test_sharding_under_horovod_is_refused_before_anything_starts():
     with pytest.raises(UsageError, match="horovod has no sharding; use --backend torch or accelerate"):
         build(Plan(backend="horovod", script="train.py", nproc=2, settings={"sharding": "fsdp"}),
               cuda=False, environ={})
+
+
+def test_network_interface_pins_gloo_for_torch_and_accelerate():
+    """docs/cli.md: --network-interface sets GLOO_SOCKET_IFNAME for torch and Accelerate (NCCL's only on CUDA)."""
+    from unified_dist.cli.launch import Plan, build
+    for backend in ("torch", "accelerate"):
+        command = build(Plan(backend=backend, script="train.py", nproc=4, nnodes=2, node_rank=1,
+                             master_addr="192.0.2.1", master_port=29500, network_interface="eth0"),
+                        cuda=False, environ={})
+        assert command.env["GLOO_SOCKET_IFNAME"] == "eth0" and "NCCL_SOCKET_IFNAME" not in command.env
+        assert command.line().startswith("GLOO_SOCKET_IFNAME=eth0 "), command.line()
+
+
+def test_the_launcher_runs_with_this_interpreters_bin_first_on_path():
+    """docs/cli.md: the launcher runs with this interpreter's bin/ first on PATH (horovodrun starts `python`)."""
+    import os
+    import sys
+
+    from unified_dist.cli import launch
+    from unified_dist.cli.launch import Plan, build
+    command = build(Plan(backend="horovod", script="train.py", nproc=2), cuda=False, environ={})
+    path = launch.environment(command, {"PATH": "/usr/bin"})["PATH"]
+    assert path.split(os.pathsep)[0] == os.path.dirname(sys.executable), path
