@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -89,25 +90,34 @@ def apply(tree: Path, mutant: dict) -> None:
     path.write_text(text.replace(mutant["old"], mutant["new"]))
 
 
-def pytest(tree: Path, tests: List[str], timeout: float, first_failure: bool = True) -> tuple:
-    """Run ``tests`` (node ids, or ``path -k expr`` strings) in ``tree``; (exit code or None on timeout, output)."""
+def node_ids(tree: Path, test: str) -> List[str]:
+    """The pytest node ids ``test`` names: itself, or what ``path -k expression`` selects in ``tree``."""
+    path, _, expression = test.partition(" -k ")
+    if not expression:
+        return path.split()
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                             *path.split(), "-k", expression], cwd=tree, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(tree)), timeout=300)
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    if not ids:
+        raise SystemExit(f"{test!r} selects no test:\n{listed.stdout[-1500:]}")
+    return ids
+
+
+def pytest(tree: Path, ids: List[str], timeout: float, first_failure: bool = True) -> tuple:
+    """Run the tests ``ids`` in ``tree``; (exit code, or None on timeout; output)."""
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=--strict-markers",
-            "--no-header", "-rf"]
-    if first_failure:
-        argv.append("-x")
-    for test in tests:
-        argv += test.split(" -k ", 1)[0].split()
-    expressions = [t.split(" -k ", 1)[1] for t in tests if " -k " in t]
-    if expressions:
-        argv += ["-k", " or ".join(f"({e})" for e in expressions)]
+            "--no-header", "-rf", *(["-x"] if first_failure else []), *ids]
     env = dict(os.environ, PYTHONPATH=str(tree), CI="true", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own process group: a timeout kills the launches too
     try:
-        proc = subprocess.run(argv, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
-                              start_new_session=True)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return None, out
-    return proc.returncode, proc.stdout + proc.stderr
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return None, output
+    return proc.returncode, output
 
 
 def failed_lines(output: str) -> List[str]:
@@ -150,13 +160,17 @@ def main(argv=None) -> int:
         clean = Path(scratch) / "clean"
         copy_tree(clean)
         check_imports_the_copy(clean)
+        for m in mutants:
+            m["ids"] = [i for test in m["tests"] for i in node_ids(clean, test)]
         if not args.no_baseline:
-            tests = list(dict.fromkeys(t for m in mutants for t in m["tests"]))
             started = time.monotonic()
-            code, output = pytest(clean, tests, args.timeout * 2, first_failure=False)
+            everything = list(dict.fromkeys(i for m in mutants for i in m["ids"]))
+            code, output = pytest(clean, everything, args.timeout * 2, first_failure=False)
+            tally = re.findall(r"^=*\s*(\d+ passed.*?)\s*=*$", output, re.M)
             record["baseline"] = {"exit": code, "seconds": round(time.monotonic() - started, 1),
-                                  "failed": failed_lines(output)}
-            print(f"baseline: exit {code} in {record['baseline']['seconds']} s", flush=True)
+                                  "tests": tally[-1] if tally else "", "failed": failed_lines(output)}
+            print(f"baseline: exit {code} in {record['baseline']['seconds']} s ({record['baseline']['tests']})",
+                  flush=True)
             if code != 0:
                 print(output[-3000:])
                 print("the guarding tests fail without any mutant: fix them first", file=sys.stderr)
@@ -170,11 +184,12 @@ def main(argv=None) -> int:
             except ValueError as exc:
                 outcome, code, output = "stale", None, str(exc)
             else:
-                code, output = pytest(tree, m["tests"], args.timeout)
+                code, output = pytest(tree, m["ids"], args.timeout)
                 outcome = {None: "timeout", 0: "survived", 1: "caught"}.get(code, "error")
             seconds = round(time.monotonic() - started, 1)
             record["mutants"][m["name"]] = {"outcome": outcome, "exit": code, "seconds": seconds,
                                             "promise": m["promise"], "file": m["file"], "tests": m["tests"],
+                                            "ran": len(m["ids"]),
                                             "failed": failed_lines(output) if outcome == "caught" else [],
                                             "tail": "" if outcome == "caught" else output[-1500:]}
             print(f"{outcome:9s} {m['name']}  ({seconds} s)", flush=True)

@@ -144,8 +144,13 @@ class Session:
         """``ud.clip_grad_norm_``'s work (see the facade)."""
         if not self.sync.sync_gradients:
             return None
-        for optimizer in self.optimizers:
-            optimizer.synchronize()
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        clipped = {id(p) for p in parameters}
+        for optimizer in self.optimizers:  # only those that step these parameters: another optimizer's
+            # averaging is not this clip's to wait for (under Horovod, finishing an idle optimizer's
+            # averaging would send its parameters' gradients under the names this step's use)
+            if any(id(p) in clipped for group in optimizer.param_groups for p in group["params"]):
+                optimizer.synchronize()
         return full_tensor(torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type))
 
     def seed_everything(self, seed: int, per_rank: bool) -> int:

@@ -134,23 +134,29 @@ def all_gather_object_and_rng_states_round_trip():
 
 
 # ----------------------------------------------------------------- physics of training
-def _reference_steps(x, y, global_batch, steps, opt_cls, **opt_kwargs):
-    """Plain single-process torch: `steps` optimizer steps on consecutive global batches."""
+def _reference_steps(x, y, global_batch, steps, opt_cls, max_norm=None, norms=None, **opt_kwargs):
+    """Plain single-process torch: `steps` optimizer steps on consecutive global batches (gradients
+    clipped to ``max_norm`` with torch's clip_grad_norm_ if given, each total norm appended to ``norms``)."""
     model = tiny_model()
     opt = opt_cls(model.parameters(), **opt_kwargs)
     for s in range(steps):
         xb, yb = x[s * global_batch:(s + 1) * global_batch], y[s * global_batch:(s + 1) * global_batch]
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         loss.backward()
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         opt.zero_grad()
     return model
 
 
-def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, set_to_none=True, grad_storages=None, **opt_kwargs):
+def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, set_to_none=True, grad_storages=None,
+                  max_norm=None, norms=None, **opt_kwargs):
     """The facade's run of ``steps`` optimizer steps and the single-process reference's. With
     ``grad_storages`` (a list), each synchronising micro-step appends how many distinct storages
-    the gradients live in just before ``zero_grad``."""
+    the gradients live in just before ``zero_grad``. With ``max_norm``, every micro-step calls
+    ``ud.clip_grad_norm_`` and ``norms`` (a dict) gets ``"facade"``: what it returned on each micro-step
+    (a float, or None), ``"reference"``: torch's total norm at each of the reference's steps."""
     w = ud.world_size()
     n = per_rank_batch * w * accumulation * steps
     x, y = regression_data(n)
@@ -162,11 +168,15 @@ def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, set_to_none=True
         with ud.accumulate(model):
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             ud.backward(loss)
+            if max_norm is not None:
+                norm = ud.clip_grad_norm_(model.parameters(), max_norm)
+                norms.setdefault("facade", []).append(None if norm is None else float(norm))
             opt.step()
             if grad_storages is not None and ud.sync_gradients():
                 grad_storages.append(len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}))
             opt.zero_grad(set_to_none=set_to_none)
-    ref = _reference_steps(x, y, per_rank_batch * w * accumulation, steps, opt_cls, **opt_kwargs)
+    ref = _reference_steps(x, y, per_rank_batch * w * accumulation, steps, opt_cls, max_norm,
+                           norms.setdefault("reference", []) if max_norm is not None else None, **opt_kwargs)
     return ud.unwrap(model), ref
 
 
@@ -179,6 +189,20 @@ def _same_params(model, ref, atol=1e-6):
 def gradient_average_matches_single_process_adamw_3_steps():
     model, ref = _facade_steps(3, 3, torch.optim.AdamW, 1, lr=0.05, weight_decay=0.1)
     _same_params(model, ref, atol=1e-5)
+
+
+@check("core", "accum")
+def clip_grad_norm_clips_the_averaged_gradient_like_one_process():
+    """``ud.clip_grad_norm_`` returns the total norm of the averaged gradient and clips it: with
+    max_norm below that norm (asserted, so clipping really happens), 2 SGD steps equal one process
+    that clips its global batch with torch's clip_grad_norm_; ``None`` on non-synchronising micro-steps."""
+    k, norms = ud.gradient_accumulation_steps(), {}
+    model, ref = _facade_steps(3, 2, torch.optim.SGD, k, max_norm=0.1, norms=norms, lr=0.5)
+    synchronising = norms["facade"][k - 1::k]
+    assert norms["facade"] == [n if (i + 1) % k == 0 else None for i, n in enumerate(norms["facade"])], norms
+    assert min(norms["reference"]) > 0.2, f"nothing to clip: total norms {norms['reference']} vs max_norm 0.1"
+    close(torch.tensor(synchronising), torch.tensor(norms["reference"]), atol=1e-5)
+    _same_params(model, ref, atol=1e-6)
 
 
 @check("accum", "fsdp")
