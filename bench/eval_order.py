@@ -18,6 +18,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "bert_sentiment"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import provenance  # noqa: E402  (bench/provenance.py)
 
 
 def main():
@@ -38,6 +41,7 @@ def main():
     test = sentiment_data.tokenize(splits.test, tokenizer, 64, str(cache), "test")
     orders = {"split order": test, "longest first": sentiment_data.longest_first(test)}
     collator = DataCollatorWithPadding(tokenizer)
+    record = provenance.start()
     times = {k: [] for k in orders}
     correct = {}
     for _ in range(args.reps):
@@ -52,11 +56,12 @@ def main():
             times[name].append(time.perf_counter() - start)
             correct[name] = (hits, padded)
     assert correct["split order"][0] == correct["longest first"][0], correct
-    result = {"examples": len(test), "threads": os.cpu_count(),
+    result = {**provenance.finish(record), "examples": len(test), "threads": os.cpu_count(),
               "median_s": {k: statistics.median(v) for k, v in times.items()}, "times_s": times,
               "padded_tokens": {k: v[1] for k, v in correct.items()},
               "real_tokens": sum(sentiment_data.token_lengths(test))}
     result["speedup"] = result["median_s"]["split order"] / result["median_s"]["longest first"]
+    result.pop("cpu_ticks_before", None)
     (ROOT / "bench" / "results" / "eval_order.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("median_s", "padded_tokens", "real_tokens", "speedup")}))
 

@@ -1,5 +1,6 @@
 """bench/provenance.py and bench/steal_report.py: what every results file records about the machine."""
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,23 @@ def test_steal_report_windows():
     lines = [f"{t} cpu {100 * k} 0 0 {100 * k} 0 0 0 {50 * k} 0 0" for k, t in enumerate(range(0, 130, 5))]
     shares = report.windows(lines, 60)
     assert shares and all(s == pytest.approx(50 / 250) for _, s in shares)
+
+
+# written before bench/provenance.py recorded the steal share (2026-11-23); everything since has it
+BEFORE_STEAL = {"compression_parity_smoke", "exit_stress_before_fix", "network_smoke_10gbit_torch",
+                "network_smoke_10gbit_torch_rep1", "network_smoke_10gbit_torch_rep2", "network_smoke_1gbit_16bit",
+                "network_smoke_1gbit_torch", "network_tuning", "network_tuning_repeat", "exit_stress"}
+
+
+def test_every_results_file_records_commit_command_load_and_steal():
+    """BENCHMARKS.md: each results file has the commit, the command and the load around it, and the steal
+    share unless it is one of the older files named here."""
+    root = Path(__file__).resolve().parents[1] / "bench" / "results"
+    files = sorted(p for p in root.glob("*.json") if not p.stem.endswith(("_partial", "_short")))  # git ignores these
+    assert files
+    for path in files:
+        record = json.loads(path.read_text())
+        assert isinstance(record, dict), path.name
+        missing = [key for key in ("commit", "command", "load_before", "load_after") if key not in record]
+        assert not missing, f"{path.name} lacks {missing}"
+        assert path.stem in BEFORE_STEAL or "steal_fraction" in record, f"{path.name} lacks steal_fraction"

@@ -97,3 +97,22 @@ def test_check_finite_off_lets_a_nan_loss_through(monkeypatch, value, refused):
         assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     finally:
         ud.shutdown()
+
+
+def test_gather_for_metrics_outside_a_loader_loop_warns_once(monkeypatch):
+    """docs/common-mistakes.md: gather_for_metrics outside a prepared loader's loop warns, once."""
+    import warnings
+
+    import torch
+    monkeypatch.setattr(facade, "_warned", set())
+    ud.shutdown()
+    ud.init(backend="single")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                ud.gather_for_metrics(torch.ones(2))
+    finally:
+        ud.shutdown()
+    messages = [str(c.message) for c in caught if "outside the loop of a prepared DataLoader" in str(c.message)]
+    assert len(messages) == 1, messages

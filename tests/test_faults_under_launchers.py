@@ -1,5 +1,6 @@
 """Hangs become errors, dead ranks end the job, NaN stops every rank: under each real launcher."""
 import json
+import re
 import time
 
 import pytest
@@ -71,6 +72,10 @@ def test_a_killed_rank_ends_the_job_in_bounded_time(launcher, tmp_path):
     assert ranks[0]["error"] == "PeerLost", (ranks, result.output[-2000:])
     assert "all_reduce failed on rank 0: a peer process is gone" in ranks[0]["message"], ranks[0]
     assert ranks[0]["elapsed"] < 30, ranks[0]
+    # the message sends the user to the launcher's log for the rank that exited first: it must be there
+    first_exit = {"horovodrun": r"first process to do so was:\s*Process name: 1\b"}.get(
+        launcher, r"failed \(exitcode: -9\) local_rank: 1 ")  # torch's elastic agent (torchrun, accelerate)
+    assert re.search(first_exit, result.output), result.output[-2000:]
 
 
 @pytest.mark.parametrize("launcher", DIST)

@@ -89,18 +89,18 @@ def _weights(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(script, tmp_path_factory) -> Callable[[int], dict]:
-    """The reference weights per world size: 2 epochs in one run (python for 1 process, torchrun for 2),
-    each launched once, by the first test that asks for it."""
-    weights: Dict[int, dict] = {}
+def uninterrupted(script, tmp_path_factory) -> Callable[[int], tuple]:
+    """The reference per world size: 2 epochs in one run (python for 1 process, torchrun for 2), each
+    launched once, by the first test that asks for it: (final weights, the two epochs' accuracies)."""
+    runs: Dict[int, tuple] = {}
 
-    def of(nproc: int) -> dict:
-        if nproc not in weights:
+    def of(nproc: int) -> tuple:
+        if nproc not in runs:
             folder = tmp_path_factory.mktemp(f"straight{nproc}")
             accuracies = _run("python" if nproc == 1 else "torchrun", script, folder, 2)
             assert len(accuracies) == 2, accuracies
-            weights[nproc] = _weights(folder)
-        return weights[nproc]
+            runs[nproc] = _weights(folder), accuracies
+        return runs[nproc]
 
     return of
 
@@ -117,14 +117,17 @@ def test_the_snippet_is_the_readme_loop():
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "torchrun", "accelerate", "horovodrun"])
 def test_snippet_runs_unchanged_and_resumes_to_the_uninterrupted_weights(launcher, script, tmp_path, uninterrupted):
+    expected, accuracies = uninterrupted(1 if launcher == "python" else 2)
     first = _run(launcher, script, tmp_path, 1)
     assert len(first) == 1 and 0 <= first[0] <= 1, first  # one line: ud.print prints on the main process only
-    # every example counted once: the accuracy is a multiple of 1/37
+    # every example counted once: the accuracy is a multiple of 1/37 ...
     assert abs(first[0] * 37 - round(first[0] * 37)) < 1e-6, first
+    # ... and every launcher measures what the reference run measured at the same point
+    assert first == accuracies[:1], (first, accuracies)
     resumed = _run(launcher, script, tmp_path, 2)
     assert len(resumed) == 1, f"the resumed run trained {len(resumed)} epochs, expected only the second"
+    assert resumed == accuracies[1:], (resumed, accuracies)
     got = _weights(tmp_path)
-    expected = uninterrupted(1 if launcher == "python" else 2)
     assert list(got) == list(expected), (list(got), list(expected))
     for name, value in expected.items():
         difference = (got[name].double() - value.double()).abs().max().item()

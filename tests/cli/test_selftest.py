@@ -35,3 +35,20 @@ def test_a_launch_past_its_timeout_is_killed_and_fails(cli):
     assert table[("torch", "launch")] == "FAIL" and "timed out after 1s (killed)" in result.stdout
     assert "pass" not in table.values()
     assert "failed" in result.stdout.splitlines()[-1]
+
+
+def test_hung_names_the_check_the_ranks_were_in(tmp_path):
+    """docs/cli.md: a launch killed while ranks were inside a check reports `hung` on that check's row
+    (rank files as the worker writes them: rank 0 finished init and is still in all_reduce)."""
+    import json
+
+    from unified_dist.cli import selftest
+    from unified_dist.cli.contract import CHECKS
+    first = CHECKS[0].__name__
+    for r in range(2):
+        checks = {"init": {"status": "pass", "seconds": 0.1}, first: {"status": "running", "seconds": None}}
+        (tmp_path / f"rank{r}.json").write_text(json.dumps({"checks": checks}))
+    rows = {row.check: row for row in selftest._rows("torch", tmp_path, 2, finished=False)}
+    assert rows["init"].status == "pass"
+    assert rows[first].status == "hung" and "[0, 1] never finished it" in rows[first].detail, rows[first]
+    assert rows[CHECKS[1].__name__].status == "not run"
