@@ -122,3 +122,20 @@ def test_mixed_precision_becomes_fsdp2s_policy_with_float32_gradient_reduction(m
 
     policy = _policy(mode)
     assert (policy.param_dtype, policy.reduce_dtype) == (param, reduce)
+
+
+
+def test_prepare_gives_fully_shard_the_bf16_policy_on_every_block(monkeypatch):
+    """README: under sharding="fsdp", mixed_precision="bf16" becomes FSDP2's MixedPrecisionPolicy
+    (parameters in bf16, gradients reduced in float32): what a backend's FSDP prepare hands fully_shard."""
+    import torch.distributed.fsdp as fsdp
+
+    from unified_dist.backends.fsdp import FsdpModels
+    seen = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **options: seen.append((type(module), options)))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    FsdpModels(Sharding(mode="fsdp", modules=(torch.nn.Linear,)), "bf16").prepare(model)
+    assert [kind for kind, _ in seen] == [torch.nn.Linear, torch.nn.Linear, torch.nn.Sequential], seen
+    for _, options in seen:
+        policy = options["mp_policy"]
+        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32), policy
