@@ -823,13 +823,20 @@ def fsdp_micro_steps_skip_the_reduce_scatter():
     assert run.reduce_scatters == [0, 3, 0, 3], f"reduce-scatters per micro-step: {run.reduce_scatters}"
 
 
-def _same_adam_state(state, ref_opt, rtol=1e-5):
-    """``state`` (an optimizer state dict's "state"; full tensors or DTensors) holds the plain reference
-    optimizer's own ``step`` (exactly), ``exp_avg`` and ``exp_avg_sq`` for every parameter, each within
-    ``rtol`` times that tensor's largest entry: the gradients' other summation order rounds them by
-    ~1e-7 of their scale (so elements near 0 are off by more than 1e-7 of themselves); a lost or wrong
-    moment is off by its own size (exp_avg_sq is ~1e-5 here, which a fixed absolute tolerance would hide)."""
-    expected = ref_opt.state_dict()["state"]
+HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+"""The AdamW hyperparameters an optimizer's state dict carries in each param group."""
+
+
+def _same_adam_state(state_dict, ref_opt, rtol=1e-5):
+    """``state_dict`` (an optimizer's; full tensors or DTensors) holds the plain reference optimizer's own
+    hyperparameters and, for every parameter, its ``step`` (exactly), ``exp_avg`` and ``exp_avg_sq``, each
+    within ``rtol`` times that tensor's largest entry: the gradients' other summation order rounds them
+    by ~3e-7 of their scale (so elements near 0 are off by more than that of themselves); a lost or
+    wrong moment is off by its own size (exp_avg_sq is ~1e-6 here, which a fixed absolute tolerance
+    would hide)."""
+    groups = [{key: group[key] for key in HYPER} for group in state_dict["param_groups"]]
+    assert groups == [{key: group[key] for key in HYPER} for group in ref_opt.param_groups], groups
+    state, expected = state_dict["state"], ref_opt.state_dict()["state"]
     assert sorted(state) == sorted(expected), (sorted(state), sorted(expected))
     for index in sorted(expected):
         assert set(state[index]) >= {"step", "exp_avg", "exp_avg_sq"}, (index, sorted(state[index]))
@@ -841,8 +848,9 @@ def _same_adam_state(state, ref_opt, rtol=1e-5):
 
 
 def _fresh_sharded():
+    """A prepared _BlockNet and AdamW with placeholder hyperparameters, which loading a checkpoint must replace."""
     model = _BlockNet()
-    return ud.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1))
+    return ud.prepare(model, torch.optim.AdamW(model.parameters(), lr=1.0, weight_decay=0.0))
 
 
 def _one_window(model, opt, x, y):
@@ -877,18 +885,18 @@ def fsdp_full_and_sharded_checkpoints(ctx):
     plain = _BlockNet()
     plain.load_state_dict(saved["model"])  # strict: the unsharded keys and shapes
     _same_params(plain, ref, atol=2e-6)
-    _same_adam_state(saved["optimizer"]["state"], ref_opt)
+    _same_adam_state(saved["optimizer"], ref_opt)
     # a fresh sharded model and optimizer load the full checkpoint, another pair the sharded one (2 -> 2)
     model2, opt2 = _fresh_sharded()
     model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["optimizer"])
     _same_full_params(model2, ref, atol=2e-6)
-    _same_adam_state(opt2.state_dict()["state"], ref_opt)
+    _same_adam_state(opt2.state_dict(), ref_opt)
     model4, opt4 = _fresh_sharded()
     extra = ud.load_sharded({"model": model4, "optimizer": opt4}, sharded_dir)
     assert extra == {"step": 2}, extra
     _same_full_params(model4, ref, atol=2e-6)
-    _same_adam_state(opt4.state_dict()["state"], ref_opt)
+    _same_adam_state(opt4.state_dict(), ref_opt)
     # both continue one window; the reference continues with its own optimizer state
     x, y = regression_data(4 * ud.world_size())
     _one_window(model2, opt2, x, y)
@@ -898,13 +906,14 @@ def fsdp_full_and_sharded_checkpoints(ctx):
     _same_full_params(model2, ref, atol=2e-6)
     _same_full_params(model4, ref, atol=2e-6)
     # resharding 1 -> N: the world-1 checkpoint written by the test (plain torch) before the launch
-    model3 = _BlockNet()
-    model3, opt3 = ud.prepare(model3, torch.optim.AdamW(model3.parameters(), lr=0.05))
+    model3, opt3 = _fresh_sharded()
     extra = ud.load_sharded({"model": model3, "optimizer": opt3}, os.path.join(out_dir, "world1_sharded"))
     expected = torch.load(os.path.join(out_dir, "world1_full.pt"), weights_only=True)
     assert extra == {"step": 11}, extra
     for name, p in ud.unwrap(model3).named_parameters():
         close(full(p.detach()).cpu(), expected["model"][name], atol=0)
+    groups = [{key: group[key] for key in HYPER} for group in opt3.state_dict()["param_groups"]]
+    assert groups == [{key: group[key] for key in HYPER} for group in expected["optimizer"]["param_groups"]], groups
     state = opt3.state_dict()["state"]
     assert sorted(state) == sorted(expected["optimizer"]["state"]), sorted(state)
     for index, entry in expected["optimizer"]["state"].items():
