@@ -834,8 +834,6 @@ def _same_adam_state(state_dict, ref_opt, rtol=1e-5):
     by ~3e-7 of their scale (so elements near 0 are off by more than that of themselves); a lost or
     wrong moment is off by its own size (exp_avg_sq is ~1e-6 here, which a fixed absolute tolerance
     would hide)."""
-    groups = [{key: group[key] for key in HYPER} for group in state_dict["param_groups"]]
-    assert groups == [{key: group[key] for key in HYPER} for group in ref_opt.param_groups], groups
     state, expected = state_dict["state"], ref_opt.state_dict()["state"]
     assert sorted(state) == sorted(expected), (sorted(state), sorted(expected))
     for index in sorted(expected):
@@ -845,6 +843,8 @@ def _same_adam_state(state_dict, ref_opt, rtol=1e-5):
             mine, theirs = full(state[index][key]).detach().cpu().double(), expected[index][key].double()
             worst, scale = float((mine - theirs).abs().max()), float(theirs.abs().max())
             assert scale > 0 and worst <= rtol * scale, (index, key, worst, scale)
+    groups = [{key: group[key] for key in HYPER} for group in state_dict["param_groups"]]
+    assert groups == [{key: group[key] for key in HYPER} for group in ref_opt.param_groups], groups
 
 
 def _fresh_sharded():
