@@ -9,8 +9,9 @@ Each of torchrun, accelerate launch and horovodrun stops after step 3, and pytho
 (saving step 3 on the way), and is continued to step 5 from a step-3 checkpoint written under
 another launcher (torchrun from its own, with ``--resume auto``): every backend writes a checkpoint
 that another backend and world size continues exactly (2 -> 2, 2 -> 4 under horovodrun -np 4,
-2 -> 1 under python). torchrun shards the model with FSDP2 (``--sharding fsdp``); its checkpoints hold
-the full state, which accelerate continues unsharded. srun, mpirun and the legacy
+2 -> 1 under python). torchrun shards the model with FSDP2 (``--sharding fsdp``: each of its ranks says it
+holds half of the parameter elements, where the unsharded launches hold all); its checkpoints hold the
+full state, which accelerate continues unsharded. srun, mpirun and the legacy
 torch.distributed.launch run the 5 steps uninterrupted, unsharded: the reference.
 
 torchrun and python also write TensorBoard: python's step 4 is logged by both of its runs, so the
