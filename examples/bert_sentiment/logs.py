@@ -48,6 +48,14 @@ def print_model_and_data(args: Any, model: torch.nn.Module, splits: Any) -> None
              f"validation {len(splits.validation)}, test {len(splits.test)} (labels 0=negative, 1=positive)")
 
 
+def print_parameters_held(model: torch.nn.Module) -> None:
+    """Every process: how many of the model's weights it holds, all of them, or with --sharding fsdp its
+    shard (about 1/world size; a sharded parameter is a DTensor whose local part is this process's)."""
+    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    print(f"rank {ud.rank()} holds {held} of the model's {sum(p.numel() for p in model.parameters())} "
+          "parameter elements", flush=True)
+
+
 def print_plan(args: Any, plan: Any, out: str) -> None:
     """How many optimizer steps, and when the splits are evaluated."""
     ud.print(f"{plan.steps_per_epoch} optimizer steps per epoch, {plan.total_steps} in total "

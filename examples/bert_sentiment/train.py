@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     model, optimizer, train_loader, val_loader, test_loader, scheduler = ud.prepare(
         model, optimizer, train_loader, val_loader, test_loader, scheduler)
     assert len(train_loader) == plan.micro_per_epoch, (len(train_loader), plan.micro_per_epoch)
+    logs.print_parameters_held(model)  # with --sharding fsdp each process holds only its shard of the weights
 
     # what a checkpoint holds (besides its step, epoch and provenance), and what ud.load restores in place
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader, "rng": ud.RNG}

@@ -9,8 +9,9 @@ Each of torchrun, accelerate launch and horovodrun stops after step 3, and pytho
 (saving step 3 on the way), and is continued to step 5 from a step-3 checkpoint written under
 another launcher (torchrun from its own, with ``--resume auto``): every backend writes a checkpoint
 that another backend and world size continues exactly (2 -> 2, 2 -> 4 under horovodrun -np 4,
-2 -> 1 under python). torchrun shards the model with FSDP2 (``--sharding fsdp``); its checkpoints hold
-the full state, which accelerate continues unsharded. srun, mpirun and the legacy
+2 -> 1 under python). torchrun shards the model with FSDP2 (``--sharding fsdp``: each of its ranks says it
+holds half of the parameter elements, where the unsharded launches hold all); its checkpoints hold the
+full state, which accelerate continues unsharded. srun, mpirun and the legacy
 torch.distributed.launch run the 5 steps uninterrupted, unsharded: the reference.
 
 torchrun and python also write TensorBoard: python's step 4 is logged by both of its runs, so the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Dict, List, NamedTuple, Optional, Set
@@ -173,6 +175,7 @@ def test_launch_stop_and_continue_from_another_launchers_checkpoint(name: str, r
     assert f"x {nproc} process(es) x" in first.output and "= 16 examples per optimizer step" in first.output
     assert f"stopped after step {stopped_at}" in first.output
     assert f"| sharding {'fsdp' if '--sharding' in batch_args else 'no'}" in first.output
+    assert_parameters_held(first.output, nproc, sharded="--sharding" in batch_args)
     assert rows, first.output[-3000:]
     assert _identity(rows) == {(launcher, BACKEND_OF[launcher], nproc)}
     # stopping at the epoch's last step (4) comes before its end-of-epoch validation
@@ -203,6 +206,22 @@ def test_launch_stop_and_continue_from_another_launchers_checkpoint(name: str, r
     results = json.loads((out / "results.json").read_text())
     assert results["test_examples"] == LIMIT_EVAL and results["steps"] == 5
     assert f"final test accuracy {results['test_accuracy']:.4f}" in second.output
+
+
+def assert_parameters_held(output: str, nproc: int, sharded: bool) -> None:
+    """Every rank says how many parameter elements it holds: sharded (FSDP2 splits each parameter's
+    dim 0 over the ranks), its share, within 1% of total / nproc, the shares adding up to the total;
+    unsharded (DDP replicates the model), the total on every rank."""
+    held = {int(rank): (int(mine), int(total)) for rank, mine, total in
+            re.findall(r"rank (\d+) holds (\d+) of the model's (\d+) parameter elements", output)}
+    assert sorted(held) == list(range(nproc)), (held, output[-3000:])
+    total = held[0][1]
+    assert total > 1e6 and all(t == total for _, t in held.values()), held  # the whole BERT, on every rank
+    shares = [mine for mine, _ in held.values()]
+    if sharded:
+        assert sum(shares) == total and all(abs(mine - total / nproc) <= total / 100 for mine in shares), held
+    else:
+        assert shares == [total] * nproc, held
 
 
 # srun (a real one-node SLURM), Open MPI's mpirun and the legacy torch.distributed.launch (which

@@ -21,6 +21,7 @@ import os
 import statistics
 import time
 import traceback
+import types
 
 import torch
 
@@ -760,35 +761,83 @@ class _BlockNet(torch.nn.Module):
         return self.head(x)
 
 
+MAX_NORM = 0.5
+"""The clipping threshold of _sharded_training: below every step's gradient norm there (0.79 to 4.9 in the
+plain reference), so every step clips (fsdp_adamw_with_accumulation_matches_single_process asserts it)."""
+
+
+class _ReduceScatters:
+    """This worker's own count of torch.distributed reduce-scatter calls while it is entered (FSDP2
+    reduce-scatters each FSDP unit's gradients with one call of ``dist.reduce_scatter_single``; the
+    deprecated ``reduce_scatter_tensor`` is counted too, a call made inside another counted call once)."""
+
+    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+    def __init__(self):
+        self.calls = 0
+        self._depth = 0
+        self._saved = {}
+
+    def _counted(self, fn):
+        def counted(*args, **kwargs):
+            self.calls += self._depth == 0
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+        return counted
+
+    def __enter__(self):
+        self._saved = {name: getattr(torch.distributed, name) for name in self.NAMES
+                       if hasattr(torch.distributed, name)}
+        for name, fn in self._saved.items():
+            setattr(torch.distributed, name, self._counted(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(torch.distributed, name, fn)
+
+
 def _sharded_training(steps, lr=0.05):
-    """``steps`` AdamW steps of _BlockNet on 2 micro-batches of 2 per rank; returns the prepared
-    model and optimizer, the plain reference (1 process, batch 4 x world) and the last clip norms."""
+    """``steps`` AdamW steps of _BlockNet on 2 micro-batches of 2 per rank, each step's gradient clipped
+    to MAX_NORM, and the plain single-process torch reference on the same global batches (2 x 2 x world
+    a step, ``torch.nn.utils.clip_grad_norm_``). Returns a namespace: the prepared ``model`` and ``opt``,
+    the reference ``ref`` and ``ref_opt``; per step the returned ``norms`` and ``ref_norms`` (before
+    clipping) and the full clipped gradients ``clipped`` and ``ref_clipped``; ``reduce_scatters``: how
+    many reduce-scatters each micro-step made."""
     w, k = ud.world_size(), ud.gradient_accumulation_steps()
     per_rank = 2
     x, y = regression_data(per_rank * w * k * steps)
-    ref = _BlockNet()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, weight_decay=0.1)
     model = _BlockNet()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=per_rank)
     model, opt, loader = ud.prepare(model, opt, loader)
-    norms = []
-    for xb, yb in loader:
-        with ud.accumulate(model):
-            ud.backward(torch.nn.functional.mse_loss(model(xb), yb))
-            norm = ud.clip_grad_norm_(model.parameters(), 1e6)
-            if norm is not None:
-                norms.append(norm)
-            opt.step()
-            opt.zero_grad()
+    run = types.SimpleNamespace(model=model, opt=opt, norms=[], clipped=[], reduce_scatters=[])
+    with _ReduceScatters() as counter:
+        for xb, yb in loader:
+            before = counter.calls
+            with ud.accumulate(model):
+                ud.backward(torch.nn.functional.mse_loss(model(xb), yb))
+                norm = ud.clip_grad_norm_(model.parameters(), MAX_NORM)
+                if norm is not None:
+                    run.norms.append(norm)
+                    run.clipped.append([full(p.grad.detach()).cpu().clone() for p in model.parameters()])
+                opt.step()
+                opt.zero_grad()
+            run.reduce_scatters.append(counter.calls - before)
+    run.ref = _BlockNet()
+    run.ref_opt = torch.optim.AdamW(run.ref.parameters(), lr=lr, weight_decay=0.1)
+    run.ref_norms, run.ref_clipped = [], []
     g = per_rank * w * k
-    ref_norms = []
     for s in range(steps):
-        torch.nn.functional.mse_loss(ref(x[s * g:(s + 1) * g]), y[s * g:(s + 1) * g]).backward()
-        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e6))
-        ref_opt.step()
-        ref_opt.zero_grad()
-    return model, opt, ref, ref_opt, norms, ref_norms
+        torch.nn.functional.mse_loss(run.ref(x[s * g:(s + 1) * g]), y[s * g:(s + 1) * g]).backward()
+        run.ref_norms.append(torch.nn.utils.clip_grad_norm_(run.ref.parameters(), MAX_NORM))
+        run.ref_clipped.append([p.grad.detach().clone() for p in run.ref.parameters()])
+        run.ref_opt.step()
+        run.ref_opt.zero_grad()
+    return run
 
 
 @check("fsdp")
@@ -796,7 +845,7 @@ def fsdp_shards_parameters_of_every_block():
     """Every parameter a DTensor split on dim 0; each block its own FSDP unit; after a forward the
     blocks' parameters are sharded again, or kept gathered until backward where the launch said
     ``--fsdp_reshard_after_forward false`` (accelerate launch; torchrun keeps the default)."""
-    model, _, _, _, _, _ = _sharded_training(1)
+    model = _sharded_training(1).model
     inner = ud.unwrap(model)
     params = dict(inner.named_parameters())
     assert all(type(p).__name__ == "DTensor" for p in params.values()), {n: type(p).__name__ for n, p in params.items()}
@@ -815,66 +864,141 @@ def fsdp_shards_parameters_of_every_block():
 
 @check("fsdp")
 def fsdp_adamw_with_accumulation_matches_single_process():
-    """2 ranks x 2 micro-batches x 2 under FSDP2 == 1 process x batch 8, 3 AdamW steps. Tolerance
-    2e-6: float32 rounding of the reduce-scatter's other summation order (~1e-7 per gradient),
-    which AdamW's normalised update carries into the weights at lr 0.05 over 3 steps."""
-    model, _, ref, _, norms, ref_norms = _sharded_training(3)
-    for (_name, p), q in zip(ud.unwrap(model).named_parameters(), ref.parameters()):
-        close(full(p.detach()).cpu(), q.detach(), atol=2e-6)
-    assert len(norms) == 3 and all(type(n) is torch.Tensor for n in norms), [type(n) for n in norms]
-    close(torch.stack(norms).cpu(), torch.stack(ref_norms), atol=1e-5)
+    """2 ranks x 2 micro-batches x 2 under FSDP2 == 1 process x batch 8, 3 AdamW steps, each step's
+    gradient clipped to MAX_NORM (the reference's norm is above it at every step, so clipping scales
+    every step). The clipped gradients are the reference's (atol 1e-6; their total norm is MAX_NORM)
+    and the returned norms are the reference's pre-clip norms (atol 1e-5). Parameters: tolerance 2e-6,
+    float32 rounding of the reduce-scatter's other summation order (~1e-7 per gradient), which
+    AdamW's normalised update carries into the weights at lr 0.05 over 3 steps."""
+    run = _sharded_training(3)
+    assert min(run.ref_norms) > MAX_NORM, run.ref_norms  # so every step really clips
+    assert len(run.norms) == 3 and all(type(n) is torch.Tensor for n in run.norms), [type(n) for n in run.norms]
+    close(torch.stack(run.norms).cpu(), torch.stack(run.ref_norms), atol=1e-5)
+    assert len(run.clipped) == 3, len(run.clipped)
+    for mine, theirs in zip(run.clipped, run.ref_clipped):
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in mine]))
+        close(total, torch.tensor(MAX_NORM), atol=1e-5)
+        for a, b in zip(mine, theirs):
+            close(a, b, atol=1e-6)
+    _same_full_params(run.model, run.ref, atol=2e-6)
+
+
+@check("fsdp")
+def fsdp_micro_steps_skip_the_reduce_scatter():
+    """Accumulating micro-steps keep their gradients local: in each window of
+    gradient_accumulation_steps micro-steps only the last reduce-scatters, once per FSDP unit (the
+    two blocks of the ModuleList, each its own unit, and the root's unit holding inp and head)."""
+    assert ud.gradient_accumulation_steps() == 2
+    run = _sharded_training(2)
+    assert len(run.ref.blocks) + 1 == 3  # FSDP units: 2 blocks and the root
+    # 2 windows of 2 micro-steps: none on the first micro-step, one per unit on the second
+    assert run.reduce_scatters == [0, 3, 0, 3], f"reduce-scatters per micro-step: {run.reduce_scatters}"
+
+
+HYPER = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+"""The AdamW hyperparameters an optimizer's state dict carries in each param group."""
+
+
+def _same_adam_state(state_dict, ref_opt, rtol=1e-5):
+    """``state_dict`` (an optimizer's; full tensors or DTensors) holds the plain reference optimizer's own
+    hyperparameters and, for every parameter, its ``step`` (exactly), ``exp_avg`` and ``exp_avg_sq``, each
+    within ``rtol`` times that tensor's largest entry: the gradients' other summation order rounds them
+    by ~3e-7 of their scale (so elements near 0 are off by more than that of themselves); a lost or
+    wrong moment is off by its own size (exp_avg_sq is ~1e-6 here, which a fixed absolute tolerance
+    would hide)."""
+    state, expected = state_dict["state"], ref_opt.state_dict()["state"]
+    assert sorted(state) == sorted(expected), (sorted(state), sorted(expected))
+    for index in sorted(expected):
+        assert set(state[index]) >= {"step", "exp_avg", "exp_avg_sq"}, (index, sorted(state[index]))
+        close(full(state[index]["step"]).cpu(), expected[index]["step"], atol=0)
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine, theirs = full(state[index][key]).detach().cpu().double(), expected[index][key].double()
+            worst, scale = float((mine - theirs).abs().max()), float(theirs.abs().max())
+            assert scale > 0 and worst <= rtol * scale, (index, key, worst, scale)
+    groups = [{key: group[key] for key in HYPER} for group in state_dict["param_groups"]]
+    assert groups == [{key: group[key] for key in HYPER} for group in ref_opt.param_groups], groups
+
+
+def _fresh_sharded():
+    """A prepared _BlockNet and AdamW with placeholder hyperparameters, which loading a checkpoint must replace."""
+    model = _BlockNet()
+    return ud.prepare(model, torch.optim.AdamW(model.parameters(), lr=1.0, weight_decay=0.0))
+
+
+def _one_window(model, opt, x, y):
+    """One accumulation window (the suite runs with gradient_accumulation_steps=2) on this rank's rows
+    of the global batch ``x``, ``y`` (4 per rank, 2 per micro-step)."""
+    lo = ud.rank() * 4
+    for micro in range(2):
+        rows = slice(lo + 2 * micro, lo + 2 * micro + 2)
+        with ud.accumulate(model):
+            ud.backward(torch.nn.functional.mse_loss(model(x[rows]), y[rows]))
+            opt.step()
+            opt.zero_grad()
 
 
 @check("fsdp")
 def fsdp_full_and_sharded_checkpoints(ctx):
-    """ud.save writes the full state (plain keys and shapes, loadable into an unsharded model);
-    the sharded model and optimizer load it back and continue exactly; save_sharded writes shards
-    that the test later loads at world size 1, and load_sharded reads the world-1 checkpoint the
+    """ud.save writes the full state (plain keys and shapes, loadable into an unsharded model) and
+    save_sharded the shards: both hold the plain reference's weights and its own AdamW state (step,
+    exp_avg, exp_avg_sq) after 2 clipped steps, and so do a fresh sharded model and optimizer after
+    loading either; each then takes the same next step as the reference continuing with its own state.
+    The test later loads the shards at world size 1, and load_sharded reads the world-1 checkpoint the
     test wrote before the launch (resharding 1 -> N)."""
     out_dir = ctx.out
-    model, opt, ref, ref_opt, _, _ = _sharded_training(2)
+    run = _sharded_training(2)
+    ref, ref_opt = run.ref, run.ref_opt
     tag = ud.backend_name()
     full_path = os.path.join(out_dir, f"fsdp_full_{tag}.pt")
-    ud.save({"model": model, "optimizer": opt, "step": 2}, full_path)
-    ud.save_sharded({"model": model, "optimizer": opt, "step": 2}, os.path.join(out_dir, f"fsdp_sharded_{tag}"))
+    sharded_dir = os.path.join(out_dir, f"fsdp_sharded_{tag}")
+    ud.save({"model": run.model, "optimizer": run.opt, "step": 2}, full_path)
+    ud.save_sharded({"model": run.model, "optimizer": run.opt, "step": 2}, sharded_dir)
     saved = ud.load(full_path)
     plain = _BlockNet()
     plain.load_state_dict(saved["model"])  # strict: the unsharded keys and shapes
     _same_params(plain, ref, atol=2e-6)
-    # the sharded model and optimizer load the full checkpoint and take the same next step as the reference
-    model2 = _BlockNet()
-    model2, opt2 = ud.prepare(model2, torch.optim.AdamW(model2.parameters(), lr=0.05, weight_decay=0.1))
+    _same_adam_state(saved["optimizer"], ref_opt)
+    # a fresh sharded model and optimizer load the full checkpoint, another pair the sharded one (2 -> 2)
+    model2, opt2 = _fresh_sharded()
     model2.load_state_dict(saved["model"])
     opt2.load_state_dict(saved["optimizer"])
-    ref2, ref2_opt = plain, torch.optim.AdamW(plain.parameters(), lr=0.05, weight_decay=0.1)
-    ref2_opt.load_state_dict(copy.deepcopy(saved["optimizer"]))  # torch shares loaded "step" tensors
+    _same_full_params(model2, ref, atol=2e-6)
+    _same_adam_state(opt2.state_dict(), ref_opt)
+    model4, opt4 = _fresh_sharded()
+    extra = ud.load_sharded({"model": model4, "optimizer": opt4}, sharded_dir)
+    assert extra == {"step": 2}, extra
+    _same_full_params(model4, ref, atol=2e-6)
+    _same_adam_state(opt4.state_dict(), ref_opt)
+    # both continue one window; the reference continues with its own optimizer state
     x, y = regression_data(4 * ud.world_size())
-    lo = ud.rank() * 4
-    for micro in range(2):  # one accumulation window (the suite runs with gradient_accumulation_steps=2)
-        rows = slice(lo + 2 * micro, lo + 2 * micro + 2)
-        with ud.accumulate(model2):
-            ud.backward(torch.nn.functional.mse_loss(model2(x[rows]), y[rows]))
-            opt2.step()
-            opt2.zero_grad()
-    torch.nn.functional.mse_loss(ref2(x), y).backward()
-    ref2_opt.step()
-    _same_full_params(model2, ref2, atol=2e-6)
-    # resharding 1 -> N: the world-1 checkpoint written by the test before the launch
-    model3 = _BlockNet()
-    model3, opt3 = ud.prepare(model3, torch.optim.AdamW(model3.parameters(), lr=0.05))
+    _one_window(model2, opt2, x, y)
+    _one_window(model4, opt4, x, y)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    ref_opt.step()
+    _same_full_params(model2, ref, atol=2e-6)
+    _same_full_params(model4, ref, atol=2e-6)
+    # resharding 1 -> N: the world-1 checkpoint written by the test (plain torch) before the launch
+    model3, opt3 = _fresh_sharded()
     extra = ud.load_sharded({"model": model3, "optimizer": opt3}, os.path.join(out_dir, "world1_sharded"))
     expected = torch.load(os.path.join(out_dir, "world1_full.pt"), weights_only=True)
     assert extra == {"step": 11}, extra
     for name, p in ud.unwrap(model3).named_parameters():
         close(full(p.detach()).cpu(), expected["model"][name], atol=0)
+    groups = [{key: group[key] for key in HYPER} for group in opt3.state_dict()["param_groups"]]
+    assert groups == [{key: group[key] for key in HYPER} for group in expected["optimizer"]["param_groups"]], groups
     state = opt3.state_dict()["state"]
+    assert sorted(state) == sorted(expected["optimizer"]["state"]), sorted(state)
     for index, entry in expected["optimizer"]["state"].items():
-        close(full(state[index]["exp_avg"]).cpu(), entry["exp_avg"], atol=0)
+        assert set(entry) == {"step", "exp_avg", "exp_avg_sq"}, sorted(entry)
+        for key, value in entry.items():
+            close(full(state[index][key]).cpu(), value, atol=0)
 
 
 def _same_full_params(model, ref, atol):
     for (_name, p), q in zip(ud.unwrap(model).named_parameters(), ref.parameters()):
         close(full(p.detach()).cpu(), q.detach(), atol=atol)
+
+
 # ----------------------------------------------------------------- gradient compression
 def _compression_for(suite):
     """The bf16 suite also compresses gradients: bf16, or fp16 under horovodrun (no bf16 compressor there)."""
