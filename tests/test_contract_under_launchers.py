@@ -121,15 +121,22 @@ def test_every_checkpoint_loaded_by_every_other_backend(runs, shared_dir):
 
 # srun and mpirun start processes that carry SLURM's or MPI's variables and no torch ones:
 # the core suite (collectives, gradient averaging against one process, loaders, checkpoints
-# from the other launchers' core runs, which go first) runs once under each, with 2 processes.
-HPC_CASES = [(launcher, fn.__name__) for launcher in ("srun", "mpirun") for fn in contract_worker.CHECKS["core"]]
+# from the other launchers' core runs, which go first) and the accum suite
+# (gradient_accumulation_steps=2: accumulation and short last windows against one process) run
+# once each under each, with 2 processes. The accum suite gets a launch of its own (~15 s) rather
+# than an ud.shutdown() + ud.init() after the core suite: there the facade made the group, and
+# joining again through env:// on the same MASTER_PORT hung now and then (a rank reached the old
+# store; 1 in 9 rounds under mpirun) and detected "torchrun" from the variables it had exported.
+HPC_SUITES = ("core", "accum")
+HPC_CASES = [(launcher, suite, fn.__name__)
+             for launcher in ("srun", "mpirun") for suite in HPC_SUITES for fn in contract_worker.CHECKS[suite]]
 _HPC_FIXTURE = {"srun": "slurm_cluster", "mpirun": "mpirun_available"}
 
 
-@pytest.mark.parametrize("launcher,check", HPC_CASES, ids=["-".join(c) for c in HPC_CASES])
-def test_contract_under_srun_and_mpirun(launcher, check, runs, request):
+@pytest.mark.parametrize("launcher,suite,check", HPC_CASES, ids=["-".join(c) for c in HPC_CASES])
+def test_contract_under_srun_and_mpirun(launcher, suite, check, runs, request):
     env = request.getfixturevalue(_HPC_FIXTURE[launcher]) or {}
-    result, ranks = runs.get(launcher, "core", env=env)
+    result, ranks = runs.get(launcher, suite, env=env)
     result.check()
     assert sorted(ranks) == [0, 1], f"missing rank results:\n{result.output[-3000:]}"
     for r, data in ranks.items():
@@ -147,23 +154,30 @@ def test_a_stack_started_before_the_facade_is_adopted_and_left_running(launcher,
         assert data["results"]["native_stack_survives_shutdown"] == "ok", data["results"]
 
 
-SPAWN_CHECKS = [fn.__name__ for fn in contract_worker.CHECKS["core"]] + ["native_stack_survives_shutdown"]
+# The mp.spawn workers run the core suite, then (--then accum: ud.init again with
+# gradient_accumulation_steps=2, adopting the group they still hold) the accum suite.
+SPAWN_CASES = ([("core", fn.__name__) for fn in contract_worker.CHECKS["core"]]
+               + [("core", "native_stack_survives_shutdown")]
+               + [("accum", fn.__name__) for fn in contract_worker.CHECKS["accum"]])
 
 
 @pytest.fixture(scope="session")
-def spawned(tmp_path_factory) -> Tuple[Result, Dict[int, dict]]:
+def spawned(tmp_path_factory) -> Tuple[Result, Dict[str, Dict[int, dict]]]:
     """One launch: plain python whose mp.spawn workers join a tcp:// group themselves."""
     out = tmp_path_factory.mktemp("spawned")
-    result = run([str(BIN / "python"), WORKER, "--suite", "core", "--out", str(out), "--spawn", "2"], timeout=240)
-    return result, {r: json.loads((out / f"core_rank{r}.json").read_text())
-                    for r in range(2) if (out / f"core_rank{r}.json").exists()}
+    result = run([str(BIN / "python"), WORKER, "--suite", "core", "--out", str(out), "--spawn", "2",
+                  "--then", "accum"], timeout=240)
+    return result, {suite: {r: json.loads((out / f"{suite}_rank{r}.json").read_text())
+                            for r in range(2) if (out / f"{suite}_rank{r}.json").exists()}
+                    for suite in ("core", "accum")}
 
 
-@pytest.mark.parametrize("check", SPAWN_CHECKS)
-def test_contract_in_mp_spawn_workers_that_joined_a_tcp_group_themselves(check, spawned):
+@pytest.mark.parametrize("suite,check", SPAWN_CASES, ids=["-".join(c) for c in SPAWN_CASES])
+def test_contract_in_mp_spawn_workers_that_joined_a_tcp_group_themselves(suite, check, spawned):
     """No launcher variables at all: mp.spawn workers call init_process_group("gloo", "tcp://...")."""
-    result, ranks = spawned
+    result, suites = spawned
     result.check()
+    ranks = suites[suite]
     assert sorted(ranks) == [0, 1], result.output[-3000:]
     for r, data in ranks.items():
         assert data["identity"] == {"backend": "torch", "launcher": "existing", "world_size": 2, "rank": r}

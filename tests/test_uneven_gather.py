@@ -13,6 +13,7 @@ class FakeGroup:
 
     def __init__(self, world):
         self.world, self.rows, self.calls, self.broadcasts = world, [None] * world, 0, 0
+        self.row_bytes = []  # rank 0's row size in bytes, per gather
         self.barrier = threading.Barrier(world, timeout=10)  # a rank left waiting fails instead of hanging
 
     def gather_equal(self, rank):
@@ -24,6 +25,7 @@ class FakeGroup:
             out = torch.stack(self.rows)
             if rank == 0:
                 self.calls += 1
+                self.row_bytes.append(row.numel() * row.element_size())
             self.barrier.wait()
             return out
         return gather
@@ -78,8 +80,23 @@ def test_results_match_concatenation_and_repeats_take_one_round(world):
 
 
 def test_shrinking_sizes_fit_in_one_round():
-    results, errors, group = run_ranks(2, lambda rank: [torch.ones(64), torch.ones(8), torch.ones(8)])
-    assert errors == [None, None] and group.calls == 2 + 1 + 1
+    """After a large gather, smaller (uneven) ones take one round each, return every rank's own
+    values, and the padding shrinks with them: the capacity is the largest payload of the gather
+    just done, rounded up to 64 bytes (uneven_gather's module doc), not the largest ever seen."""
+    def calls(rank):
+        return [torch.arange(64 + 16 * rank, dtype=torch.float32) + 1000 * rank,  # 256 / 320 bytes
+                torch.full((8 + rank,), float(rank + 1)),                          # 32 / 36 bytes
+                torch.tensor([7.0, 8.0, 9.0]) * (rank + 1)]                        # 12 bytes each
+    results, errors, group = run_ranks(2, calls)
+    assert errors == [None, None], errors
+    for i in range(3):
+        want = torch.cat([calls(0)[i], calls(1)[i]])
+        assert all(torch.equal(results[rank][i], want) for rank in range(2)), (i, results[0][i], want)
+    assert group.calls == 2 + 1 + 1, group.calls
+    header = 12 * 8  # ndim, 8 dims, dtype, payload bytes, spare: int64 words
+    # 1st: headers only (capacity 0), then the payloads padded to 320; 2nd: header + 320 (it fits);
+    # 3rd: header + 64 (36 bytes, the 2nd gather's largest, rounded up to 64)
+    assert group.row_bytes == [header, 320, header + 320, header + 64], group.row_bytes
 
 
 @pytest.mark.parametrize("second, message", [

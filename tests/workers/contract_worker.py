@@ -1,12 +1,16 @@
 """Checks of the facade's contract, run inside every rank under a real launcher.
 
-    <launcher> tests/workers/contract_worker.py --suite core|accum|bf16|fsdp|syncbn --out DIR [--adopt]
-    python tests/workers/contract_worker.py --suite core --out DIR --spawn 2
+    <launcher> tests/workers/contract_worker.py --suite core|accum|bf16|fsdp|syncbn --out DIR [--adopt] [--then SUITE]
+    python tests/workers/contract_worker.py --suite core --out DIR --spawn 2 [--then SUITE]
 
 The ``core`` suite is the library's own contract list (:data:`unified_dist.cli.contract.CHECKS`,
 what ``unified-dist test`` runs) followed by the checks only a test needs, defined here. Each
 check raises AssertionError on failure; results go to DIR/<suite>_rank<R>.json as
-{check: "ok" | "FAIL: ..."} plus the detected identity. Checks call collectives in the same
+{check: "ok" | "FAIL: ..."} plus the detected identity. ``--then SUITE`` runs a second suite in
+the same processes after the first one's ``ud.shutdown()`` (``ud.init`` again, with that suite's
+settings): the mp.spawn workers run the accum suite so, in the group they joined themselves and
+still hold (where the facade made the group, joining again is not reliable: see the srun/mpirun
+cases in tests/test_contract_under_launchers.py). Checks call collectives in the same
 order on every rank and assert only afterwards, so one failing rank does not hang the others.
 Expected values come from arithmetic or from a plain single-process torch computation, never
 from the facade itself.
@@ -1105,8 +1109,10 @@ def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=N
         json.dump({"identity": identity, "results": results}, f)
 
 
-def _spawned(rank, world_size, port, suite, out):
+def _spawned(rank, world_size, port, suite, out, then=None):
     run_suite(suite, out, adopt=True, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    if then:  # the group this worker joined is still running: the facade adopts it again
+        run_suite(then, out)
     torch.distributed.destroy_process_group()
 
 
@@ -1119,13 +1125,18 @@ def main():
                              "PartialState, hvd.init) before the facade, which must use it")
     parser.add_argument("--spawn", type=int, default=0, metavar="N",
                         help="plain python: mp.spawn N workers that each init_process_group(tcp://...)")
+    parser.add_argument("--then", choices=sorted(CHECKS), metavar="SUITE",
+                        help="after the suite's ud.shutdown(), ud.init() again in the same processes and run SUITE")
     args = parser.parse_args()
     if args.spawn:
         from unified_dist.net import free_port
 
-        torch.multiprocessing.spawn(_spawned, args=(args.spawn, free_port(), args.suite, args.out), nprocs=args.spawn)
+        torch.multiprocessing.spawn(_spawned, args=(args.spawn, free_port(), args.suite, args.out, args.then),
+                                    nprocs=args.spawn)
     else:
         run_suite(args.suite, args.out, adopt=args.adopt)
+        if args.then:
+            run_suite(args.then, args.out)
 
 
 if __name__ == "__main__":
