@@ -734,6 +734,58 @@ def accumulation_mistakes_are_refused():
     assert all(torch.equal(a, b) for a, b in zip(before, ud.unwrap(model).parameters())), "a refused backward updated"
 
 
+# ----------------------------------------------------------------- bucket size
+BUCKET_MB = "0.25"
+"""What the test sets ``UNIFIED_DIST_BUCKET_MB`` to for the accum suite's launches (every model of
+the suite's other checks fits in one bucket of that size, as in one of DDP's default 25 MiB)."""
+
+
+class _FourSlabs(torch.nn.Module):
+    """Four parameters of 40,000 float32s (160,000 bytes each), used one after another."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.slabs = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(40_000) * 0.01) for _ in range(4)])
+
+    def forward(self, x):
+        for slab in self.slabs:
+            x = x * (1 + slab)
+        return x.sum()
+
+
+@check("accum")
+def bucket_size_from_the_variable_reaches_the_stack():
+    """Launched with ``UNIFIED_DIST_BUCKET_MB=0.25``: DDP (torch's, and the one Accelerate builds
+    from its DDP kwargs handler) holds a bucket cap of 0.25 MiB = 262,144 bytes (the docs' MiB), and
+    once DDP has rebuilt its buckets after the first synchronised backward, four 160,000-byte
+    gradients live in two buckets of two (their bucket views share 2 storages; DDP's default 25 MiB
+    would hold all four in one). Horovod gets ``HOROVOD_FUSION_THRESHOLD=262144``. One process
+    builds no DDP."""
+    assert os.environ.get("UNIFIED_DIST_BUCKET_MB") == BUCKET_MB, "the test did not set the variable"
+    model = _FourSlabs()
+    model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    storages = []
+    for _ in range(2):  # two optimizer steps: DDP rebuilds its buckets after the first
+        for _ in range(ud.gradient_accumulation_steps()):
+            with ud.accumulate(model):
+                ud.backward(model(torch.ones(40_000, device=ud.device())))
+                if ud.sync_gradients():
+                    storages.append(len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}))
+                opt.step()
+                opt.zero_grad()
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    name = ud.backend_name()
+    if name == "horovod":
+        assert os.environ.get("HOROVOD_FUSION_THRESHOLD") == "262144", os.environ.get("HOROVOD_FUSION_THRESHOLD")
+    elif name in ("torch", "accelerate") and ud.world_size() > 1:
+        assert ddp, type(model)
+        assert model.bucket_bytes_cap == 262144, f"{name}'s DDP holds buckets of {model.bucket_bytes_cap} bytes"
+        assert storages[-1] == 2, f"{name}: 4 gradients of 160,000 bytes in {storages} bucket(s), not 2"
+    else:
+        assert not ddp, type(model)
+
+
 # ----------------------------------------------------------------- FSDP2
 # (suite "fsdp": torchrun, accelerate launch --use_fsdp)
 class _Block(torch.nn.Module):
