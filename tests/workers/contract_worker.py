@@ -777,7 +777,8 @@ def bucket_size_from_the_variable_reaches_the_stack():
     ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     name = ud.backend_name()
     if name == "horovod":
-        assert os.environ.get("HOROVOD_FUSION_THRESHOLD") == "262144", os.environ.get("HOROVOD_FUSION_THRESHOLD")
+        given = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+        assert given == "262144", f"Horovod's fusion buffer: HOROVOD_FUSION_THRESHOLD={given}, not 262144"
     elif name in ("torch", "accelerate") and ud.world_size() > 1:
         assert ddp, type(model)
         assert model.bucket_bytes_cap == 262144, f"{name}'s DDP holds buckets of {model.bucket_bytes_cap} bytes"
