@@ -1,6 +1,8 @@
 """One bucket-size setting for every stack (unified_dist.buckets): what it resolves to, what DDP
-and Horovod get, and the refusals. The real launches (DDP under torchrun/accelerate, Horovod's
-fusion buffer under horovodrun) run in bench/network.py's tuning rows."""
+and Horovod get, and the refusals. Under the real launchers, the contract's accum suite is launched
+with UNIFIED_DIST_BUCKET_MB=0.25 and asserts the bucket cap (262,144 bytes) and bucket count of the
+DDP that torch's backend and Accelerate built, and Horovod's HOROVOD_FUSION_THRESHOLD
+(tests/test_contract_under_launchers.py -k accum-bucket); bench/network.py's tuning rows time them."""
 import os
 
 import pytest

@@ -27,6 +27,9 @@ NPROC = {"python": 1, "torchrun": 2, "accelerate": 2, "horovodrun": 2}
 # In this suite's launches the worker starts the launcher's own stack before the facade
 # (dist.init_process_group / Accelerate's PartialState / hvd.init): the facade must adopt it.
 ADOPTING_SUITE = "bf16"
+# The accum suite's launches size DDP's buckets (Horovod's fusion buffer) through the variable; its
+# check bucket_size_from_the_variable_reaches_the_stack asserts what each stack got.
+SUITE_ENV = {"accum": {"UNIFIED_DIST_BUCKET_MB": contract_worker.BUCKET_MB}}
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
@@ -36,7 +39,7 @@ def _launch(launcher: str, suite: str, out: Path, env=None) -> Tuple[Result, Dic
     args = ["--suite", suite, "--out", str(out)]
     if suite == ADOPTING_SUITE and launcher != "python":
         args.append("--adopt")
-    result = launch(launcher, WORKER, args, nproc=nproc, timeout=240, env=env)
+    result = launch(launcher, WORKER, args, nproc=nproc, timeout=240, env={**SUITE_ENV.get(suite, {}), **(env or {})})
     ranks = {}
     for r in range(nproc):
         path = out / f"{suite}_rank{r}.json"

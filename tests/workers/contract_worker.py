@@ -30,7 +30,6 @@ import types
 import torch
 
 import unified_dist as ud
-from unified_dist import compression as contract_compression
 from unified_dist.cli import contract
 from unified_dist.cli.contract import regression_data, tiny_model
 
@@ -739,6 +738,59 @@ def accumulation_mistakes_are_refused():
     assert all(torch.equal(a, b) for a, b in zip(before, ud.unwrap(model).parameters())), "a refused backward updated"
 
 
+# ----------------------------------------------------------------- bucket size
+BUCKET_MB = "0.25"
+"""What the test sets ``UNIFIED_DIST_BUCKET_MB`` to for the accum suite's launches (every model of
+the suite's other checks fits in one bucket of that size, as in one of DDP's default 25 MiB)."""
+
+
+class _FourSlabs(torch.nn.Module):
+    """Four parameters of 40,000 float32s (160,000 bytes each), used one after another."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.slabs = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(40_000) * 0.01) for _ in range(4)])
+
+    def forward(self, x):
+        for slab in self.slabs:
+            x = x * (1 + slab)
+        return x.sum()
+
+
+@check("accum")
+def bucket_size_from_the_variable_reaches_the_stack():
+    """Launched with ``UNIFIED_DIST_BUCKET_MB=0.25``: DDP (torch's, and the one Accelerate builds
+    from its DDP kwargs handler) holds a bucket cap of 0.25 MiB = 262,144 bytes (the docs' MiB), and
+    once DDP has rebuilt its buckets after the first synchronised backward, four 160,000-byte
+    gradients live in two buckets of two (their bucket views share 2 storages; DDP's default 25 MiB
+    would hold all four in one). Horovod gets ``HOROVOD_FUSION_THRESHOLD=262144``. One process
+    builds no DDP."""
+    assert os.environ.get("UNIFIED_DIST_BUCKET_MB") == BUCKET_MB, "the test did not set the variable"
+    model = _FourSlabs()
+    model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    storages = []
+    for _ in range(2):  # two optimizer steps: DDP rebuilds its buckets after the first
+        for _ in range(ud.gradient_accumulation_steps()):
+            with ud.accumulate(model):
+                ud.backward(model(torch.ones(40_000, device=ud.device())))
+                if ud.sync_gradients():
+                    storages.append(len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}))
+                opt.step()
+                opt.zero_grad()
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    name = ud.backend_name()
+    if name == "horovod":
+        given = os.environ.get("HOROVOD_FUSION_THRESHOLD")
+        assert given == "262144", f"Horovod's fusion buffer: HOROVOD_FUSION_THRESHOLD={given}, not 262144"
+    elif name in ("torch", "accelerate") and ud.world_size() > 1:
+        assert ddp, type(model)
+        assert model.bucket_bytes_cap == 262144, f"{name}'s DDP holds buckets of {model.bucket_bytes_cap} bytes"
+        assert storages[-1] == 2, f"{name}: 4 gradients of 160,000 bytes in {storages} bucket(s), not 2"
+    else:
+        assert not ddp, type(model)
+
+
 # ----------------------------------------------------------------- FSDP2
 # (suite "fsdp": torchrun, accelerate launch --use_fsdp)
 class _Block(torch.nn.Module):
@@ -1011,48 +1063,108 @@ def _compression_for(suite):
     return "fp16" if os.environ.get("HOROVOD_RANK") else "bf16"
 
 
-def _per_sample_grad_mean_abs(x, y):
-    """Elementwise mean over samples of |d loss_s / d p| at the reference's initial parameters."""
-    model = tiny_model()
-    total = [torch.zeros_like(p) for p in model.parameters()]
-    for s in range(len(x)):
-        model.zero_grad()
-        torch.nn.functional.mse_loss(model(x[s:s + 1]), y[s:s + 1]).backward()
-        for t, p in zip(total, model.parameters()):
-            t += p.grad.abs()
-    return [t / len(x) for t in total]
+class _ElementwiseTiny(torch.nn.Module):
+    """:func:`tiny_model` (same initial weights) with its two Linear layers written as broadcast
+    multiply-and-sum. CPU autocast lowers matmul/linear to bf16 but leaves mul, sum, add and tanh
+    in float32, so the bf16 suite's autocast (which Accelerate wraps around a prepared model's
+    forward whenever mixed_precision is set) leaves this model's forward and backward in float32."""
+
+    def __init__(self):
+        super().__init__()
+        first, _, second = tiny_model()
+        self.w1, self.b1 = (torch.nn.Parameter(t.detach().clone()) for t in (first.weight, first.bias))
+        self.w2, self.b2 = (torch.nn.Parameter(t.detach().clone()) for t in (second.weight, second.bias))
+
+    def forward(self, x):
+        hidden = torch.tanh((x.unsqueeze(1) * self.w1).sum(-1) + self.b1)
+        return (hidden.unsqueeze(1) * self.w2).sum(-1) + self.b2
+
+
+def _compressed_mean(grads, fmt, horovod):
+    """The average of the float32 rank gradients ``grads`` as the documented compression computes it,
+    in plain torch. torch's ``bf16_compress_hook``/``fp16_compress_hook`` (torch, Accelerate): each
+    rank casts to the format and divides by N in it (``buffer.to(dtype).div_(N)``), the all-reduce
+    sums in it, and the result is widened. Horovod's ``Compression.fp16``: each rank casts to fp16,
+    the all-reduce sums in fp16, then scales by 1/N (``op=Average``: Horovod's postscale factor) and
+    rounds to fp16 again, before the decompression widens it."""
+    n = len(grads)
+    if horovod:
+        total = grads[0].to(fmt)
+        for g in grads[1:]:
+            total = total + g.to(fmt)
+        return (total.float() * (1.0 / n)).to(fmt).float()
+    total = grads[0].to(fmt) / n
+    for g in grads[1:]:
+        total = total + g.to(fmt) / n
+    return total.float()
+
+
+def _sgd_step(grads, lr):
+    """The parameters of a fresh :class:`_ElementwiseTiny` after one torch SGD step with these gradients."""
+    model = _ElementwiseTiny()
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g.clone()
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _same(got, expected, atol, what):
+    worst = max(float((g.double() - e.double()).abs().max()) for g, e in zip(got, expected))
+    assert worst <= atol, f"{what}: off by {worst:.3g} (> {atol:g})"
 
 
 @check("bf16")
-def compressed_sgd_step_matches_single_process_within_format_precision():
-    """One SGD step (lr 0.5) of N ranks with compressed gradients vs one float32 process.
+def compressed_sgd_step_is_the_rounded_average_of_float32_rank_gradients():
+    """One SGD step (lr 0.5) of N ranks, each on its own 4 samples, with compressed gradients.
 
-    Tolerance, per element: the averaged gradient sum_i g_i/N is computed from N rank
-    gradients each rounded to the format (relative error <= d = 2^-bits: 2^-8 for bf16's 8
-    significant bits, 2^-11 for fp16's 11), divided by N and summed in the format (N-1 sums
-    and one division, each rounded: <= d * sum_i |g_i| / N each); so
-    |error| <= (N + 1) * d * mean_i |g_i| <= (N + 1) * d * mean_s |g_s| (a rank's gradient is
-    the mean of its samples'), and the parameter moves by lr times that, plus 1e-6 for float32.
-    The check also asserts the compression ran: with N > 1 the result must differ from the float32
-    reference by more than float32 rounding (1e-6); one process sends nothing and must match it.
+    Expected, in plain torch on every rank: each rank's gradient in float32 (the model's ops stay
+    float32 under the suite's autocast; asserted: the prepared model's forward equals the plain one
+    bit for bit), rounded to the format and averaged in the order the documented compression uses
+    (:func:`_compressed_mean`), then one torch SGD step. The facade's parameters must match that to
+    1e-7 (float32 rounding of a step of ~1, with a margin), and that expectation must differ from
+    the float32 average's step by more than 100 x 1e-7, so a run whose gradients went uncompressed
+    fails. The expectation is also checked against the formats' documented precision: bf16 keeps 8
+    significant bits, fp16 11, each rounding off by at most 2^-bits relative; N casts, N-1 sums and
+    one division give |error| <= (N + 1) * 2^-bits * mean_r |g_r|, times lr. One process sends
+    nothing: its step is the float32 one.
     """
-    w, lr, b = ud.world_size(), 0.5, 4
+    w, r, lr, b = ud.world_size(), ud.rank(), 0.5, 4
     mode = ud.gradient_compression()
     assert mode == _compression_for("bf16"), mode
-    model, ref = _facade_steps(b, 1, torch.optim.SGD, 1, lr=lr)
+    fmt, bits = {"bf16": (torch.bfloat16, 8), "fp16": (torch.float16, 11)}[mode]
     x, y = regression_data(b * w)
-    delta = 2.0 ** -contract_compression.SIGNIFICANT_BITS[mode]
-    worst = 0.0
-    for p, q, g in zip(model.parameters(), ref.parameters(), _per_sample_grad_mean_abs(x, y)):
-        diff = (p.detach().cpu().double() - q.detach().double()).abs()
-        bound = lr * (w + 1) * delta * g.double() + 1e-6
-        assert bool((diff <= bound).all()), f"{mode}: off by {float((diff - bound).max()):+.3g} beyond the bound"
-        worst = max(worst, float(diff.max()))
-    if w > 1:
-        assert worst > 1e-6, (f"{mode} compression did not change the result (max diff {worst:.3g}): "
-                              "the hook did not run")
-    else:
-        assert worst <= 1e-6, f"one process sends nothing, yet differs by {worst:.3g}"
+    mine = slice(r * b, (r + 1) * b)
+    model = _ElementwiseTiny()
+    model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=lr))
+    with ud.accumulate(model):
+        out = model(x[mine].to(ud.device()))
+        ud.backward(torch.nn.functional.mse_loss(out, y[mine].to(ud.device())))
+        opt.step()
+        opt.zero_grad()
+    got = [p.detach().cpu() for p in ud.unwrap(model).parameters()]
+    plain = _ElementwiseTiny()
+    grads = []  # grads[k][i]: rank k's float32 gradient of parameter i
+    for k in range(w):
+        plain.zero_grad()
+        torch.nn.functional.mse_loss(plain(x[k * b:(k + 1) * b]), y[k * b:(k + 1) * b]).backward()
+        grads.append([p.grad.clone() for p in plain.parameters()])
+    per_param = list(zip(*grads))
+    float32_step = _sgd_step([sum(gs) / w for gs in per_param], lr)
+    assert torch.equal(out.detach().cpu(), plain(x[mine]).detach()), \
+        "the prepared model's forward is not the plain float32 one (did autocast reach it?)"
+    if w == 1:
+        _same(got, float32_step, 1e-7, "one process sends nothing, yet its step is not the float32 one")
+        return
+    horovod = bool(os.environ.get("HOROVOD_RANK"))
+    expected = _sgd_step([_compressed_mean(list(gs), fmt, horovod) for gs in per_param], lr)
+    apart = max(float((e - f).abs().max()) for e, f in zip(expected, float32_step))
+    assert apart > 100 * 1e-7, f"{mode}: the rounded average's step is only {apart:.3g} from float32's: no test"
+    for e, f, gs in zip(expected, float32_step, per_param):
+        bound = lr * (w + 1) * 2.0 ** -bits * (sum(g.abs() for g in gs) / w) + 1e-7
+        assert bool(((e - f).abs() <= bound).all()), f"{mode}: the expectation exceeds the format's precision"
+    off = max(float((g - f).abs().max()) for g, f in zip(got, float32_step))
+    _same(got, expected, 1e-7, f"{mode}: not the compressed average's step ({off:.3g} from float32's, which "
+                               f"is {apart:.3g} from the compressed one)")
 
 
 def _start_native_stack(init_method=None, rank=None, world_size=None):
