@@ -498,6 +498,24 @@ def bf16_autocast_trains_on_cpu():
     assert torch.equal(weights[0], weights[-1]), "ranks diverged"
 
 
+@check("bf16")
+def mixed_precision_autocasts_only_inside_ud_autocast():
+    """Mixed precision means the same under every launcher: outside ``ud.autocast()`` a prepared model's
+    forward is the plain float32 forward, bit for bit (an evaluation loop without it must not run in
+    bf16 under one launcher only); inside, it is torch's own CPU bf16 autocast of the plain model."""
+    plain = tiny_model()
+    model = ud.prepare(tiny_model())
+    x, _ = regression_data(8)
+    outside = model(x)
+    assert outside.dtype == torch.float32 and torch.equal(outside, plain(x)), \
+        f"outside ud.autocast(): {outside.dtype}, max diff {float((outside.float() - plain(x)).abs().max()):.3g}"
+    with ud.autocast():
+        inside = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = plain(x)
+    assert inside.dtype == torch.bfloat16 and torch.equal(inside, expected), f"inside ud.autocast(): {inside.dtype}"
+
+
 # ----------------------------------------------------------------- SyncBatchNorm
 # (suite "syncbn" inits with sync_batchnorm=True)
 def _bn_model():

@@ -127,7 +127,8 @@ class AccelerateBackend(StoreArrivals, Backend):
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self._fsdp.enabled and any(p.requires_grad for p in model.parameters()):
             return self._fsdp.prepare(model.to(self.device))
-        return self._ddp.track(self.apply_compression(self.accelerator.prepare_model(model)))
+        return self._ddp.track(self.apply_compression(_only_autocast_when_asked(self.accelerator.prepare_model(model),
+                                                                                  model)))
 
     def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
         """The hook on the DDP wrapper Accelerate made (its own ``comm_hook=BF16`` kwarg hands DDP
@@ -186,3 +187,18 @@ class AccelerateBackend(StoreArrivals, Backend):
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
+
+
+def _only_autocast_when_asked(prepared: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+    """Undo what Accelerate's ``prepare_model`` does to ``model.forward`` under mixed precision (run
+    every forward in autocast and convert the outputs to float32), so that mixed precision means the
+    same as under torchrun and horovodrun: autocast inside ``ud.autocast()`` only, outputs in the
+    dtype autocast gives. Otherwise an evaluation outside ``ud.autocast()`` would run in bf16 under
+    ``accelerate launch`` and in float32 under every other launcher. Returns ``prepared``."""
+    original = vars(model).pop("_original_forward", None)
+    if original is not None:
+        if getattr(original, "__func__", None) is type(model).forward and original.__self__ is model:
+            vars(model).pop("forward", None)  # the class's own forward again
+        else:
+            model.forward = original  # the user's own instance-level forward
+    return prepared
