@@ -49,6 +49,29 @@ def _launch(launcher: str, suite: str, out: Path, env=None) -> Tuple[Result, Dic
     return result, ranks
 
 
+# Where each launcher tells a process its index on the host; the facade's ud.local_rank() must say the same
+# (the device of rank r on a GPU host is cuda:<local rank>). The worker records the variable as it found it.
+LOCAL_RANK_VARIABLE = {"torchrun": "LOCAL_RANK", "accelerate": "LOCAL_RANK", "accelerate-fsdp": "LOCAL_RANK",
+                       "horovodrun": "HOROVOD_LOCAL_RANK", "srun": "SLURM_LOCALID",
+                       "mpirun": "OMPI_COMM_WORLD_LOCAL_RANK"}
+
+
+def _assert_local_rank(launcher: str, r: int, data: dict) -> None:
+    """``ud.local_rank()`` equals the launcher's own variable; on this one host that is also the rank.
+    Plain python (one process) and mp.spawn workers (``launcher=None``) have no such variable: 0 and the rank."""
+    seen = data["local_rank_variables"]
+    if launcher in LOCAL_RANK_VARIABLE:
+        name = LOCAL_RANK_VARIABLE[launcher]
+        assert name in seen, f"rank {r}: {launcher} set no {name} ({seen})"
+        assert int(seen[name]) == r, f"rank {r}: {name}={seen[name]} on one host"  # the test's own premise
+        expected = int(seen[name])
+    else:
+        assert seen == {}, f"rank {r}: launcher variables where none were expected: {seen}"
+        expected = r
+    assert data["identity"]["local_rank"] == expected, \
+        f"rank {r}: ud.local_rank() == {data['identity']['local_rank']}, the launcher says {expected} ({seen})"
+
+
 def _installed(launcher: str) -> bool:
     """Whether the library that ``launcher``'s workers run is installed (python's and torchrun's: torch)."""
     module = {"accelerate": "accelerate", "horovod": "horovod"}.get(BACKEND_OF[launcher], "torch")
@@ -102,6 +125,7 @@ def test_contract(launcher, suite, check, runs):
         identity = data["identity"]
         assert identity["backend"] == BACKEND_OF[launcher], identity
         assert identity["world_size"] == NPROC[launcher], identity
+        _assert_local_rank(launcher, r, data)
         assert data["results"][check] == "ok", f"rank {r}: {data['results'][check]}"
 
 
@@ -143,7 +167,9 @@ def test_contract_under_srun_and_mpirun(launcher, suite, check, runs, request):
     result.check()
     assert sorted(ranks) == [0, 1], f"missing rank results:\n{result.output[-3000:]}"
     for r, data in ranks.items():
-        assert data["identity"] == {"backend": "torch", "launcher": launcher, "world_size": 2, "rank": r}
+        assert data["identity"] == {"backend": "torch", "launcher": launcher, "world_size": 2, "rank": r,
+                                    "local_rank": data["identity"]["local_rank"]}
+        _assert_local_rank(launcher, r, data)
         assert data["results"][check] == "ok", f"rank {r}: {data['results'][check]}"
 
 
@@ -153,7 +179,9 @@ def test_a_stack_started_before_the_facade_is_adopted_and_left_running(launcher,
     result.check()
     assert sorted(ranks) == [0, 1], result.output[-3000:]
     for r, data in ranks.items():
-        assert data["identity"] == {"backend": BACKEND_OF[launcher], "launcher": launcher, "world_size": 2, "rank": r}
+        assert data["identity"] == {"backend": BACKEND_OF[launcher], "launcher": launcher, "world_size": 2, "rank": r,
+                                    "local_rank": data["identity"]["local_rank"]}
+        _assert_local_rank(launcher, r, data)
         assert data["results"]["native_stack_survives_shutdown"] == "ok", data["results"]
 
 
@@ -183,7 +211,9 @@ def test_contract_in_mp_spawn_workers_that_joined_a_tcp_group_themselves(suite, 
     ranks = suites[suite]
     assert sorted(ranks) == [0, 1], result.output[-3000:]
     for r, data in ranks.items():
-        assert data["identity"] == {"backend": "torch", "launcher": "existing", "world_size": 2, "rank": r}
+        assert data["identity"] == {"backend": "torch", "launcher": "existing", "world_size": 2, "rank": r,
+                                    "local_rank": data["identity"]["local_rank"]}
+        _assert_local_rank("mp.spawn", r, data)  # no launcher variables: the facade gathers host names
         assert data["results"][check] == "ok", f"rank {r}: {data['results'][check]}"
 
 
@@ -220,6 +250,7 @@ def test_fsdp_contract(launcher, check, runs, fsdp_dir):
     assert sorted(ranks) == [0, 1], f"missing rank results:\n{result.output[-3000:]}"
     for r, data in ranks.items():
         assert data["identity"]["backend"] == BACKEND_OF[launcher] and data["identity"]["world_size"] == 2
+        _assert_local_rank(launcher, r, data)
         assert data["results"][check] == "ok", f"rank {r}: {data['results'][check]}"
 
 

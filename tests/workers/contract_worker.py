@@ -1209,8 +1209,14 @@ def _native_stack_alive():
     return torch.distributed.is_initialized()
 
 
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "HOROVOD_LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+"""Where each launcher says which process of its host this is (torchrun and accelerate launch, horovodrun,
+srun, mpirun): the worker records what it saw before the facade started, and the test compares."""
+
+
 def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=None):
     """Run ``suite``'s checks; with ``adopt``, inside a stack this process started before the facade."""
+    launcher_saw = {name: os.environ[name] for name in LOCAL_RANK_VARIABLES if name in os.environ}
     if adopt:
         _start_native_stack(init_method, rank, world_size)
     # "syncbn" synchronises BatchNorm (the others keep the default: BatchNorm per rank, buffers
@@ -1229,14 +1235,14 @@ def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=N
             results[fn.__name__] = "FAIL: " + "".join(traceback.format_exception_only(type(exc), exc)).strip() \
                 + "\n" + traceback.format_exc()[-1500:]
     identity = {"backend": ud.backend_name(), "launcher": ud.launcher(), "world_size": ud.world_size(),
-                "rank": ud.rank()}
+                "rank": ud.rank(), "local_rank": ud.local_rank()}
     ud.barrier()
     ud.shutdown()
     if adopt:  # the facade used the running stack and must leave it running
         results["native_stack_survives_shutdown"] = ("ok" if _native_stack_alive()
                                                      else "FAIL: torn down by ud.shutdown()")
     with open(os.path.join(out, f"{suite}_rank{identity['rank']}.json"), "w") as f:
-        json.dump({"identity": identity, "results": results}, f)
+        json.dump({"identity": identity, "local_rank_variables": launcher_saw, "results": results}, f)
 
 
 def _spawned(rank, world_size, port, suite, out, then=None):
