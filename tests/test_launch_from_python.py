@@ -30,7 +30,7 @@ WORK = textwrap.dedent('''
         for name in checks:
             by_name[name](Context(out=".", world_size=2))  # raises on a wrong value
             outcome[name] = "ok"
-        return ud.all_gather_object(outcome)
+        return {"returned_by_rank": ud.rank(), "per_rank": ud.all_gather_object(outcome)}  # differs per rank
 ''')
 CHECKS = ["identity", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "all_reduce_min", "all_gather_even",
           "all_gather_uneven", "all_gather_0d", "training_step"]
@@ -46,7 +46,9 @@ def test_launch_runs_the_function_on_every_rank_and_returns_rank_0s_value(backen
     result = _python_c(code).check()
     line = [ln for ln in result.output.splitlines() if ln.startswith("RESULT ")]
     assert line, result.output[-3000:]
-    per_rank = json.loads(line[-1][len("RESULT "):])
+    returned = json.loads(line[-1][len("RESULT "):])
+    assert returned["returned_by_rank"] == 0, f"ud.launch returned rank {returned['returned_by_rank']}'s value"
+    per_rank = returned["per_rank"]
     assert [o["rank"] for o in per_rank] == [0, 1]
     for outcome in per_rank:
         assert outcome["backend"] == backend and outcome["launcher"] == "ud.launch" and outcome["world_size"] == 2
@@ -110,7 +112,7 @@ FAILING = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("backend", ["torch", "horovod"])  # accelerate starts its workers as torch does
+@pytest.mark.parametrize("backend", ["torch", "accelerate", "horovod"])
 def test_an_exception_in_a_worker_is_raised_in_the_caller_with_its_traceback(backend, tmp_path):
     script = tmp_path / "failing.py"
     script.write_text(FAILING.replace("BACKEND", repr(backend)))
