@@ -18,6 +18,16 @@ def record(out, **data):
         json.dump(data, f)
 
 
+def is_horovods_internal_error(exc):
+    """Under horovodrun: whether ``exc`` is an instance of Horovod's own ``HorovodInternalError`` (the class
+    ``hvd.elastic.run`` catches), not of a look-alike of that name; ``None`` elsewhere."""
+    if not os.environ.get("HOROVOD_RANK"):
+        return None
+    from horovod.common.exceptions import HorovodInternalError
+
+    return isinstance(exc, HorovodInternalError)
+
+
 def main():
     scenario, out = sys.argv[1], sys.argv[2]
     ud.init(debug=scenario.startswith("mismatch"), timeout=4 if scenario == "timeout" else 60)
@@ -56,7 +66,8 @@ def main():
                 opt.step()
                 opt.zero_grad()
     except ud.UnifiedDistError as exc:
-        record(out, error=type(exc).__name__, message=str(exc), elapsed=time.monotonic() - start)
+        record(out, error=type(exc).__name__, message=str(exc), elapsed=time.monotonic() - start,
+               horovod_internal_error=is_horovods_internal_error(exc))
         raise SystemExit(3) from exc
     record(out, error=None, message="", elapsed=time.monotonic() - start)
 
