@@ -69,7 +69,7 @@ def _assert_local_rank(launcher: str, r: int, data: dict) -> None:
         assert seen == {}, f"rank {r}: launcher variables where none were expected: {seen}"
         expected = r
     assert data["identity"]["local_rank"] == expected, \
-        f"rank {r}: ud.local_rank() == {data['identity']['local_rank']}, the launcher says {expected} ({seen})"
+        f"rank {r}: ud.local_rank() == {data['identity']['local_rank']}, expected {expected} (variables: {seen})"
 
 
 def _installed(launcher: str) -> bool:
