@@ -154,17 +154,19 @@ def _cycle_launch(cycle_ms: str, out: Path) -> Dict[int, dict]:
     return {r: json.loads((out / f"cycle_rank{r}.json").read_text()) for r in range(2)}
 
 
-def _median_ms(ranks: Dict[int, dict]) -> float:
-    return sum(data["scalar_all_reduce_median_ms"] for data in ranks.values()) / len(ranks)
+def _p10_ms(ranks: Dict[int, dict]) -> float:
+    """The 10th percentile of a launch's scalar all-reduce times, averaged over its ranks."""
+    return sum(data["scalar_all_reduce"]["p10_ms"] for data in ranks.values()) / len(ranks)
 
 
 @pytest.mark.horovod
 def test_horovod_cycles_every_5_ms_on_cpu_unless_the_user_set_a_cycle(runs, tmp_path):
     """README ("Horovod's cycle"): on CPU hosts the facade sets HOROVOD_CYCLE_TIME=5 before hvd.init()
-    unless the user set one, which wins. A scalar all-reduce waits about one cycle, so its median orders
+    unless the user set one, which wins. A scalar all-reduce waits for the next cycle, so its times order
     the launches: the user's 50 ms, the default launch (the accumulation suite's horovodrun run, which
-    sets none), the user's 1 ms. Medians measured here under a load average of 7 on 2 cores: 50.0-50.2,
-    5.1-6.3 and 1.4-2.5 ms; the margins (3x, 1.5x) leave room for a busier machine."""
+    sets none), the user's 1 ms. Compared by the 10th percentile (load only adds time; medians at 1 ms
+    ranged over 1-18 ms): in 14 rounds of the three launches under a load average of 6-7 on 2 cores,
+    49.2-49.5, 2.7-4.9 and 0.9-2.2 ms, ratios 10-17x and 2.0-5.1x; hence the margins 3x and 1.5x."""
     result, default = runs.get("horovodrun", "accum")
     result.check()
     assert sorted(default) == [0, 1], result.output[-3000:]
@@ -173,10 +175,10 @@ def test_horovod_cycles_every_5_ms_on_cpu_unless_the_user_set_a_cycle(runs, tmp_
     assert [d["measured"]["HOROVOD_CYCLE_TIME"] for d in default.values()] == ["5", "5"], default
     assert [d["HOROVOD_CYCLE_TIME"] for d in slow.values()] == ["50", "50"], slow  # the user's value wins
     assert [d["HOROVOD_CYCLE_TIME"] for d in fast.values()] == ["1", "1"], fast
-    medians = {"50 ms": _median_ms(slow), "default": _median_ms({r: d["measured"] for r, d in default.items()}),
-               "1 ms": _median_ms(fast)}
-    assert medians["50 ms"] > 3 * medians["default"], medians
-    assert medians["default"] > 1.5 * medians["1 ms"], medians
+    p10 = {"50 ms": _p10_ms(slow), "default": _p10_ms({r: d["measured"] for r, d in default.items()}),
+           "1 ms": _p10_ms(fast)}
+    assert p10["50 ms"] > 3 * p10["default"], p10
+    assert p10["default"] > 1.5 * p10["1 ms"], p10
 
 
 # srun and mpirun start processes that carry SLURM's or MPI's variables and no torch ones:

@@ -241,35 +241,39 @@ def gradients_are_ddp_bucket_views_and_zeroing_in_place_accumulates_right():
     assert storages == ([1, 1] if ddp else [params, params]), (ud.backend_name(), storages)
 
 
-def scalar_all_reduce_median_ms(repeats=40):
-    """The median time (ms) of a one-element ``ud.all_reduce``, ``repeats`` of them one after another.
+def scalar_all_reduce_ms(repeats=40):
+    """How long one-element ``ud.all_reduce`` calls take (ms): the median and the 10th percentile of
+    ``repeats`` calls one after another.
 
-    Under Horovod each waits for the background thread's next cycle (``HOROVOD_CYCLE_TIME``), so the
-    median follows the cycle; tests/workers/cycle_worker.py measures the same in its launches."""
+    Under Horovod each waits for the background thread's next cycle (``HOROVOD_CYCLE_TIME``). A loaded
+    machine only adds time, and at a 1 ms cycle it added so much that medians measured here ranged over
+    1.05-18 ms from launch to launch, while the 10th percentile stayed at 0.9-2.2 ms: the test compares
+    launches by the 10th percentile. tests/workers/cycle_worker.py measures with this function too."""
     x = torch.ones(1)
     ud.barrier()
-    seconds = []
+    ms = []
     for _ in range(repeats):
         start = time.perf_counter()
         ud.all_reduce(x, "sum")
-        seconds.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(seconds)
+        ms.append(1e3 * (time.perf_counter() - start))
+    ms.sort()
+    return {"median_ms": statistics.median(ms), "p10_ms": ms[(repeats - 1) // 10]}
 
 
 @check("accum")
 def horovod_cycles_at_the_cpu_default_and_other_stacks_are_left_alone():
     """On CPU hosts the facade sets ``HOROVOD_CYCLE_TIME=5`` (ms) before its ``hvd.init()`` when the launch
     set none (README, "Horovod's cycle"); this launch sets none. A small all-reduce then waits about one
-    cycle, so its median is at least 3 ms (a lower bound: a loaded machine only adds), and it is recorded:
-    the test compares it with launches where the user set 50 and 1 ms (tests/workers/cycle_worker.py).
-    Other stacks get no such variable."""
+    cycle, so its median is at least 3 ms (a lower bound: a loaded machine only adds). The times are
+    recorded: the test compares them with launches where the user set 50 and 1 ms
+    (tests/workers/cycle_worker.py). Other stacks get no such variable."""
     if ud.backend_name() != "horovod":
         assert "HOROVOD_CYCLE_TIME" not in os.environ, os.environ["HOROVOD_CYCLE_TIME"]
         return
     MEASURED["HOROVOD_CYCLE_TIME"] = os.environ.get("HOROVOD_CYCLE_TIME")
-    MEASURED["scalar_all_reduce_median_ms"] = median_ms = scalar_all_reduce_median_ms()
+    MEASURED["scalar_all_reduce"] = times = scalar_all_reduce_ms()
     assert os.environ.get("HOROVOD_CYCLE_TIME") == "5", os.environ.get("HOROVOD_CYCLE_TIME")
-    assert median_ms >= 3, f"a scalar all-reduce took {median_ms:.2f} ms: the cycle is not 5 ms"
+    assert times["median_ms"] >= 3, f"a scalar all-reduce took {times['median_ms']:.2f} ms: the cycle is not 5 ms"
 
 
 def _reference_windows(x, y, window, lr):
