@@ -64,3 +64,8 @@ def test_the_recorded_run_caught_every_listed_mutant():
     missing = [m["name"] for m in MUTANTS if m["name"] not in outcomes]
     assert not missing, f"not in the recorded run (run `make mutants`): {missing}"
     assert all(outcome == "caught" for outcome in outcomes.values()), outcomes
+
+
+def test_the_readme_counts_the_mutants_there_are():
+    text = (ROOT / "README.md").read_text()
+    assert f"`make mutants` breaks\n{len(MUTANTS)} documented promises" in text, "README's mutant count is stale"
