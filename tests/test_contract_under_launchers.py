@@ -17,7 +17,7 @@ from typing import Dict, Optional, Tuple
 
 import pytest
 
-from unified_dist.testing.launchers import BACKEND_OF, BIN, LAUNCHERS, ROOT, Result, launch, run
+from unified_dist.testing.launchers import BACKEND_OF, BIN, LAUNCHERS, ROOT, Result, child_env, launch, run
 
 sys.path.insert(0, str(ROOT / "tests" / "workers"))
 import contract_worker  # noqa: E402  (the check list; the checks run in the launched processes)
@@ -231,8 +231,9 @@ SPAWN_CASES = ([("core", fn.__name__) for fn in contract_worker.CHECKS["core"]]
 def spawned(tmp_path_factory) -> Tuple[Result, Dict[str, Dict[int, dict]]]:
     """One launch: plain python whose mp.spawn workers join a tcp:// group themselves."""
     out = tmp_path_factory.mktemp("spawned")
+    # the accum suite's variable is set for the whole run: the core suite's models fit one bucket either way
     result = run([str(BIN / "python"), WORKER, "--suite", "core", "--out", str(out), "--spawn", "2",
-                  "--then", "accum"], timeout=240)
+                  "--then", "accum"], timeout=240, env=child_env(SUITE_ENV["accum"]))
     return result, {suite: {r: json.loads((out / f"{suite}_rank{r}.json").read_text())
                             for r in range(2) if (out / f"{suite}_rank{r}.json").exists()}
                     for suite in ("core", "accum")}
