@@ -173,3 +173,29 @@ def test_horovod_backend_sets_the_fusion_buffer_before_its_init_and_refuses_a_co
     with pytest.raises(UnifiedDistError, match="fusion-threshold-mb"):
         horovod_backend.HorovodBackend(detection, Config(bucket_mb=4.0))
     assert len(seen) == 1
+
+
+def test_bucket_mb_for_a_horovod_the_user_started_is_refused_unless_it_already_has_that_size(monkeypatch):
+    """Horovod reads its fusion buffer at hvd.init(): when the user's code ran hvd.init() before the facade,
+    bucket_mb can no longer reach it, so it is refused (not silently ignored), unless the variable the
+    user's init read already says the same size."""
+    import types
+
+    import torch
+
+    from unified_dist.backends import horovod_backend
+    from unified_dist.backends.base import Config
+    from unified_dist.detection import Detection
+    inits = []
+    fake = types.SimpleNamespace(Compression=types.SimpleNamespace(none=None, fp16=None),
+                                 is_initialized=lambda: True, local_rank=lambda: 0, init=lambda: inits.append(1))
+    monkeypatch.setattr(horovod_backend, "_import_horovod", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    detection = Detection(backend="horovod", launcher="horovodrun", reason="test")
+    monkeypatch.delenv("HOROVOD_FUSION_THRESHOLD", raising=False)
+    with pytest.raises(UnifiedDistError, match=r"set HOROVOD_FUSION_THRESHOLD=4194304 before hvd.init\(\)"):
+        horovod_backend.HorovodBackend(detection, Config(bucket_mb=4.0))
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", str(4 * 2 ** 20))
+    horovod_backend.HorovodBackend(detection, Config(bucket_mb=4.0))  # the size it already has: fine
+    horovod_backend.HorovodBackend(detection, Config())  # no bucket_mb: nothing to say
+    assert len(inits) == 2

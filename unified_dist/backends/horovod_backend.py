@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from .. import sync_batchnorm
-from ..buckets import horovod_env
+from ..buckets import HOROVOD_VAR, horovod_env
 from ..detection import Detection
 from ..errors import (
     BackendNotInstalled,
@@ -120,7 +120,14 @@ class HorovodBackend(Backend):
         self._owns_horovod = not self.hvd.is_initialized()  # a user's own hvd.init() stays running
         # read by hvd.init(); a Horovod the user started keeps the cycle it started with
         on_cpu = self.device_for(0).type == "cpu"
-        os.environ.update(horovod_env(config.bucket_mb, os.environ, on_cpu=on_cpu and self._owns_horovod))
+        wanted = horovod_env(config.bucket_mb, os.environ, on_cpu=on_cpu and self._owns_horovod)
+        already = os.environ.get(HOROVOD_VAR)
+        if not self._owns_horovod and wanted.get(HOROVOD_VAR, already) != already:
+            raise UnifiedDistError(
+                f"bucket_mb={config.bucket_mb:g} cannot reach the Horovod your code started with hvd.init(): "
+                f"it read its fusion buffer then; set {HOROVOD_VAR}={wanted[HOROVOD_VAR]} before hvd.init(), "
+                "or drop bucket_mb")
+        os.environ.update(wanted)
         self.hvd.init()
         if torch.cuda.is_available():
             torch.cuda.set_device(self.device)
