@@ -29,7 +29,7 @@ NPROC = {"python": 1, "torchrun": 2, "accelerate": 2, "horovodrun": 2}
 ADOPTING_SUITE = "bf16"
 # The accum suite's launches size DDP's buckets (Horovod's fusion buffer) through the variable; its
 # check bucket_size_from_the_variable_reaches_the_stack asserts what each stack got.
-SUITE_ENV = {"accum": {"UNIFIED_DIST_BUCKET_MB": contract_worker.BUCKET_MB}}
+SUITE_ENV = contract_worker.SUITE_ENV
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 

@@ -772,6 +772,8 @@ def accumulation_mistakes_are_refused():
 
 # ----------------------------------------------------------------- bucket size
 BUCKET_MB = "0.25"
+SUITE_ENV = {"accum": {"UNIFIED_DIST_BUCKET_MB": BUCKET_MB}}
+"""Variables each suite runs with, set by :func:`run_suite` before ``ud.init`` unless the launch set them."""
 """What the test sets ``UNIFIED_DIST_BUCKET_MB`` to for the accum suite's launches (every model of
 the suite's other checks fits in one bucket of that size, as in one of DDP's default 25 MiB)."""
 
@@ -1231,6 +1233,10 @@ srun, mpirun): the worker records what it saw before the facade started, and the
 def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=None):
     """Run ``suite``'s checks; with ``adopt``, inside a stack this process started before the facade."""
     launcher_saw = {name: os.environ[name] for name in LOCAL_RANK_VARIABLES if name in os.environ}
+    # the accum suite sizes DDP's buckets (Horovod's fusion buffer) through the variable, whichever
+    # launch runs it (tests/test_contract_under_launchers.py also passes it; tests/multinode does not)
+    for name, value in SUITE_ENV.get(suite, {}).items():
+        os.environ.setdefault(name, value)
     if adopt:
         _start_native_stack(init_method, rank, world_size)
     # "syncbn" synchronises BatchNorm (the others keep the default: BatchNorm per rank, buffers
