@@ -311,3 +311,16 @@ def test_shards_written_by_2_ranks_load_into_one_unsharded_process(launcher, run
     for index, entry in full["optimizer"]["state"].items():
         for key, value in entry.items():
             assert torch.equal(state[index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_shutdown_then_init_again_rejoins_under_srun_and_mpirun(launcher, request, tmp_path):
+    """facade.shutdown: a later call initialises again. Where the facade makes the group itself (srun,
+    mpirun), 20 rounds of init, all_reduce, shutdown end, each detecting the same launcher (a re-init
+    once met the previous group's store on the same port and hung, and said "torchrun")."""
+    env = request.getfixturevalue(_HPC_FIXTURE[launcher]) or {}
+    result = launch(launcher, "tests/workers/reinit_worker.py", [str(tmp_path), "20"], nproc=2, timeout=180, env=env)
+    result.check()
+    for r in (0, 1):
+        rounds = json.loads((tmp_path / f"reinit_rank{r}.json").read_text())
+        assert rounds == [{"launcher": launcher, "world_size": 2, "sum": 3.0}] * 20, rounds

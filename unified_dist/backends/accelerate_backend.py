@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from fractions import Fraction
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Dict, Optional
 
 import torch
 
@@ -21,6 +21,7 @@ from .process_group import (
     export_rendezvous,
     gather_stacked,
     join_default_group,
+    withdraw_rendezvous,
 )
 
 
@@ -71,9 +72,10 @@ class AccelerateBackend(StoreArrivals, Backend):
         # What this process had already started stays running at shutdown (see unified_dist.live).
         self._owns_group = not torch.distributed.is_initialized()
         self._owns_state = not PartialState._shared_state
+        self._exported: Dict[str, str] = {}
         if self._owns_group:
             if detection.master_addr is not None:  # srun/mpirun: Accelerate reads torch's env:// variables
-                export_rendezvous(detection)
+                self._exported = export_rendezvous(detection)
             # A torchrun restart needs a per-attempt store; Accelerate then reuses the joined group.
             join_default_group(config.timeout, always=False)
         self.config = config = _running_precision(config)
@@ -116,6 +118,7 @@ class AccelerateBackend(StoreArrivals, Backend):
         self._ddp.release()
         if self._owns_group:
             self.accelerator.end_training()  # destroys the process group
+        withdraw_rendezvous(self._exported)
         if self._owns_state:
             AcceleratorState._reset_state(reset_partial_state=True)
             GradientState._reset_state()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Dict, Mapping
 
 if TYPE_CHECKING:
     from ..detection import Detection
@@ -48,18 +48,37 @@ def gather_stacked(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
     return out.view((world_size,) + tuple(tensor.shape))
 
 
-def export_rendezvous(detection: "Detection") -> None:
+_rounds = 0
+"""Groups this process has joined on a port :func:`export_rendezvous` chose itself."""
+
+
+def export_rendezvous(detection: "Detection") -> Dict[str, str]:
     """Give torch's ``env://`` the identity and rendezvous the launcher did not export itself.
 
     srun and mpirun set their own variables, not torch's; a plain process sets none. Values the
-    environment already has (torchrun's, or a user's ``MASTER_ADDR``) are kept.
+    environment already has (torchrun's, or a user's ``MASTER_ADDR``) are kept. Returns the variables
+    it set, which :func:`withdraw_rendezvous` removes at shutdown (so a later ``init`` detects the
+    launcher again). A port it chooses moves on by one with each group the process joins: after
+    ``ud.shutdown()`` and ``ud.init()`` (which every rank does alike) no rank can reach the store of
+    the group before on the old port, which hung a re-init about once in ten under mpirun.
     """
+    global _rounds
     values = {"RANK": detection.rank, "WORLD_SIZE": detection.world_size, "LOCAL_RANK": detection.local_rank or 0,
               # single-node default: rendezvous on loopback, never on a public interface
               "MASTER_ADDR": detection.master_addr or "127.0.0.1",
-              "MASTER_PORT": detection.master_port or DEFAULT_MASTER_PORT}
-    for key, value in values.items():
-        os.environ.setdefault(key, str(value))
+              "MASTER_PORT": (detection.master_port or DEFAULT_MASTER_PORT) + _rounds}
+    exported = {key: str(value) for key, value in values.items() if key not in os.environ}
+    os.environ.update(exported)
+    if "MASTER_PORT" in exported:
+        _rounds += 1
+    return exported
+
+
+def withdraw_rendezvous(exported: Mapping[str, str]) -> None:
+    """Remove the variables :func:`export_rendezvous` set (those still holding its values)."""
+    for key, value in exported.items():
+        if os.environ.get(key) == value:
+            del os.environ[key]
 
 
 def local_rank_from_hosts() -> int:

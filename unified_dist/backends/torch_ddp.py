@@ -1,7 +1,7 @@
 """torch.distributed + DistributedDataParallel, as started by ``torchrun``."""
 from __future__ import annotations
 
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from .process_group import (
     gather_stacked,
     join_default_group,
     local_rank_from_hosts,
+    withdraw_rendezvous,
 )
 
 
@@ -35,8 +36,9 @@ class TorchBackend(StoreArrivals, Backend):
         self._ddp = DdpTracker()
         self._fsdp = FsdpModels(config.sharding, config.mixed_precision)
         self._owns_group = not dist.is_initialized()
+        self._exported: Dict[str, str] = {}
         if self._owns_group:
-            export_rendezvous(detection)
+            self._exported = export_rendezvous(detection)
             join_default_group(config.timeout, always=True)
         self._local_rank = detection.local_rank if detection.local_rank is not None else local_rank_from_hosts()
 
@@ -58,6 +60,7 @@ class TorchBackend(StoreArrivals, Backend):
             self._ddp.release()
             if self._owns_group:
                 dist.destroy_process_group()
+        withdraw_rendezvous(self._exported)
 
     def leave_at_exit(self) -> None:
         self._ddp.release()
