@@ -3,7 +3,6 @@ writes the losses for the format its environment names (the real runs are the be
 minutes per backend): the compressed run gets the format, a compressed run whose losses are the
 float32 ones to within one float32 rounding step fails (compression did nothing), and so does one
 past the 1e-4 tolerance."""
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from unified_dist.testing.launchers import bench_module
+
 ROOT = Path(__file__).resolve().parents[1]
 # the first 4 logged losses of bench/results/compression_parity_smoke.json's torch row
 FLOAT32 = [0.6932196617126465, 0.6910006999969482, 0.6925051808357239, 0.7032231092453003]
@@ -21,11 +22,7 @@ BF16 = [0.6932196617126465, 0.6910006999969482, 0.6925051212310791, 0.7032227516
 
 @pytest.fixture(scope="module")
 def parity():
-    spec = importlib.util.spec_from_file_location("bench_compression_parity", ROOT / "bench" / "compression_parity.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_compression_parity"] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("compression_parity")
 
 
 def _run(parity, monkeypatch, tmp_path, losses_for):

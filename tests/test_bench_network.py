@@ -1,20 +1,17 @@
 """bench/network.py's arithmetic and link settings, without making hosts (the run itself is a benchmark)."""
-import importlib.util
-import sys
+import importlib
 from pathlib import Path
 
 import pytest
+
+from unified_dist.testing.launchers import bench_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def network():
-    spec = importlib.util.spec_from_file_location("bench_network", ROOT / "bench" / "network.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_network"] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("network")
 
 
 def test_rates_in_tc_units(network):

@@ -1,18 +1,16 @@
 """bench/provenance.py and bench/steal_report.py: what every results file records about the machine."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
+from unified_dist.testing.launchers import bench_module
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module(name)
 
 
 @pytest.fixture(scope="module")

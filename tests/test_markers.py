@@ -11,7 +11,9 @@ import pytest
 
 from unified_dist.testing.launchers import ROOT, LaunchWatch, child_env, is_launcher
 
-TWO_AT_ONCE = ["sh", "-c", "sleep 1 & sleep 1; wait"]
+# live 3 s: the watch samples every 0.1 s, but on a saturated 2-core machine its thread can miss a
+# 1-second pair (seen once while a CI run shared the machine); real launches live longer still
+TWO_AT_ONCE = ["sh", "-c", "sleep 3 & sleep 3; wait"]
 
 
 def test_launcher_command_lines_are_recognised():

@@ -24,6 +24,19 @@ from unified_dist.registry import SPECS
 ROOT = Path(__file__).resolve().parents[2]
 """The checkout this package lies in (its tests/, tools/, examples/ and bench/ are what the tests run)."""
 BIN = Path(sys.executable).parent
+
+
+def bench_module(name: str):
+    """``bench/<name>.py`` imported as module ``bench_<name>`` (registered in ``sys.modules``, so its
+    dataclasses and pickling work), for tests of the benchmark scripts."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
 LAUNCHERS = ("python", *(spec.launcher for spec in SPECS.values() if spec.launcher))
 """python, then every backend's own launcher in the registry's order (``command`` knows each)."""
 BACKEND_OF = {**{spec.launcher or "python": name for name, spec in SPECS.items()},
