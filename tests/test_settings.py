@@ -104,7 +104,9 @@ def test_init_config_and_launch_name_exactly_the_tables_settings():
     assert keywords == [n for n in TABLE if TABLE[n].keyword and n != "backend"]
     assert all(inspect.signature(facade.init).parameters[k].default is None for k in keywords)
     fields = {f.name for f in dataclasses.fields(Config)}
-    assert fields | {"shard_modules", "reshard_after_forward"} == set(settings.RESOLVED)
+    sharding = {"shard_modules", "reshard_after_forward", "dp_replicate", "tp", "tp_plan", "cpu_offload",
+                "activation_checkpointing"}  # held in Config.sharding
+    assert fields | sharding == set(settings.RESOLVED)
     parser = argparse.ArgumentParser()
     launch.add_arguments(parser)
     flags = {o for action in parser._actions for o in action.option_strings if o.startswith("--")}

@@ -130,11 +130,11 @@ def test_prepare_gives_fully_shard_the_bf16_policy_on_every_block(monkeypatch):
     (parameters in bf16, gradients reduced in float32): what a backend's FSDP prepare hands fully_shard."""
     import torch.distributed.fsdp as fsdp
 
-    from unified_dist.backends.fsdp import FsdpModels
+    from unified_dist.sharding import shard_model
     seen = []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **options: seen.append((type(module), options)))
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    FsdpModels(Sharding(mode="fsdp", modules=(torch.nn.Linear,)), "bf16").prepare(model)
+    shard_model(model, Sharding(mode="fsdp", modules=(torch.nn.Linear,)), "bf16")
     assert [kind for kind, _ in seen] == [torch.nn.Linear, torch.nn.Linear, torch.nn.Sequential], seen
     for _, options in seen:
         policy = options["mp_policy"]

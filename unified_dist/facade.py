@@ -19,6 +19,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
          gradient_accumulation_steps: Optional[int] = None, timeout: Optional[float] = None,
          debug: Optional[bool] = None, sharding: Optional[str] = None,
          shard_modules: Optional[Sequence[Any]] = None, reshard_after_forward: Optional[bool] = None,
+         dp_replicate: Optional[Any] = None, tp: Optional[int] = None, tp_plan: Optional[Any] = None,
+         cpu_offload: Optional[bool] = None, activation_checkpointing: Optional[bool] = None,
          sync_batchnorm: Optional[bool] = None, gradient_compression: Optional[str] = None,
          bucket_mb: Optional[float] = None, bucket_view: Optional[bool] = None,
          check_finite: Optional[bool] = None) -> None:
@@ -37,12 +39,17 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     ``sync_batchnorm=True`` synchronises BatchNorm statistics (:mod:`unified_dist.sync_batchnorm`);
     ``gradient_compression`` sends gradients in 16 bits (:mod:`unified_dist.compression`);
     ``bucket_mb`` sizes the fused gradient reductions (:mod:`unified_dist.buckets`).
+    ``dp_replicate=R`` (HSDP: shard inside each of ``R`` replicas, an integer or ``"nodes"``),
+    ``tp=T`` with ``tp_plan`` (tensor parallelism), ``cpu_offload`` and ``activation_checkpointing``
+    lay the ranks out on a device mesh (:mod:`unified_dist.mesh`): ``R * dp_shard * T`` ranks, with
+    ``dp_shard`` the rest of the world.
     """
     given = dict(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
                  timeout=timeout, debug=debug, sharding=sharding, shard_modules=shard_modules,
                  reshard_after_forward=reshard_after_forward, sync_batchnorm=sync_batchnorm,
                  gradient_compression=gradient_compression, bucket_mb=bucket_mb, bucket_view=bucket_view,
-                 check_finite=check_finite)
+                 check_finite=check_finite, dp_replicate=dp_replicate, tp=tp, tp_plan=tp_plan, cpu_offload=cpu_offload,
+                 activation_checkpointing=activation_checkpointing)
     session.init(backend, given)
 
 
@@ -101,6 +108,25 @@ def is_local_main() -> bool:
 def mixed_precision() -> str:
     """The active mixed-precision mode: ``"no"``, ``"bf16"`` or ``"fp16"``."""
     return current_backend().config.mixed_precision
+
+
+def device_mesh() -> Any:
+    """The torch ``DeviceMesh`` the models are split on, with dimensions ``("dp_replicate",
+    "dp_shard", "tp")`` (index it, e.g. ``ud.device_mesh()["tp"]``); ``None`` without sharding or
+    tensor parallelism. Global rank ``r`` sits at ``(r // (dp_shard*tp), r // tp % dp_shard, r % tp)``."""
+    return current_backend().device_mesh
+
+
+def data_parallel_rank() -> int:
+    """This rank's index among the ranks that see different data, 0 .. ``data_parallel_world_size() - 1``:
+    ``rank() // tp``. Tensor-parallel peers share it, and prepared loaders give them the same batches."""
+    return current_backend().data_parallel_rank
+
+
+def data_parallel_world_size() -> int:
+    """How many ranks see different data: ``world_size() // tp`` (``world_size()`` without tensor
+    parallelism). A prepared loader's global batch is ``batch_size`` times this."""
+    return current_backend().data_parallel_world_size
 
 
 def sharding_mode() -> str:

@@ -33,13 +33,13 @@ def save(obj: Any, path: str) -> None:
 
     Without sharding or ``ud.RNG`` it is no collective: call it on every rank or under
     ``if ud.is_main():``, as DDP scripts do; no rank waits for the write, so call :func:`barrier`
-    before another rank reads the file. With ``sharding="fsdp"`` (gathering the shards) or an
+    before another rank reads the file. With ``sharding="fsdp"`` or ``tp > 1`` (gathering the shards) or an
     ``ud.RNG`` entry (gathering every rank's generators) it is a collective: every rank must call
     it, every rank raises if the write fails, and rank 0 raises within seconds, naming the mistake,
     when the others do not call it.
     """
     backend = current_backend()
-    sharded = backend.config.sharding.enabled
+    sharded = backend.config.sharding.needs_mesh
     with_rng = _holds_rng(obj)
     if sharded or with_rng:
         _every_rank_calls(backend, "save", "of a sharded model" if sharded else "of ud.RNG")
@@ -102,7 +102,7 @@ def get_state_dict(model: torch.nn.Module) -> Optional[dict]:
     ``state = ud.get_state_dict(model)`` then ``if ud.is_main(): hf_model.save_pretrained(dir, state_dict=state)``.
     """
     backend = current_backend()
-    if not backend.config.sharding.enabled:  # nothing to gather: only the main process walks
+    if not backend.config.sharding.needs_mesh:  # nothing to gather: only the main process walks
         return checkpoint.to_state(model, backend.unwrap) if backend.rank == 0 else None
     _every_rank_calls(backend, "get_state_dict")
     state = checkpoint.to_state(model, backend.unwrap, _full_on_main(backend.rank))  # a collective
@@ -161,7 +161,7 @@ def save_checkpoint(obj: Any, directory: str, step: int, keep_last: Optional[int
     save(obj, path)
     if keep_last is not None and rank() == 0:
         checkpoint.rotate(directory, keep_last, path)
-    if current_backend().config.sharding.enabled:
+    if current_backend().config.sharding.needs_mesh:
         barrier()
     return path
 

@@ -29,8 +29,9 @@ from .backends import Backend, Config, backend_class
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
 from .errors import LaunchError, NonFiniteLoss, UnifiedDistError
+from .mesh import accelerate_dp_shard
 from .precision import check_device
-from .sharding import Sharding, full_tensor
+from .sharding import Sharding, clip_grad_norm, full_tensor
 from .training import GradientSync, PreparedOptimizer, PreparedScheduler
 
 
@@ -43,14 +44,19 @@ def config_from(given: Mapping[str, Any], environ: Mapping[str, str], cuda: bool
     check_device(values["mixed_precision"], cuda)
     modules = values.pop("shard_modules")
     sharding = Sharding(values.pop("sharding"), tuple(modules) if modules else None,
-                        values.pop("reshard_after_forward"))
+                        values.pop("reshard_after_forward"), dp_replicate=values.pop("dp_replicate"),
+                        tp=values.pop("tp"), tp_plan=values.pop("tp_plan"), cpu_offload=values.pop("cpu_offload"),
+                        activation_checkpointing=values.pop("activation_checkpointing"),
+                        dp_shard=accelerate_dp_shard(environ))
     if settings.TABLE["sharding"].from_launcher(environ)[0] and environ.get("FSDP_VERSION", "1").strip() != "2":
         raise LaunchError("accelerate launch --use_fsdp asks for FSDP version "
                           f"{environ.get('FSDP_VERSION', '1')}; unified_dist shards with FSDP2: add --fsdp_version 2")
-    if sharding.enabled and values["gradient_compression"]:
+    if sharding.problem():
+        raise UnifiedDistError(sharding.problem())
+    if sharding.needs_mesh and values["gradient_compression"]:
         raise UnifiedDistError(
             f"gradient_compression={values['gradient_compression']!r} compresses DDP's and Horovod's all-reduce; "
-            "sharding='fsdp' reduce-scatters instead: use one of the two")
+            "sharding='fsdp' and tensor parallelism reduce otherwise: use one of the two")
     return Config(sharding=sharding, timeout=datetime.timedelta(seconds=values.pop("timeout")), **values)
 
 
@@ -90,7 +96,8 @@ class Session:
                 self.prepared_from[id(obj)] = prepared
                 out[i] = prepared
             elif isinstance(obj, torch.utils.data.DataLoader):
-                out[i] = PreparedDataLoader(obj, lambda: (backend.rank, backend.world_size), backend.device,
+                out[i] = PreparedDataLoader(obj, lambda: (backend.data_parallel_rank, backend.data_parallel_world_size),
+                                            backend.device,
                                             self.seed, self.loaders)
             elif is_scheduler(obj):
                 # The scheduler must drive the optimizer that steps: Horovod's DistributedOptimizer is
@@ -151,7 +158,7 @@ class Session:
             # averaging would send its parameters' gradients under the names this step's use)
             if any(id(p) in clipped for group in optimizer.param_groups for p in group["params"]):
                 optimizer.synchronize()
-        return full_tensor(torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type))
+        return full_tensor(clip_grad_norm(parameters, max_norm, norm_type))
 
     def seed_everything(self, seed: int, per_rank: bool) -> int:
         """``ud.seed_everything``'s work (see the facade)."""
@@ -168,6 +175,8 @@ class Session:
     # ------------------------------------------------------------------ metrics
     def gather_for_metrics(self, x: Any) -> Any:
         """``ud.gather_for_metrics``'s work (see the facade)."""
+        if self.backend.tp_rank:  # its tensor-parallel group's rank 0 gives their (shared) rows, once
+            x = collectives.map_each(x, lambda t: t.reshape(1)[:0] if t.dim() == 0 else t[:0], "gather_for_metrics")
         gathered = collectives.all_gather(self.backend, x, what="gather_for_metrics")
         loader = self.loaders.current
         if loader is None:
@@ -215,10 +224,12 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     for message in detection.warnings:
         warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=3)
     cls = backend_class(detection.backend)
-    if config.sharding.enabled and not cls.supports_sharding:
+    if config.sharding.needs_mesh and not cls.supports_sharding:
+        what = "sharding='fsdp'" if config.sharding.enabled else f"tp={config.sharding.tp}"
         raise UnifiedDistError(
-            f"sharding='fsdp' needs torch.distributed, and {detection.launcher} runs the {cls.name} backend, which "
-            "has no sharding; launch with torchrun, accelerate launch, srun or mpirun, or use sharding='no'")
+            f"{what} needs torch.distributed, and {detection.launcher} runs the {cls.name} backend, which "
+            "has no sharding or tensor parallelism; launch with torchrun, accelerate launch, srun or mpirun, "
+            "or leave sharding='no' and tp=1")
     instance = cls(detection, config)
     loaders = LoaderStack()
     _session = Session(instance, detection, GradientSync(instance, loaders), loaders)

@@ -28,6 +28,7 @@ Importing this module is free: it imports nothing but the standard library (and
 from __future__ import annotations
 
 import difflib
+import json
 import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Type, Union
@@ -149,7 +150,66 @@ class Text:
     flag_value = show
 
 
-Kind = Union[Switch, Choice, Number, Text]
+@dataclass(frozen=True)
+class Replicas:
+    """How many data-parallel replicas (HSDP's replicate dimension): a whole number >= 1, or
+    ``"nodes"`` (one replica per machine, each machine's ranks sharding among themselves)."""
+
+    accepted: str = "an integer >= 1, or nodes (one replica per machine)"
+
+    def read(self, text: str) -> Union[int, str]:
+        word = text.strip().lower()
+        if word in ("node", "nodes"):
+            return "nodes"
+        try:
+            return self.take(int(word))
+        except ValueError:
+            raise ValueError(f"dp_replicate must be {self.accepted}, got {text!r}") from None
+
+    def take(self, value: Any) -> Union[int, str]:
+        if isinstance(value, str):
+            return self.read(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"dp_replicate must be {self.accepted}, got {value!r}")
+        return value
+
+    def show(self, value: Any) -> str:
+        return str(value)
+
+    flag_value = show
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A tensor-parallel plan: ``"auto"`` (the model's own) or a mapping of module-name patterns
+    to ``"colwise"``/``"rowwise"``; in a variable, ``auto`` or the mapping as JSON."""
+
+    accepted: str = 'auto, or a JSON object of module patterns to styles ({"blocks.*.w1": "colwise"})'
+
+    def read(self, text: str) -> Union[str, Dict[str, str]]:
+        if text.strip().lower() == "auto":
+            return "auto"
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise ValueError(f"is not {self.accepted}") from None
+        return self.take(value)
+
+    def take(self, value: Any) -> Union[str, Dict[str, str]]:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, Mapping) and value and all(isinstance(k, str) and isinstance(v, str)
+                                                         for k, v in value.items()):
+            return dict(value)
+        raise ValueError(f"is not {self.accepted}")
+
+    def show(self, value: Any) -> str:
+        return "" if value is None else value if isinstance(value, str) else json.dumps(value)
+
+    flag_value = show
+
+
+Kind = Union[Switch, Choice, Number, Text, Replicas, Plan]
 
 
 @dataclass(frozen=True)
@@ -270,6 +330,25 @@ TABLE: Dict[str, Setting] = _declare(
             "False keeps FSDP2's parameters gathered from forward to backward (more memory, one all-gather less)",
             flag=False, launcher=LauncherWord("FSDP_RESHARD_AFTER_FORWARD",
                                               "accelerate launch --fsdp_reshard_after_forward", silent=("true",))),
+    Setting("dp_replicate", "UNIFIED_DIST_DP_REPLICATE", Replicas(), 1,
+            "HSDP: replicas of the sharded model (shard inside each, replicate across); nodes: one per machine",
+            launcher=LauncherWord("PARALLELISM_CONFIG_DP_REPLICATE_SIZE",
+                                  "accelerate launch --parallelism_config_dp_replicate_size", silent=("1",))),
+    Setting("tp", "UNIFIED_DIST_TP", Number("ranks", "tp", integer=True), 1,
+            "tensor parallel: ranks that split each layer of tp_plan (the data-parallel ranks are world / tp)",
+            launcher=LauncherWord("PARALLELISM_CONFIG_TP_SIZE", "accelerate launch --parallelism_config_tp_size",
+                                  silent=("1",))),
+    Setting("tp_plan", "UNIFIED_DIST_TP_PLAN", Plan(), None,
+            "which layers tensor parallelism splits: auto (the model's own plan) or {pattern: colwise|rowwise}",
+            default_text="auto when tp > 1"),
+    Setting("cpu_offload", "UNIFIED_DIST_CPU_OFFLOAD", Switch(), False,
+            "FSDP2 keeps parameters, gradients and optimizer state in CPU memory between uses",
+            launcher=LauncherWord("FSDP_OFFLOAD_PARAMS", "accelerate launch --fsdp_offload_params",
+                                  silent=("false", "0", ""))),
+    Setting("activation_checkpointing", "UNIFIED_DIST_ACTIVATION_CHECKPOINTING", Switch(), False,
+            "recompute each sharded block's activations in backward instead of keeping them",
+            launcher=LauncherWord("FSDP_ACTIVATION_CHECKPOINTING", "accelerate launch --fsdp_activation_checkpointing",
+                                  silent=("false", "0", ""))),
     Setting("sync_batchnorm", "UNIFIED_DIST_SYNC_BATCHNORM", Switch(), False,
             "ud.prepare makes BatchNorm layers compute statistics over the global batch"),
     Setting("gradient_compression", "UNIFIED_DIST_GRADIENT_COMPRESSION",
@@ -428,6 +507,6 @@ def _problem(setting: Setting, environ: Mapping[str, str]) -> Optional[str]:
     return None
 
 
-__all__ = ["TABLE", "SETTINGS", "RESOLVED", "FLAGS", "Setting", "Switch", "Choice", "Number", "Text",
-           "LauncherWord", "resolve", "resolve_all", "flag_environment", "unknown_variables", "describe_unknown",
-           "warn_unknown", "in_effect", "flag_name", "PREFIX"]
+__all__ = ["TABLE", "SETTINGS", "RESOLVED", "FLAGS", "Setting", "Switch", "Choice", "Number", "Text", "Replicas",
+           "Plan", "LauncherWord", "resolve", "resolve_all", "flag_environment", "unknown_variables",
+           "describe_unknown", "warn_unknown", "in_effect", "flag_name", "PREFIX"]

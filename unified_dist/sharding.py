@@ -28,18 +28,53 @@ from .errors import UnifiedDistError
 
 @dataclass(frozen=True)
 class Sharding:
-    """The sharding a job runs with: ``mode`` ``"no"`` or ``"fsdp"``; ``modules`` the block
-    classes (or class names) to shard one by one, ``None`` for the default choice;
-    ``reshard_after_forward`` False keeps parameters gathered from forward to backward (ZeRO-2-like:
-    more memory, one all-gather fewer per step)."""
+    """How models are split: ``mode`` ``"no"`` or ``"fsdp"``; ``modules`` the block classes (or
+    class names) to shard one by one, ``None`` for the default choice; ``reshard_after_forward``
+    False keeps parameters gathered from forward to backward (ZeRO-2-like: more memory, one
+    all-gather fewer per step); ``dp_replicate`` HSDP's replicas (an integer or ``"nodes"``);
+    ``tp`` tensor-parallel ranks and ``tp_plan`` what they split (:mod:`unified_dist.tensor_parallel`);
+    ``cpu_offload`` FSDP2's ``CPUOffloadPolicy``; ``activation_checkpointing`` recomputes each
+    block's activations in backward; ``dp_shard`` the shard size a launcher declared (checked
+    against the world, see :func:`unified_dist.mesh.plan_layout`)."""
 
     mode: str = "no"
     modules: Optional[Tuple[Any, ...]] = None
     reshard_after_forward: bool = True
+    dp_replicate: Any = 1
+    tp: int = 1
+    tp_plan: Any = None
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    dp_shard: Optional[int] = None
 
     @property
     def enabled(self) -> bool:
+        """``fully_shard`` runs (FSDP2 or HSDP)."""
         return self.mode == "fsdp"
+
+    @property
+    def needs_mesh(self) -> bool:
+        """A device mesh is built: FSDP2/HSDP or tensor parallelism."""
+        return self.enabled or self.tp > 1
+
+    def problem(self) -> Optional[str]:
+        """Why these choices cannot run together (one line with the fix), or ``None``."""
+        if not self.enabled:
+            for name, value, off in (("dp_replicate", self.dp_replicate, 1), ("cpu_offload", self.cpu_offload, False),
+                                     ("activation_checkpointing", self.activation_checkpointing, False)):
+                if value != off:
+                    return (f"{name}={value!r} applies to the blocks FSDP2 shards; add sharding='fsdp' "
+                            f"(UNIFIED_DIST_SHARDING=fsdp, accelerate launch --use_fsdp --fsdp_version 2)")
+        return None
+
+    def field(self, name: str) -> Any:
+        """The value of ``init`` keyword ``name`` (``sharding``, ``shard_modules`` or a field)."""
+        return {"sharding": self.mode, "shard_modules": self.modules}.get(name, getattr(self, name, None))
+
+
+KEYWORDS = ("sharding", "shard_modules", "reshard_after_forward", "dp_replicate", "tp", "tp_plan", "cpu_offload",
+            "activation_checkpointing")
+"""The ``init`` keywords :class:`Sharding` holds together."""
 
 
 def _matches(module: torch.nn.Module, wanted: Iterable[Any]) -> bool:
@@ -71,18 +106,49 @@ def _policy(mixed_precision: str) -> Any:
     return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
 
 
-def shard_model(model: torch.nn.Module, sharding: Sharding, mixed_precision: str) -> torch.nn.Module:
-    """``fully_shard`` the blocks, then the root; the model must already be on its device.
+def _offload_policy(cpu_offload: bool) -> Any:
+    """FSDP2's offload policy: ``CPUOffloadPolicy`` with pinned memory only where an accelerator
+    exists (pinning needs one: without, torch fails "Cannot access accelerator device")."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+
+
+def checkpoint_activations(blocks: Sequence[torch.nn.Module]) -> None:
+    """Recompute each block's activations in backward instead of keeping them (torch's composable
+    ``checkpoint``, non-reentrant: module names, hence state-dict keys, stay as they were)."""
+    from torch.distributed._composable import checkpoint
+
+    for block in blocks:
+        checkpoint(block)
+
+
+def shard_model(model: torch.nn.Module, sharding: Sharding, mixed_precision: str,
+                dp_mesh: Any = None, tp_mesh: Any = None) -> torch.nn.Module:
+    """Split ``model`` (already on its device) as ``sharding`` says, in the order that composes:
+    tensor parallelism on ``tp_mesh`` (when ``sharding.tp > 1``), activation checkpointing of the
+    blocks, then ``fully_shard`` of the blocks and the root on ``dp_mesh`` (when
+    ``sharding.enabled``; 2-D for HSDP).
 
     Returns the same module object (FSDP2 changes its class in place). Afterwards its
     ``load_state_dict`` also takes full, unsharded tensors.
     """
-    from torch.distributed.fsdp import fully_shard
+    if sharding.tp > 1:
+        from .tensor_parallel import apply_tp_plan, resolve_plan
 
-    options = dict(mp_policy=_policy(mixed_precision), reshard_after_forward=sharding.reshard_after_forward)
-    for block in blocks_to_shard(model, sharding.modules):
-        fully_shard(block, **options)
-    fully_shard(model, **options)
+        apply_tp_plan(model, resolve_plan(model, sharding.tp_plan), tp_mesh)
+    blocks = blocks_to_shard(model, sharding.modules)
+    if sharding.activation_checkpointing:
+        checkpoint_activations(blocks)
+    if sharding.enabled:
+        from torch.distributed.fsdp import fully_shard
+
+        options = dict(mesh=dp_mesh, mp_policy=_policy(mixed_precision),
+                       reshard_after_forward=sharding.reshard_after_forward,
+                       offload_policy=_offload_policy(sharding.cpu_offload))
+        for block in blocks:
+            fully_shard(block, **options)
+        fully_shard(model, **options)
     model.register_load_state_dict_pre_hook(_shard_incoming_model_state)
     return model
 
@@ -136,6 +202,29 @@ def _shard_incoming_optimizer_state(optimizer: torch.optim.Optimizer, state_dict
         state[key] = ({name: _as_shard_of(v, param) for name, v in entry.items()}
                       if param is not None and isinstance(entry, dict) else entry)
     return {**state_dict, "state": state}
+
+
+def clip_grad_norm(parameters: Sequence[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` over gradients that may be DTensors on different meshes (FSDP
+    × TP: tensor-parallel layers on the 2-D mesh, the rest on the data-parallel one), where torch's
+    own would try to stack norms of different meshes. Returns the total norm, a plain tensor:
+    each group of gradients on one mesh and placement gives its norm (a collective inside that
+    group), combined as the ``norm_type``-norm of the group norms."""
+    from torch.distributed.tensor import DTensor
+
+    with_grad = [p for p in parameters if p.grad is not None]
+    if not any(isinstance(p.grad, DTensor) for p in with_grad):
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+    groups: dict = {}
+    for p in with_grad:
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p)
+    norms = [full_tensor(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type))
+             for group in groups.values()]
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    for group in groups.values():  # one mesh per call: torch's foreach kernels take one at a time
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

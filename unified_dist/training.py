@@ -8,7 +8,7 @@ scheduler steps once per optimizer step.
 Exactness. An optimizer step must apply the gradient of the mean loss over every real sample
 it saw, as one process would on the concatenated batch. Each rank's loss is the mean over its
 own micro-batch, and the backends average gradients over ranks, so ``ud.backward`` multiplies
-the loss by ``world_size * mine / step_samples`` (:meth:`GradientSync.loss_weight`): ``mine`` is
+the loss by ``data_parallel_world_size * mine / step_samples`` (:meth:`GradientSync.loss_weight`): ``mine`` is
 this rank's real samples in the micro-batch, ``step_samples`` the real samples of every rank and
 micro-batch of the optimizer step. With full batches that is ``1/k``; a ragged last batch (its
 samples split unevenly, see :mod:`unified_dist.data`) and a last accumulation window with fewer
@@ -84,7 +84,7 @@ class GradientSync:
             return "fp16 loss scaling"
         loader = self.loaders.current
         info = loader.batch_info if loader is not None else None
-        if info is not None and info.real % self.backend.world_size:  # then no rank's weight is 1
+        if info is not None and info.real % self.backend.data_parallel_world_size:  # then no rank's weight is 1
             return "this ragged last batch split unevenly across ranks"
         return None
 
@@ -95,7 +95,7 @@ class GradientSync:
         if info is None:
             return Fraction(1, self.steps)
         step_samples = self._window_samples or info.real * self.steps
-        return Fraction(self.backend.world_size * info.mine, step_samples)
+        return Fraction(self.backend.data_parallel_world_size * info.mine, step_samples)
 
 
 class PreparedOptimizer(torch.optim.Optimizer):

@@ -1,9 +1,11 @@
 """Hugging Face Accelerate, as started by ``accelerate launch``."""
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import replace
 from fractions import Fraction
-from typing import Any, ContextManager, Dict, Optional
+from typing import Any, ContextManager, Dict, Iterator, Optional
 
 import torch
 
@@ -11,6 +13,7 @@ from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
+from ..mesh import Layout
 from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config, weighted
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels
@@ -79,21 +82,22 @@ class AccelerateBackend(StoreArrivals, Backend):
             # A torchrun restart needs a per-attempt store; Accelerate then reuses the joined group.
             join_default_group(config.timeout, always=False)
         self.config = config = _running_precision(config)
-        self.accelerator = Accelerator(
-            # Without cpu=True, Accelerate ignores a multi-process launch on a GPU-less machine
-            # (DistributedType.NO, each process alone); with it, it uses gloo (MULTI_CPU).
-            cpu=not torch.cuda.is_available(),
-            mixed_precision=config.mixed_precision,
-            gradient_accumulation_steps=config.gradient_accumulation_steps,
-            step_scheduler_with_optimizer=False,
-            kwargs_handlers=[InitProcessGroupKwargs(timeout=config.timeout),
-                             DistributedDataParallelKwargs(**BUFFER_KWARGS,
-                                                          **ddp_kwargs(config.bucket_mb, config.bucket_view))],
-        )
+        with _without_parallelism_config():  # the facade builds the mesh itself, on every device
+            self.accelerator = Accelerator(
+                # Without cpu=True, Accelerate ignores a multi-process launch on a GPU-less machine
+                # (DistributedType.NO, each process alone); with it, it uses gloo (MULTI_CPU).
+                cpu=not torch.cuda.is_available(),
+                mixed_precision=config.mixed_precision,
+                gradient_accumulation_steps=config.gradient_accumulation_steps,
+                step_scheduler_with_optimizer=False,
+                kwargs_handlers=[InitProcessGroupKwargs(timeout=config.timeout),
+                                 DistributedDataParallelKwargs(**BUFFER_KWARGS,
+                                                              **ddp_kwargs(config.bucket_mb, config.bucket_view))],
+            )
         # Accelerate's own FSDP (accelerate launch --use_fsdp) only runs on GPUs: on a CPU it keeps
         # DistributedType.MULTI_CPU and would wrap the model in DDP. The facade shards with torch's
         # fully_shard itself on every device, so the meaning is the same everywhere.
-        self._fsdp = FsdpModels(config.sharding, config.mixed_precision)
+        self._fsdp = FsdpModels(config.sharding, config.mixed_precision, self.world_size, self.device.type)
 
     @property
     def rank(self) -> int:
@@ -102,6 +106,14 @@ class AccelerateBackend(StoreArrivals, Backend):
     @property
     def local_rank(self) -> int:
         return self.accelerator.local_process_index
+
+    @property
+    def layout(self) -> Layout:
+        return self._fsdp.layout
+
+    @property
+    def device_mesh(self) -> Any:
+        return self._fsdp.mesh
 
     @property
     def world_size(self) -> int:
@@ -190,6 +202,20 @@ class AccelerateBackend(StoreArrivals, Backend):
 
     def barrier(self) -> None:
         self.accelerator.wait_for_everyone()
+
+
+@contextlib.contextmanager
+def _without_parallelism_config() -> Iterator[None]:
+    """Hide ``accelerate launch --use_parallelism_config`` from the ``Accelerator`` being built: it
+    would build its own mesh, and on a CPU refuse (``ParallelismConfig is only compatible
+    DistributedType.FSDP``). The facade reads the same flags (:mod:`unified_dist.settings`) and
+    builds the mesh itself on every device."""
+    saved = os.environ.pop("ACCELERATE_USE_PARALLELISM_CONFIG", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = saved
 
 
 def _only_autocast_when_asked(prepared: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:

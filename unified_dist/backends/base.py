@@ -19,8 +19,9 @@ import torch
 from .. import sync_batchnorm
 from ..detection import Detection
 from ..errors import PeerLost, UnifiedDistError, collective_timeout, peer_lost_message
+from ..mesh import Layout
 from ..settings import TABLE
-from ..sharding import Sharding
+from ..sharding import KEYWORDS as SHARDING_KEYWORDS, Sharding
 
 # torch.distributed raises DistBackendError/RuntimeError for everything gloo and nccl report: the
 # text is the only witness of a timeout or of a peer's closed connection.
@@ -62,9 +63,8 @@ class Config:
         ``sharding``, the timeout in seconds)."""
         if name == "timeout":
             return self.timeout.total_seconds()
-        if name in ("sharding", "shard_modules", "reshard_after_forward"):
-            return {"sharding": self.sharding.mode, "shard_modules": self.sharding.modules,
-                    "reshard_after_forward": self.sharding.reshard_after_forward}[name]
+        if name in SHARDING_KEYWORDS:
+            return self.sharding.field(name)
         return getattr(self, name)
 
 
@@ -114,6 +114,31 @@ class Backend(ABC):
     def device(self) -> torch.device:
         """The device this process computes on: its local GPU if there is one, else the CPU."""
         return self.device_for(self.local_rank)
+
+    @property
+    def layout(self) -> Layout:
+        """How the ranks split the model (:mod:`unified_dist.mesh`); here every rank a data-parallel one."""
+        return Layout(1, self.world_size, 1)
+
+    @property
+    def device_mesh(self) -> Any:
+        """The torch ``DeviceMesh`` of :attr:`layout` (``None`` without sharding or tensor parallelism)."""
+        return None
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among the ranks that see different data (its tensor-parallel peers share it)."""
+        return self.layout.data_parallel_rank(self.rank)
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        """How many ranks see different data: the world size over the tensor-parallel size."""
+        return self.layout.data_parallel
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index among its tensor-parallel peers (0 without tensor parallelism)."""
+        return self.layout.tp_rank(self.rank)
 
     @staticmethod
     def device_for(local_rank: int) -> torch.device:

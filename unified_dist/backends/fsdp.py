@@ -1,5 +1,6 @@
-"""FSDP2 for the backends that run on torch.distributed (torch, Accelerate): what ``prepare``
-does to models and optimizers when ``sharding="fsdp"`` (see :mod:`unified_dist.sharding`)."""
+"""FSDP2, HSDP and tensor parallelism for the backends that run on torch.distributed (torch,
+Accelerate): the job's device mesh, and what ``prepare`` does to models and optimizers when
+``sharding="fsdp"`` or ``tp > 1`` (see :mod:`unified_dist.sharding`, :mod:`unified_dist.mesh`)."""
 from __future__ import annotations
 
 import weakref
@@ -7,27 +8,46 @@ from typing import Any, ContextManager, Dict, Optional, Tuple
 
 import torch
 
+from ..errors import LaunchError
+from ..mesh import Layout, build_mesh, data_parallel_mesh, machines, plan_layout
 from ..sharding import Sharding, is_sharded, no_gradient_sync, point_optimizer_at, shard_model
 
 
 class FsdpModels:
-    """Shards the models a backend prepares and points optimizers built before ``prepare`` at the
-    new parameters. Holds only weak references to the replaced parameters, so their full-size
-    memory goes as soon as the last optimizer stops referring to them."""
+    """The job's layout and device mesh; splits the models a backend prepares and points optimizers
+    built before ``prepare`` at the new parameters. Holds only weak references to the replaced
+    parameters, so their full-size memory goes as soon as the last optimizer stops referring to them.
 
-    def __init__(self, sharding: Sharding, mixed_precision: str) -> None:
+    Constructing it with ``world_size`` builds the mesh when the sharding needs one: a collective
+    (every rank constructs it at ``init``); a layout that does not fit the world raises there."""
+
+    def __init__(self, sharding: Sharding, mixed_precision: str, world_size: int = 1,
+                 device_type: str = "cpu") -> None:
         self.sharding = sharding
         self.mixed_precision = mixed_precision
         self._new_of: Dict[int, Tuple["weakref.ref[torch.nn.Parameter]", torch.nn.Parameter]] = {}
+        self.layout = Layout(1, world_size, 1)
+        self.mesh: Optional[Any] = None
+        if sharding.needs_mesh:
+            self.layout = plan_layout(world_size, sharding.dp_replicate, sharding.tp, sharding.dp_shard, machines)
+            if not sharding.enabled and self.layout.data_parallel > 1:
+                raise LaunchError(
+                    f"tp={sharding.tp} on {world_size} ranks leaves {self.layout.data_parallel} data-parallel ranks, "
+                    "whose gradients only sharding='fsdp' averages (FSDP x TP); add sharding='fsdp' or make tp "
+                    "the world size")
+            self.mesh = build_mesh(self.layout, device_type)
 
     @property
     def enabled(self) -> bool:
-        return self.sharding.enabled
+        """Whether ``prepare`` splits models (FSDP2, HSDP or tensor parallelism)."""
+        return self.sharding.needs_mesh
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``fully_shard`` ``model`` (already on its device); remember which parameter became which."""
+        """Split ``model`` (already on its device); remember which parameter became which."""
         before = list(model.parameters())
-        shard_model(model, self.sharding, self.mixed_precision)
+        mesh = self.mesh
+        shard_model(model, self.sharding, self.mixed_precision,
+                    dp_mesh=data_parallel_mesh(mesh, self.layout), tp_mesh=mesh["tp"])
         for old, new in zip(before, model.parameters()):
             self._new_of[id(old)] = (weakref.ref(old), new)
         return model

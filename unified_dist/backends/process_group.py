@@ -105,11 +105,23 @@ def needs_attempt_store(environ=os.environ) -> bool:
     return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart_count(environ) > 0
 
 
+_joins = 0
+"""Default groups this process joined through :func:`join_default_group` so far."""
+
+
+def rejoins_agent_store(environ=os.environ) -> bool:
+    """True when this process joins the default group again (``ud.shutdown()`` then ``ud.init()``)
+    on torchrun's agent store: the keys the first group left there (torch names the default group
+    the same each time) would pair this group's ranks with the last one's."""
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and _joins > 0
+
+
 def attempt_store(timeout: datetime.timedelta, environ=os.environ) -> dist.Store:
-    """A client of the agent's TCPStore whose keys are private to this restart attempt."""
+    """A client of the agent's TCPStore whose keys are private to this restart attempt and to
+    this process's n-th group in it."""
     store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]),
                           int(environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"unified_dist/attempt_{restart_count(environ)}", store)
+    return dist.PrefixStore(f"unified_dist/attempt_{restart_count(environ)}/group_{_joins}", store)
 
 
 def join_default_group(timeout: datetime.timedelta, *, always: bool) -> bool:
@@ -119,9 +131,10 @@ def join_default_group(timeout: datetime.timedelta, *, always: bool) -> bool:
     worker, see the module doc) and otherwise leaves initialisation to the caller (Accelerate).
     Returns whether it initialised the group.
     """
+    global _joins
     if dist.is_initialized():
         return False
-    safe_store = needs_attempt_store()
+    safe_store = needs_attempt_store() or rejoins_agent_store()
     if not (always or safe_store):
         return False
     options: dict = {"backend": "gloo", "timeout": timeout}
@@ -134,6 +147,7 @@ def join_default_group(timeout: datetime.timedelta, *, always: bool) -> bool:
         options.update(store=attempt_store(timeout), rank=int(os.environ["RANK"]),
                        world_size=int(os.environ["WORLD_SIZE"]))
     dist.init_process_group(**options)
+    _joins += 1
     return True
 
 

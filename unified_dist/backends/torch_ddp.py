@@ -9,6 +9,7 @@ import torch.distributed as dist
 from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
 from ..detection import Detection
+from ..mesh import Layout
 from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels
@@ -34,13 +35,13 @@ class TorchBackend(StoreArrivals, Backend):
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
         self._ddp = DdpTracker()
-        self._fsdp = FsdpModels(config.sharding, config.mixed_precision)
         self._owns_group = not dist.is_initialized()
         self._exported: Dict[str, str] = {}
         if self._owns_group:
             self._exported = export_rendezvous(detection)
             join_default_group(config.timeout, always=True)
         self._local_rank = detection.local_rank if detection.local_rank is not None else local_rank_from_hosts()
+        self._fsdp = FsdpModels(config.sharding, config.mixed_precision, dist.get_world_size(), self.device.type)
 
     @property
     def rank(self) -> int:
@@ -49,6 +50,14 @@ class TorchBackend(StoreArrivals, Backend):
     @property
     def local_rank(self) -> int:
         return self._local_rank
+
+    @property
+    def layout(self) -> Layout:
+        return self._fsdp.layout
+
+    @property
+    def device_mesh(self) -> Any:
+        return self._fsdp.mesh
 
     @property
     def world_size(self) -> int:

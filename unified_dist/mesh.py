@@ -1,0 +1,128 @@
+"""The layout of a job's ranks: data-parallel replicas × shards × tensor-parallel ranks, and the
+torch ``DeviceMesh`` built from it.
+
+``ud.init(sharding="fsdp", dp_replicate=R, tp=T)`` (or their variables, ``unified-dist launch``
+flags, or ``accelerate launch --parallelism_config_*``) describes a world of ``R * S * T`` ranks;
+``S`` (``dp_shard``) is the rest of the world. The mesh has the dimensions ``("dp_replicate",
+"dp_shard", "tp")`` in that order, so global rank ``r`` sits at ``(r // (S*T), r // T % S, r % T)``:
+the ``T`` tensor-parallel peers of one data-parallel rank are consecutive ranks (on one machine
+when ``T`` divides the ranks per machine), and the data-parallel rank is ``r // T``.
+
+- HSDP: ``fully_shard`` on the 2-D ``("dp_replicate", "dp_shard")`` sub-mesh: parameters
+  ``(Replicate(), Shard(0))``, gradients reduce-scattered inside a replica and all-reduced across.
+  With ``R == 1`` the 1-D ``dp_shard`` mesh (plain FSDP2).
+- Tensor parallel: ``parallelize_module`` on the ``tp`` sub-mesh (:mod:`unified_dist.tensor_parallel`).
+
+Nothing here communicates except :func:`build_mesh` (it creates the process groups of each
+dimension: every rank must call it) and :func:`machines` (one gather of host names).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from .errors import LaunchError, UnifiedDistError
+
+DIMS = ("dp_replicate", "dp_shard", "tp")
+"""The mesh's dimension names, outermost first."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``replicate × shard × tp`` ranks; see the module docstring for where each rank sits."""
+
+    replicate: int = 1
+    shard: int = 1
+    tp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.replicate * self.shard * self.tp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different data: ``replicate * shard``."""
+        return self.replicate * self.shard
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """The data-parallel index of global ``rank`` (its tensor-parallel peers share it)."""
+        return rank // self.tp
+
+    def tp_rank(self, rank: int) -> int:
+        """The index of global ``rank`` among its tensor-parallel peers."""
+        return rank % self.tp
+
+    def describe(self) -> str:
+        return f"dp_replicate={self.replicate} x dp_shard={self.shard} x tp={self.tp}"
+
+
+def plan_layout(world: int, dp_replicate: Any, tp: int, dp_shard: Optional[int] = None,
+                machines: Optional[Callable[[], int]] = None) -> Layout:
+    """The layout of ``world`` ranks for ``dp_replicate`` (an integer, or ``"nodes"``: the number
+    of machines, asked of ``machines()``) and ``tp``; ``dp_shard`` is what a launcher declared
+    (``None``: the rest of the world). Raises a one-line :class:`LaunchError` with the fix when the
+    sizes do not multiply to the world size."""
+    if dp_replicate == "nodes":
+        dp_replicate = machines() if machines is not None else 1
+    if world % (dp_replicate * tp):
+        raise LaunchError(
+            f"dp_replicate={dp_replicate} x tp={tp} does not divide the world of {world} ranks; "
+            f"choose sizes whose product divides {world} (dp_shard is the rest: world / (dp_replicate x tp))")
+    shard = world // (dp_replicate * tp)
+    if dp_shard is not None and dp_shard != shard:
+        raise LaunchError(
+            f"dp_shard_size={dp_shard} x dp_replicate={dp_replicate} x tp={tp} is not the world of {world} ranks; "
+            f"give --parallelism_config_dp_shard_size {shard}")
+    return Layout(dp_replicate, shard, tp)
+
+
+def accelerate_dp_shard(environ: Mapping[str, str]) -> Optional[int]:
+    """The ``dp_shard`` size ``accelerate launch --use_parallelism_config`` declared (``None``
+    without that flag). Context and sequence parallelism are refused: unified_dist has neither."""
+    if environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").strip().lower() != "true":
+        return None
+    for what in ("CP", "SP"):
+        size = environ.get(f"PARALLELISM_CONFIG_{what}_SIZE", "1").strip() or "1"
+        if size != "1":
+            raise LaunchError(
+                f"accelerate launch --parallelism_config_{what.lower()}_size {size}: unified_dist has no "
+                f"{'context' if what == 'CP' else 'sequence'} parallelism; drop the flag (dp_replicate, dp_shard and "
+                "tp are supported)")
+    try:
+        return int(environ.get("PARALLELISM_CONFIG_DP_SHARD_SIZE", "1"))
+    except ValueError:
+        raise LaunchError(f"PARALLELISM_CONFIG_DP_SHARD_SIZE={environ['PARALLELISM_CONFIG_DP_SHARD_SIZE']!r} "
+                          "(accelerate launch --parallelism_config_dp_shard_size) is not an integer") from None
+
+
+def machines() -> int:
+    """The number of machines in the job (one gather of host names; every rank must call it).
+    Raises when they run different numbers of ranks: one replica per machine needs equal machines."""
+    import socket
+
+    import torch.distributed as dist
+
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    counts = {h: hosts.count(h) for h in hosts}
+    if len(set(counts.values())) > 1:
+        raise UnifiedDistError(
+            f"dp_replicate='nodes' needs the same number of ranks on every machine, got {counts}; "
+            "give dp_replicate as a number")
+    return len(counts)
+
+
+def build_mesh(layout: Layout, device_type: str) -> Any:
+    """The ``DeviceMesh`` of ``layout`` on ``device_type`` (always given: torch's default follows
+    the accelerator, which on a GPU host with a gloo job is wrong). A collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (layout.replicate, layout.shard, layout.tp), mesh_dim_names=DIMS)
+
+
+def data_parallel_mesh(mesh: Any, layout: Layout) -> Any:
+    """The sub-mesh ``fully_shard`` shards over: 2-D (replicate, shard) for HSDP, else 1-D."""
+    return mesh["dp_replicate", "dp_shard"] if layout.replicate > 1 else mesh["dp_shard"]
+
+
+__all__ = ["DIMS", "Layout", "plan_layout", "accelerate_dp_shard", "machines", "build_mesh", "data_parallel_mesh"]
