@@ -119,9 +119,11 @@ def test_sharding_under_horovod_is_refused_before_anything_starts():
     from unified_dist.cli.errors import UsageError
     from unified_dist.cli.launch import Plan, build
 
-    with pytest.raises(UsageError, match="horovod has no sharding; use --backend torch or accelerate"):
-        build(Plan(backend="horovod", script="train.py", nproc=2, settings={"sharding": "fsdp"}),
-              cuda=False, environ={})
+    for settings, flag in (({"sharding": "fsdp"}, "--sharding fsdp"), ({"tp": 2}, "--tp 2"),
+                           ({"dp_replicate": "nodes"}, "--dp-replicate nodes")):
+        with pytest.raises(UsageError, match=f"^{flag}: horovod has no sharding or tensor parallelism; "
+                                             "use --backend torch or accelerate$"):
+            build(Plan(backend="horovod", script="train.py", nproc=2, settings=settings), cuda=False, environ={})
 
 
 def test_network_interface_pins_gloo_for_torch_and_accelerate():

@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import traceback
 
 import torch
 
 import unified_dist as ud
+from unified_dist import facade
 
 sys.path.insert(0, os.path.dirname(__file__))
 from contract_worker import _ReduceScatters, close, full  # noqa: E402
@@ -31,6 +33,8 @@ LAYOUTS = {  # name -> (init keywords, (dp_replicate, dp_shard, tp) on 4 ranks)
     "fsdp_tp": (dict(sharding="fsdp", tp=2), (1, 2, 2)),
     "tp": (dict(tp=4), (1, 1, 4)),
     "fsdp_ac_offload": (dict(sharding="fsdp", activation_checkpointing=True, cpu_offload=True), (1, 4, 1)),
+    # two hosts x 2 processes: one replica per machine, sharded among its own 2 ranks
+    "hsdp_nodes": (dict(sharding="fsdp", dp_replicate="nodes"), (2, 2, 1)),
 }
 PLAN = {"blocks.*.w1": "colwise", "blocks.*.w2": "rowwise"}
 PER_RANK = 2  # samples per data-parallel rank and micro-batch
@@ -116,6 +120,10 @@ def run_layout(name, keywords, expect):
         assert mesh is not None and tuple(mesh.mesh_dim_names) == ("dp_replicate", "dp_shard", "tp"), mesh
         assert tuple(mesh.shape) == (R, S, T), mesh.shape
         assert mesh.device_type == "cpu", mesh.device_type
+        hosts = ud.all_gather_object(socket.gethostname())
+        if keywords.get("dp_replicate") == "nodes":  # a replica is one machine's ranks
+            replicas = [sorted({hosts[r] for r in range(world) if r // (S * T) == i}) for i in range(R)]
+            assert all(len(h) == 1 for h in replicas) and len({h[0] for h in replicas}) == R, replicas
     attempt("identity_knows_the_mesh", identity)
 
     n = 5 * PER_RANK * dp - 1  # 2 full steps, then one ragged micro-batch split unevenly over the dp ranks
@@ -200,6 +208,10 @@ def run_layout(name, keywords, expect):
             err = (state[key] - value).abs().max().item()
             assert err <= 5e-6, f"{key}: {err:.2e}"
     attempt("save_gathers_the_full_state_from_the_mesh", full_checkpoint)
+    sharding = facade.current_backend().config.sharding
+    results["config"] = {"sharding": sharding.mode, "cpu_offload": sharding.cpu_offload,
+                         "activation_checkpointing": sharding.activation_checkpointing,
+                         "reshard_after_forward": sharding.reshard_after_forward}
     ud.shutdown()
     return results
 

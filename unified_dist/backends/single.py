@@ -6,13 +6,21 @@ from typing import Any
 
 import torch
 
-from .base import Backend
+from ..mesh import plan_layout
+from .base import Backend, Config
 
 
 class SingleProcessBackend(Backend):
-    """No process group at all; callers never need to branch on world size."""
+    """No process group at all; callers never need to branch on world size. A layout that needs
+    more than one rank (``dp_replicate=2``, ``tp=2``) is refused at construction."""
 
     name = "single"
+
+    def __init__(self, detection: Any, config: Config) -> None:
+        super().__init__(detection, config)
+        sharding = config.sharding
+        if sharding.needs_mesh:
+            plan_layout(1, sharding.dp_replicate, sharding.tp, sharding.dp_shard, machines=lambda: 1)
 
     @property
     def rank(self) -> int:

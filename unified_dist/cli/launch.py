@@ -118,8 +118,12 @@ def check_plan(plan: Plan) -> None:
             settings.TABLE[name].from_code(value)
         except (SettingError, PrecisionError) as exc:
             raise UsageError(f"{settings.flag_name(name)}: {exc}") from None
-    if plan.setting("sharding") == "fsdp" and not _backend_class(plan.backend).supports_sharding:
-        raise UsageError(f"--sharding fsdp: {plan.backend} has no sharding; use --backend torch or accelerate")
+    if not _backend_class(plan.backend).supports_sharding:
+        for flag, value, off in (("--sharding", plan.setting("sharding"), "no"), ("--tp", plan.setting("tp"), 1),
+                                 ("--dp-replicate", plan.setting("dp_replicate"), 1)):
+            if value not in (None, off):
+                raise UsageError(f"{flag} {value}: {plan.backend} has no sharding or tensor parallelism; "
+                                 "use --backend torch or accelerate")
 
 
 def check_precision(plan: Plan, cuda: bool) -> None:
