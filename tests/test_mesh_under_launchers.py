@@ -7,7 +7,7 @@ steps with accumulation, a ragged last batch and clipping (tests/workers/mesh_wo
   --parallelism_config_dp_shard_size 1 --parallelism_config_tp_size 2 --fsdp_activation_checkpointing true``):
   the layout and the checkpointing come from the launcher, the code says nothing (on a CPU, where
   Accelerate's own ``ParallelismConfig`` refuses to run);
-- srun -n 4 (a real one-node SLURM): HSDP and FSDP x TP from code;
+- srun -n 4 (a real one-node SLURM): HSDP with ``reshard_after_forward=False`` and FSDP x TP from code;
 - two hosts x 2 processes (torchrun, static master): ``dp_replicate="nodes"`` shards inside a host and
   replicates across (tests/multinode/test_multinode_contract.py has the hosts).
 """
@@ -28,7 +28,7 @@ CHECKS = ("identity_knows_the_mesh", "tensor_parallel_peers_get_the_same_batches
           "accumulating_micro_steps_send_no_gradient", "parameters_are_laid_out_on_the_mesh",
           "gather_for_metrics_returns_each_example_once_in_order", "save_gathers_the_full_state_from_the_mesh")
 TORCHRUN_LAYOUTS = ("hsdp", "fsdp_tp", "tp", "fsdp_ac_offload")
-SRUN_LAYOUTS = ("hsdp", "fsdp_tp")
+SRUN_LAYOUTS = ("hsdp_keep", "fsdp_tp")  # HSDP keeping parameters gathered from forward to backward
 ACCELERATE_FLAGS = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_activation_checkpointing", "true",
                     "--use_parallelism_config", "--parallelism_config_dp_replicate_size", "2",
                     "--parallelism_config_dp_shard_size", "1", "--parallelism_config_tp_size", "2"]

@@ -33,6 +33,7 @@ LAYOUTS = {  # name -> (init keywords, (dp_replicate, dp_shard, tp) on 4 ranks)
     "fsdp_tp": (dict(sharding="fsdp", tp=2), (1, 2, 2)),
     "tp": (dict(tp=4), (1, 1, 4)),
     "fsdp_ac_offload": (dict(sharding="fsdp", activation_checkpointing=True, cpu_offload=True), (1, 4, 1)),
+    "hsdp_keep": (dict(sharding="fsdp", dp_replicate=2, reshard_after_forward=False), (2, 2, 1)),
     # two hosts x 2 processes: one replica per machine, sharded among its own 2 ranks
     "hsdp_nodes": (dict(sharding="fsdp", dp_replicate="nodes"), (2, 2, 1)),
 }
@@ -176,7 +177,7 @@ def run_layout(name, keywords, expect):
         inner = ud.unwrap(model)
         w1 = inner.blocks[0].w1.weight
         kinds = [type(pl).__name__ for pl in w1.placements]
-        want = {"hsdp": ["Replicate", "Shard"], "fsdp_tp": ["_StridedShard", "Shard"], "tp": ["Shard"],
+        want = {"hsdp": ["Replicate", "Shard"], "hsdp_keep": ["Replicate", "Shard"], "fsdp_tp": ["_StridedShard", "Shard"], "tp": ["Shard"],
                 "fsdp_ac_offload": ["Shard"]}.get(name)
         if want is not None:
             assert kinds == want, (kinds, want)
