@@ -34,4 +34,4 @@ def test_hsdp_replicates_across_hosts_and_shards_inside_each(hosts):
         checks = json.loads(path.read_text())["hsdp_nodes"]
         failed = {name: text for name, text in checks.items() if name != "config" and text != "ok"}
         assert not failed, f"rank {rank}: {failed}"
-        assert len(checks) == 8, sorted(checks)  # the 7 checks and the config
+        assert len(checks) == 9, sorted(checks)  # the 8 checks and the config

@@ -173,6 +173,8 @@ def run_layout(name, keywords, expect):
         assert quiet_calls and set(quiet_calls) == {0}, quiet_calls
     attempt("accumulating_micro_steps_send_no_gradient", quiet)
 
+    sharding = facade.current_backend().config.sharding
+
     def placements():
         inner = ud.unwrap(model)
         w1 = inner.blocks[0].w1.weight
@@ -181,9 +183,29 @@ def run_layout(name, keywords, expect):
                 "fsdp_ac_offload": ["Shard"]}.get(name)
         if want is not None:
             assert kinds == want, (kinds, want)
-        if keywords.get("cpu_offload"):
-            assert w1.to_local().device.type == "cpu"
+        if sharding.enabled:  # FSDP2's own record of the policy each block was sharded with
+            policy = inner.blocks[0]._get_fsdp_state()._fsdp_param_group.offload_policy
+            assert type(policy).__name__ == ("CPUOffloadPolicy" if sharding.cpu_offload else "OffloadPolicy"), policy
+            if sharding.cpu_offload:
+                assert policy.pin_memory is False, policy  # no accelerator here: pinning would fail
     attempt("parameters_are_laid_out_on_the_mesh", placements)
+
+    def recomputes():
+        """A block's first layer runs once per forward, and once more in backward when its
+        activations were not kept (activation checkpointing)."""
+        calls = []
+        hook = ud.unwrap(model).blocks[0].w1.register_forward_hook(lambda *args: calls.append(1))
+        try:
+            for micro in range(STEPS):  # one whole window, so no accumulation is left behind
+                with ud.accumulate(model):
+                    ud.backward(model(x[:PER_RANK]).sum() * 0)
+                    if micro == 0:
+                        per_step = len(calls)
+                    opt.zero_grad()
+        finally:
+            hook.remove()
+        assert per_step == (2 if sharding.activation_checkpointing else 1), (per_step, sharding)
+    attempt("activation_checkpointing_recomputes_blocks_in_backward", recomputes)
 
     eval_n = 13
     ex, _, eids = data(eval_n)
@@ -209,7 +231,6 @@ def run_layout(name, keywords, expect):
             err = (state[key] - value).abs().max().item()
             assert err <= 5e-6, f"{key}: {err:.2e}"
     attempt("save_gathers_the_full_state_from_the_mesh", full_checkpoint)
-    sharding = facade.current_backend().config.sharding
     results["config"] = {"sharding": sharding.mode, "cpu_offload": sharding.cpu_offload,
                          "activation_checkpointing": sharding.activation_checkpointing,
                          "reshard_after_forward": sharding.reshard_after_forward}
