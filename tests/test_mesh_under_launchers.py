@@ -2,7 +2,8 @@
 TP 4 and FSDP + activation checkpointing + CPU offload, each equal to one plain process after AdamW
 steps with accumulation, a ragged last batch and clipping (tests/workers/mesh_worker.py).
 
-- torchrun x 4: the four layouts from code, one ``ud.init`` .. ``ud.shutdown`` each, in one launch;
+- torchrun x 4: the four layouts from code, one ``ud.init`` .. ``ud.shutdown`` each, in one launch, then
+  FSDP x TP 2x2 with ``tp_plan="auto"`` on a tiny ``LlamaForCausalLM`` (built from its config);
 - accelerate launch x 4 with its own flags (``--use_parallelism_config --parallelism_config_dp_replicate_size 2
   --parallelism_config_dp_shard_size 1 --parallelism_config_tp_size 2 --fsdp_activation_checkpointing true``):
   the layout and the checkpointing come from the launcher, the code says nothing (on a CPU, where
@@ -28,7 +29,7 @@ CHECKS = ("identity_knows_the_mesh", "tensor_parallel_peers_get_the_same_batches
           "accumulating_micro_steps_send_no_gradient", "parameters_are_laid_out_on_the_mesh",
           "activation_checkpointing_recomputes_blocks_in_backward",
           "gather_for_metrics_returns_each_example_once_in_order", "save_gathers_the_full_state_from_the_mesh")
-TORCHRUN_LAYOUTS = ("hsdp", "fsdp_tp", "tp", "fsdp_ac_offload")
+TORCHRUN_LAYOUTS = ("hsdp", "fsdp_tp", "tp", "fsdp_ac_offload", "llama")
 SRUN_LAYOUTS = ("hsdp_keep", "fsdp_tp")  # HSDP keeping parameters gathered from forward to backward
 ACCELERATE_FLAGS = ["--use_fsdp", "--fsdp_version", "2", "--fsdp_activation_checkpointing", "true",
                     "--use_parallelism_config", "--parallelism_config_dp_replicate_size", "2",
@@ -77,7 +78,8 @@ def _assert_check(result: Result, ranks: Dict[int, dict], layout: str, check: st
         assert data[layout][check] == "ok", f"rank {r}, {layout}: {data[layout][check]}"
 
 
-CASES = ([("torchrun", layout, check) for layout in TORCHRUN_LAYOUTS for check in CHECKS]
+CASES = ([("torchrun", layout, check) for layout in TORCHRUN_LAYOUTS if layout != "llama" for check in CHECKS]
+         + [("torchrun", "llama", "tp_plan_auto_on_a_tiny_llama_equals_one_process")]
          + [("accelerate", "launcher", check) for check in CHECKS])
 
 

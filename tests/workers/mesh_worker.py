@@ -1,7 +1,7 @@
 """Layouts on a device mesh (HSDP, FSDP x TP, TP, FSDP + activation checkpointing + CPU offload),
 checked inside every rank of a real 4-process launch.
 
-    <launcher, 4 processes> tests/workers/mesh_worker.py --layouts hsdp,fsdp_tp,tp,fsdp_ac_offload --out DIR
+    <launcher, 4 processes> tests/workers/mesh_worker.py --layouts hsdp,fsdp_tp,tp,fsdp_ac_offload,llama --out DIR
     accelerate launch ... --use_parallelism_config ... tests/workers/mesh_worker.py --layouts launcher --out DIR
 
 Each layout is one ``ud.init(...)`` .. ``ud.shutdown()`` in the same processes (``launcher``: no
@@ -179,7 +179,8 @@ def run_layout(name, keywords, expect):
         inner = ud.unwrap(model)
         w1 = inner.blocks[0].w1.weight
         kinds = [type(pl).__name__ for pl in w1.placements]
-        want = {"hsdp": ["Replicate", "Shard"], "hsdp_keep": ["Replicate", "Shard"], "fsdp_tp": ["_StridedShard", "Shard"], "tp": ["Shard"],
+        want = {"hsdp": ["Replicate", "Shard"], "hsdp_keep": ["Replicate", "Shard"],
+                "fsdp_tp": ["_StridedShard", "Shard"], "tp": ["Shard"],
                 "fsdp_ac_offload": ["Shard"]}.get(name)
         if want is not None:
             assert kinds == want, (kinds, want)
@@ -238,6 +239,60 @@ def run_layout(name, keywords, expect):
     return results
 
 
+LLAMA_VOCAB, LLAMA_LR, LLAMA_STEPS = 96, 1e-3, 3
+
+
+def tiny_llama():
+    """A 2-layer LlamaForCausalLM built from its config (no download): a real model with its own TP plan."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=LLAMA_VOCAB, max_position_embeddings=32,
+                         tie_word_embeddings=False, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def run_llama(expect):
+    """FSDP x TP 2x2 with tp_plan="auto" through ud.prepare on a tiny Llama: AdamW steps on one batch
+    of token ids per data-parallel rank equal one plain process on the concatenated batches.
+    Tolerance 1e-5 at lr 1e-3: AdamW moves each weight by ~lr per step whatever the gradient's size,
+    so float32 rounding of the split sums (~1e-7 relative) shows as ~1e-6; a wrong gradient as ~lr."""
+    results = {}
+    R, S, T = expect
+    ud.init(sharding="fsdp", tp=T, dp_replicate=R, tp_plan="auto")
+    dp, dp_rank = R * S, ud.rank() // T
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, LLAMA_VOCAB, (LLAMA_STEPS, 2 * dp, 16), generator=g)
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=LLAMA_LR, weight_decay=0.1)
+    model, opt = ud.prepare(model, opt)
+    for step in range(LLAMA_STEPS):
+        mine = ids[step, 2 * dp_rank:2 * dp_rank + 2]  # this data-parallel rank's slice; TP peers share it
+        loss = model(input_ids=mine, labels=mine).loss
+        ud.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    plain = tiny_llama()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=LLAMA_LR, weight_decay=0.1)
+    for step in range(LLAMA_STEPS):
+        plain(input_ids=ids[step], labels=ids[step]).loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+    inner = ud.unwrap(model)
+    try:
+        q = inner.model.layers[0].self_attn.q_proj.weight
+        assert [type(pl).__name__ for pl in q.placements] == ["_StridedShard", "Shard"], q.placements
+        worst = max(((full(p.detach()).cpu() - r.detach()).abs().max().item(), name)
+                    for (name, p), r in zip(inner.named_parameters(), plain.parameters()))
+        assert worst[0] <= 1e-5, worst
+        results["tp_plan_auto_on_a_tiny_llama_equals_one_process"] = "ok"
+    except Exception as exc:  # noqa: BLE001
+        results["tp_plan_auto_on_a_tiny_llama_equals_one_process"] = f"FAIL: {type(exc).__name__}: {exc}"
+    ud.shutdown()
+    return results
+
+
 class _AllReduces(_ReduceScatters):
     """The count of torch.distributed all-reduce calls (HSDP all-reduces across replicas)."""
 
@@ -258,6 +313,9 @@ def main():
     for name in args.layouts.split(","):
         if name == "launcher":
             keywords, expect = {}, tuple(int(v) for v in args.expect.split(","))
+        elif name == "llama":
+            report[name] = run_llama((1, 2, 2))
+            continue
         else:
             keywords, expect = LAYOUTS[name]
         report[name] = run_layout(name, keywords, expect)
