@@ -13,10 +13,9 @@ from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
-from ..mesh import Layout
 from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config, weighted
 from .ddp_lifetime import DdpTracker
-from .fsdp import FsdpModels
+from .fsdp import FsdpModels, OnMesh
 from .process_group import (
     TORCH_OPS,
     StoreArrivals,
@@ -50,7 +49,7 @@ def _running_precision(config: Config) -> Config:
     return replace(config, mixed_precision=running)
 
 
-class AccelerateBackend(StoreArrivals, Backend):
+class AccelerateBackend(StoreArrivals, OnMesh, Backend):
     """Drives one ``accelerate.Accelerator``.
 
     The scheduler is *not* stepped by Accelerate (``step_scheduler_with_optimizer=False``):
@@ -106,14 +105,6 @@ class AccelerateBackend(StoreArrivals, Backend):
     @property
     def local_rank(self) -> int:
         return self.accelerator.local_process_index
-
-    @property
-    def layout(self) -> Layout:
-        return self._fsdp.layout
-
-    @property
-    def device_mesh(self) -> Any:
-        return self._fsdp.mesh
 
     @property
     def world_size(self) -> int:

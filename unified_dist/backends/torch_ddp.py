@@ -9,10 +9,9 @@ import torch.distributed as dist
 from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
 from ..detection import Detection
-from ..mesh import Layout
 from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config
 from .ddp_lifetime import DdpTracker
-from .fsdp import FsdpModels
+from .fsdp import FsdpModels, OnMesh
 from .process_group import (
     TORCH_OPS,
     StoreArrivals,
@@ -25,7 +24,7 @@ from .process_group import (
 )
 
 
-class TorchBackend(StoreArrivals, Backend):
+class TorchBackend(StoreArrivals, OnMesh, Backend):
     """Joins the default process group (nccl on GPU, gloo on CPU) from the launcher's variables
     (torchrun's, or those detection derived for srun and mpirun), or adopts the group the
     process already joined itself, which it then never destroys."""
@@ -50,14 +49,6 @@ class TorchBackend(StoreArrivals, Backend):
     @property
     def local_rank(self) -> int:
         return self._local_rank
-
-    @property
-    def layout(self) -> Layout:
-        return self._fsdp.layout
-
-    @property
-    def device_mesh(self) -> Any:
-        return self._fsdp.mesh
 
     @property
     def world_size(self) -> int:
