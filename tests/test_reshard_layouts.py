@@ -63,15 +63,17 @@ def _failures(ranks, fragment):
             if fragment in check and value != "ok"]
 
 
-def test_each_leg_ran_in_its_layout(run):
+def test_each_leg_ran_in_its_layout_and_resumed_the_previous_legs_checkpoint(run):
     """World size, data-parallel size, the mesh's shape and block 0's w1 placements are those of the layout
-    (HSDP: Replicate, Shard; FSDP x TP: _StridedShard, Shard; TP and FSDP: Shard)."""
+    (HSDP: Replicate, Shard; FSDP x TP: _StridedShard, Shard; TP and FSDP: Shard), and every leg but
+    the first loaded the previous leg's sharded checkpoint without an error."""
     _, ranks, output = run
-    for fragment in ("/identity", "/parameters_are_laid_out_on_the_mesh"):
+    for fragment in ("/identity", "/parameters_are_laid_out_on_the_mesh", "/resumes_from"):
         assert not _failures(ranks, fragment), "\n".join(_failures(ranks, fragment))[:4000] + output[-2000:]
-    legs = {check.split("/")[0] for results in ranks.values() for check in results
-            if check.endswith("/parameters_are_laid_out_on_the_mesh")}
-    assert legs == set(CHAIN), legs
+    for check in ("parameters_are_laid_out_on_the_mesh", "resumes_from_the_previous_legs_sharded_checkpoint"):
+        legs = {c.split("/")[0] for results in ranks.values() for c in results if c.endswith(f"/{check}")}
+        assert legs == set(CHAIN), (check, legs)
+    assert "resumes_from_the_previous_legs_sharded_checkpoint" not in " ".join(ranks["this process, first leg"])
 
 
 @pytest.mark.parametrize("index", range(len(CHAIN)), ids=[f"{i:02d}_{name}" for i, name in enumerate(CHAIN)])
@@ -83,7 +85,7 @@ def test_each_leg_resumes_the_previous_layouts_sharded_checkpoint_and_goes_on_as
     assert [(i, layout) for i, layout, _ in found] == list(enumerate(CHAIN)), found
     witness = torch.load(f"{found[index][2]}_witness.pt", weights_only=True)
     steps = 2 * (index + 1)
-    assert witness["step"] == steps
+    assert witness["step"] == steps, f"leg {index} ended at step {witness['step']}, not {steps}: it did not resume"
     ref = worker.reference(steps)
     assert sorted(witness["model"]) == sorted(ref["model"])
     for name, want in ref["model"].items():
@@ -112,9 +114,11 @@ def _loaded(ranks, kind):
 def test_every_checkpoint_loads_bitwise_into_every_layout(run, kind):
     """``ud.load_sharded`` (``sharded``) and ``ud.load`` of ``ud.save``'s file (``full``): every checkpoint
     written so far, loaded into a fresh model and optimizer of each layout, holds exactly the saving
-    leg's weights and AdamW state (step, exp_avg, exp_avg_sq) and its step count."""
+    leg's weights and AdamW state (step, exp_avg, exp_avg_sq) and its step count, each moment laid out
+    as its parameter (a DTensor on the same mesh and placements, or a plain tensor)."""
     _, ranks, output = run
-    failures = [f for f in _failures(ranks, "/loads/") + _failures(ranks, "/equals_witness/") if f"_{kind}:" in f]
+    failures = [f for fragment in ("/loads/", "/optimizer_state_is_laid_out_like_its_parameter/", "/equals_witness/")
+                for f in _failures(ranks, fragment) if f"_{kind}:" in f]
     assert not failures, "\n".join(failures)[:4000] + output[-2000:]
     names = [f"{i:02d}_{layout}" for i, layout in enumerate(CHAIN)]
     first_x2 = 1 + len(X4)

@@ -143,6 +143,22 @@ def _equals_witness(got, holder, prefix, name):
     same(got, witness, name)
 
 
+def _laid_out_like(model, optimizer):
+    """Each AdamW moment of a parameter is a tensor of its kind: for a DTensor the same mesh, placements
+    and local shape (AdamW's next step adds them elementwise), for a plain tensor a plain one."""
+    from torch.distributed.tensor import DTensor
+
+    opt = _inner(optimizer)
+    for k, p in ud.unwrap(model).named_parameters():
+        for n in ("exp_avg", "exp_avg_sq"):
+            t = opt.state[p][n]
+            assert isinstance(t, DTensor) == isinstance(p, DTensor), (k, n, type(t).__name__, type(p).__name__)
+            if isinstance(p, DTensor):
+                assert (t.device_mesh, t.placements) == (p.device_mesh, p.placements), (k, n, t.placements)
+                assert t.to_local().shape == p.to_local().shape, (k, n, t.to_local().shape, p.to_local().shape)
+            assert t.shape == p.shape, (k, n, t.shape, p.shape)
+
+
 class Leg:
     """One layout's session: its checks go into ``results`` under ``<layout>/<name>``."""
 
@@ -180,6 +196,7 @@ class Leg:
                 model, optimizer = prepared()
                 holder = {}
                 self.attempt(f"loads/{name}", _load, kind, prefix, model, optimizer, holder)
+                self.attempt(f"optimizer_state_is_laid_out_like_its_parameter/{name}", _laid_out_like, model, optimizer)
                 got = gathered(model, optimizer)  # every rank, whatever the load did
                 self.attempt(f"equals_witness/{name}", _equals_witness, got, holder, prefix, name)
 
@@ -187,10 +204,13 @@ class Leg:
         """Resume from the newest checkpoint (if any), STEPS_PER_LEG steps, write the three files."""
         model, optimizer = prepared()
         found = checkpoints(out)
-        start = 0
-        if found:
-            extra = ud.load_sharded({"model": model, "optimizer": optimizer}, f"{found[-1][2]}_sharded")
-            start = extra["step"]
+        resumed = {"step": 0}
+
+        def resume():
+            resumed.update(ud.load_sharded({"model": model, "optimizer": optimizer}, f"{found[-1][2]}_sharded"))
+        if found:  # a failed load trains on from step 0: the test sees the failure and the wrong step
+            self.attempt("resumes_from_the_previous_legs_sharded_checkpoint", resume)
+        start = resumed["step"]
 
         def placements():
             if self.placements is not None:
