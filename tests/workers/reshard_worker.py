@@ -17,10 +17,10 @@ batches (each data-parallel rank its slice), then write three files beside each 
   torch's own ``DTensor.full_tensor()`` and written with ``torch.save`` on rank 0 (the test compares
   it with one plain process, and the loads below with it, bitwise).
 
-Before training (and, at the end of a launch, again in every layout of the chain for the files written
-after it), every checkpoint in DIR not yet loaded into L is loaded, sharded and full, into a fresh
-prepared model and optimizer, and its weights and AdamW state (step, exp_avg, exp_avg_sq) must equal
-its witness bitwise: a checkpoint moves between layouts without a change.
+Before training, after the save, and at the end of a launch again in every layout of its chain, every
+checkpoint in DIR not yet loaded into L is loaded, sharded and full, into a fresh prepared model and
+optimizer: its weights and AdamW state (step, exp_avg, exp_avg_sq) must equal its witness bitwise, each
+moment laid out as its parameter. A checkpoint moves between layouts without a change.
 
 Every rank runs every check in the same order and asserts only afterwards, so a failing rank does not
 hang the others. Results: DIR/reshard_<chain>_rank<R>.json as {check: "ok" | "FAIL: ..."}. Expected
@@ -262,7 +262,7 @@ def main():
     results, verified = {}, set()
     for layout in chain:
         leg(layout, args.out, results, verified, index=len(checkpoints(args.out)))
-    for layout in chain[:-1]:  # the checkpoints written after a layout trained, loaded into it too
+    for layout in chain[:-1]:  # the checkpoints written after a layout's leg, loaded into it too
         leg(layout, args.out, results, verified, train=False)
     rank = int(os.environ["RANK"])
     with open(os.path.join(args.out, f"reshard_{'_'.join(chain)}_rank{rank}.json"), "w") as f:
