@@ -2,6 +2,7 @@
 length (``Plan``), and ``UserError``. Flags keep their names: tests, ``bench/`` and users pass them.
 """
 import argparse
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -108,6 +109,21 @@ def add_optimisation_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--sharding", choices=("no", "fsdp"), default=None,
                    help="fsdp: shard parameters, gradients and optimizer state over the processes (FSDP2); "
                         "default: what the launcher says (accelerate launch --use_fsdp), else no")
+    g.add_argument("--dp-replicate", type=replicas, default=None, metavar="R|nodes",
+                   help="HSDP (with --sharding fsdp): R replicas of the model, each sharded over world size / R "
+                        "processes (nodes: one replica per machine); default: what the launcher says "
+                        "(unified-dist launch --dp-replicate, accelerate launch "
+                        "--parallelism_config_dp_replicate_size, UNIFIED_DIST_DP_REPLICATE), else 1")
+    g.add_argument("--tp", type=int, default=None, metavar="T",
+                   help="tensor parallel: T consecutive processes split each layer of --tp-plan and share each "
+                        "batch (the data-parallel processes are world size / T); default: what the launcher says "
+                        "(unified-dist launch --tp, accelerate launch --parallelism_config_tp_size, "
+                        "UNIFIED_DIST_TP), else 1")
+    g.add_argument("--tp-plan", type=tp_plan, default=None, metavar="bert|auto|JSON",
+                   help="which layers --tp splits: bert (the plan in modeling.py for BERT-architecture models: "
+                        "attention query/key/value and intermediate.dense colwise, attention.output.dense and "
+                        "output.dense rowwise), auto (the model's own base_model_tp_plan) or a JSON object "
+                        "{module pattern: colwise|rowwise}; default: UNIFIED_DIST_TP_PLAN if set, else bert")
     g.add_argument("--seed", type=int, default=0, help="seed of initialisation, dropout and shuffling")
     g.add_argument("--no-dropout", action="store_true", help="set every dropout probability to 0 (parity tests)")
     g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
@@ -115,6 +131,33 @@ def add_optimisation_flags(g: argparse._ArgumentGroup) -> None:
                         "epoch; see BENCHMARKS.md); evaluation always runs longest-first")
     g.add_argument("--threads", type=int, default=0,
                    help="torch threads per process (0 = the CPUs this process may use / processes)")
+
+
+def replicas(text: str):
+    """--dp-replicate: a whole number >= 1, or 'nodes'."""
+    if text.strip().lower() in ("node", "nodes"):
+        return "nodes"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'nodes', got {text!r}")
+    return value
+
+
+def tp_plan(text: str):
+    """--tp-plan: 'bert', 'auto' or a JSON object of module patterns to styles."""
+    if text.strip().lower() in ("bert", "auto"):
+        return text.strip().lower()
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be bert, auto or a JSON object of module patterns to styles, "
+                                         f"got {text!r}")
+    return value
 
 
 def add_output_flags(g: argparse._ArgumentGroup) -> None:

@@ -31,12 +31,17 @@ def quiet_libraries() -> None:
 
 def print_launch(args: Any, threads: int, global_batch: int) -> None:
     """Who launched us, and the global batch (never silently multiplied by the world size)."""
-    world = ud.world_size()
+    world, data_parallel = ud.world_size(), ud.data_parallel_world_size()
+    mesh = ud.device_mesh()  # the layout, with --sharding fsdp, --dp-replicate or --tp (or the launcher's)
+    layout = "" if mesh is None else " | mesh " + " x ".join(
+        f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
     ud.print(f"launcher {ud.launcher()} | backend {ud.backend_name()} | world size {world} | device {ud.device()} "
              f"| {threads} torch thread(s) per process | mixed precision {ud.mixed_precision()} "
-             f"| sharding {ud.sharding_mode()}")
-    ud.print(f"global batch = {args.batch_size} per process x {world} process(es) x {args.grad_accum} "
-             f"grad-accum = {global_batch} examples per optimizer step")
+             f"| sharding {ud.sharding_mode()}{layout}")
+    shared = f" (each batch shared by {world // data_parallel} tensor-parallel processes)" \
+        if data_parallel != world else ""
+    ud.print(f"global batch = {args.batch_size} per process x {data_parallel} process(es){shared} x "
+             f"{args.grad_accum} grad-accum = {global_batch} examples per optimizer step")
 
 
 def print_model_and_data(args: Any, model: torch.nn.Module, splits: Any) -> None:
@@ -50,7 +55,8 @@ def print_model_and_data(args: Any, model: torch.nn.Module, splits: Any) -> None
 
 def print_parameters_held(model: torch.nn.Module) -> None:
     """Every process: how many of the model's weights it holds, all of them, or with --sharding fsdp its
-    shard (about 1/world size; a sharded parameter is a DTensor whose local part is this process's)."""
+    shard (about 1/world size, with --dp-replicate R about R/world size; with --tp, the planned layers'
+    1/T; a sharded parameter is a DTensor whose local part is this process's)."""
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     print(f"rank {ud.rank()} holds {held} of the model's {sum(p.numel() for p in model.parameters())} "
           "parameter elements", flush=True)

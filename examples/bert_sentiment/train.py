@@ -52,7 +52,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     try:
         ud.init(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum,
-                sharding=args.sharding)
+                sharding=args.sharding, dp_replicate=args.dp_replicate, tp=args.tp,
+                tp_plan=modeling.tp_plan(args.tp_plan))  # None: the launcher's (its flags, its variables)
     except ud.UnifiedDistError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     checkpoints = os.path.join(out, "checkpoints")
     resume_path = ud.latest_checkpoint(checkpoints) if args.resume in ("auto", "latest") else args.resume
     model_name = modeling.resolve_model(args.model)
-    global_batch = args.batch_size * ud.world_size() * args.grad_accum
+    global_batch = args.batch_size * ud.data_parallel_world_size() * args.grad_accum
     logs.print_launch(args, threads, global_batch)
     ud.seed_everything(args.seed)  # before the model (classifier head init) and the loaders (shuffle order)
 
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         splits = sentiment_data.tokenised_splits(args, tokenizer, cache)
     logs.print_model_and_data(args, model, splits)
     train_loader, val_loader, test_loader = sentiment_data.make_loaders(args, splits, tokenizer, global_batch)
-    plan = Plan.of(args, len(splits.train), ud.world_size())
+    plan = Plan.of(args, len(splits.train), ud.data_parallel_world_size())
     optimizer, scheduler = modeling.make_optimizer(args, model, plan.warmup, plan.total_steps)
     model, optimizer, train_loader, val_loader, test_loader, scheduler = ud.prepare(
         model, optimizer, train_loader, val_loader, test_loader, scheduler)
@@ -159,7 +160,8 @@ def train(r: Run) -> bool:
                 with ud.autocast():
                     loss = model(**batch).loss
                 # the loss averaged over every process, for the log (the same value on every rank)
-                window.add(ud.all_reduce(loss.detach(), "mean").item(), batch["labels"].shape[0] * ud.world_size())
+                window.add(ud.all_reduce(loss.detach(), "mean").item(),
+                           batch["labels"].shape[0] * ud.data_parallel_world_size())
                 ud.backward(loss)  # every rank raises ud.NonFiniteLoss if any rank's loss is NaN or inf
                 ud.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 lr = optimizer.param_groups[0]["lr"]

@@ -101,6 +101,7 @@ class Ring:
         self._stopped: Dict[str, Launch] = {}
         self._continued: Dict[str, Launch] = {}
         self._uninterrupted: Dict[str, Launch] = {}
+        self._layouts: Dict[str, Launch] = {}
 
     def stopped(self, name: str) -> Launch:
         if name not in self._stopped:
@@ -146,6 +147,16 @@ class Ring:
                             timeout=TIMEOUT, env=env)
             self._uninterrupted[launcher] = _launched(result, out)
         return self._uninterrupted[launcher]
+
+    def layout(self, name: str) -> Launch:
+        """``LAYOUTS[name]``: 5 steps in one launch on a device mesh."""
+        if name not in self._layouts:
+            launcher, nproc, args, env = LAYOUTS[name]
+            out = self._factory.mktemp(f"bert-{name}") / "run"
+            result = launch(launcher, SCRIPT, [*TINY, *args, "--output-dir", str(out)], nproc=nproc,
+                            timeout=TIMEOUT, env=env)
+            self._layouts[name] = _launched(result, out)
+        return self._layouts[name]
 
     def reference(self) -> Launch:
         """The uninterrupted legacy launch: torch backend, 2 processes."""
@@ -310,6 +321,63 @@ def test_tensorboard_purges_what_python_logged_after_the_checkpoint_it_resumed_f
     assert starts == [4]  # ... and the resumed writer purges from step 4
     assert [e.step for e in read_tensorboard(out).Scalars("train/loss")] == [1, 2, 3, 4, 5]
     check_against_metrics(out, "python", 1)
+
+
+# The example on a device mesh, 5 uninterrupted steps, global batch 16 like every launch here:
+# HSDP from the example's own flags (2 replicas, each sharded over 2 of torchrun's 4 processes), and
+# tensor parallelism from the launcher's variable alone (UNIFIED_DIST_TP=2, no --tp: the example
+# gives BERT its plan; the 2 processes share each batch of 16).
+LAYOUTS = {
+    "hsdp": ("torchrun", 4, ["--batch-size", "4", "--sharding", "fsdp", "--dp-replicate", "2"], {}),
+    "tp": ("torchrun", 2, ["--batch-size", "16"], {"UNIFIED_DIST_TP": "2"}),
+}
+# what each rank holds under tensor parallelism, from the offline MiniLM-L6's config (hidden 384,
+# intermediate 1536, 6 layers): per layer the planned weights and colwise biases are halved, i.e.
+# query/key/value 3 x (384 x 384 + 384), attention.output.dense 384 x 384, intermediate.dense
+# 1536 x 384 + 1536, output.dense 384 x 1536 (rowwise biases stay whole)
+TP_SPLIT_PER_LAYER = 3 * (384 * 384 + 384) + 384 * 384 + (1536 * 384 + 1536) + 384 * 1536
+MESH_LINE = {"hsdp": "| sharding fsdp | mesh dp_replicate 2 x dp_shard 2 x tp 1",
+             "tp": "| sharding no | mesh dp_replicate 1 x dp_shard 1 x tp 2"}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_device_mesh_layouts_train_like_the_unsharded_reference(name: str, ring: Ring) -> None:
+    """``--dp-replicate 2`` under torchrun x 4, and TP=2 from the launcher, log the per-step losses of
+    the unsharded reference (legacy launch, 2 processes x 8, DDP) and end with its weights.
+
+    Tolerances: the reductions run in another order (HSDP: reduce-scatter in a replica, all-reduce
+    across, 4 x 4 examples; TP: split matmul sums), so the losses get the 4-process bound of
+    ``assert_losses_agree`` (1e-4 relative; seen: 2e-7). AdamW's update m / sqrt(v) is scale-free, so
+    an element whose gradient is near 0 turns those last-bit differences into visible ones: 2.2e-6
+    at most seen (HSDP and TP alike); the bound, 1e-5, is a tenth of one step's move (lr 1e-4), so an
+    element stepping wrongly still fails it."""
+    launcher, nproc, _, _ = LAYOUTS[name]
+    run = ring.layout(name)
+    result = run.result.check()
+    assert MESH_LINE[name] in result.output, result.output[-3000:]
+    data_parallel = 4 if name == "hsdp" else 1
+    assert f"x {data_parallel} process(es)" in result.output and "= 16 examples per optimizer step" in result.output
+    assert _identity(run.rows) == {(launcher, "torch", nproc)}
+    assert [r["step"] for r in run.rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
+    assert all(r["eval_examples"] == LIMIT_EVAL for r in run.rows if r["type"] == "eval")
+    held = {int(rank): (int(mine), int(total)) for rank, mine, total in
+            re.findall(r"rank (\d+) holds (\d+) of the model's (\d+) parameter elements", result.output)}
+    assert sorted(held) == list(range(nproc)), (held, result.output[-3000:])
+    total = held[0][1]
+    if name == "hsdp":  # each replica shards the whole model over its 2 processes: half of DDP's each
+        assert sum(mine for mine, _ in held.values()) == 2 * total, held
+        assert all(abs(mine - total / 2) <= total / 100 for mine, _ in held.values()), held
+    else:
+        assert all(mine == total - 6 * TP_SPLIT_PER_LAYER // 2 for mine, _ in held.values()), held
+    reference = ring.reference()
+    losses = [r["loss"] for r in run.rows if r["type"] == "train"]
+    ref_losses = [r["loss"] for r in reference.rows if r["type"] == "train"]
+    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), (name, losses, ref_losses)
+    worst = max_weight_difference(run.out, reference.out)
+    print(f"{name}: max |weight - reference| {worst:.2e}")
+    assert worst <= 1e-5, (name, worst)
 
 
 def _final_weights(out: Path) -> dict:
