@@ -103,10 +103,20 @@ def blocks(model: torch.nn.Module):
     return [c for m in model.modules() if isinstance(m, torch.nn.ModuleList) for c in m]
 
 
-def _local_no_grad(t: torch.Tensor) -> torch.Tensor:
-    """:func:`local_tensor` without recording an autograd node (it runs inside a pack hook)."""
+def _plain_tensors(t: torch.Tensor) -> list:
+    """The plain tensors holding ``t``'s data on this rank: a DTensor's local shard, the inner
+    tensors of any other wrapper subclass (e.g. the ``AsyncCollectiveTensor`` a tensor-parallel
+    row-wise layer returns, which has no storage of its own), else ``t``. No autograd node is
+    recorded (it runs inside a pack hook)."""
+    from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
-        return local_tensor(t)
+        if isinstance(t, DTensor):
+            return _plain_tensors(t.to_local())
+    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return [p for name in names for p in _plain_tensors(getattr(t, name))]
+    return [t]
 
 
 class SavedBytes:
@@ -130,20 +140,20 @@ class SavedBytes:
         self._hooks = None
 
     def _param_keys(self):
-        return {_storage_key(_local_no_grad(p)) for p in self.model.parameters()}
+        return {_storage_key(t) for p in self.model.parameters() for t in _plain_tensors(p)}
 
     def _add(self, t: torch.Tensor, params=None) -> None:
         if not isinstance(t, torch.Tensor):
             return
-        local = _local_no_grad(t)
-        if local.untyped_storage().nbytes() == 0:
-            return
-        key = _storage_key(local)
-        if key in self.seen or key in (params if params is not None else self._param_keys()):
-            return
-        self.seen.add(key)
-        self.bytes += local.untyped_storage().nbytes()
-        self.count += 1
+        for local in _plain_tensors(t):
+            if local.untyped_storage().nbytes() == 0:
+                continue
+            key = _storage_key(local)
+            if key in self.seen or key in (params if params is not None else self._param_keys()):
+                continue
+            self.seen.add(key)
+            self.bytes += local.untyped_storage().nbytes()
+            self.count += 1
 
     def _pack(self, t):
         self._add(t)
