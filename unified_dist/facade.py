@@ -205,7 +205,8 @@ def autocast() -> contextlib.AbstractContextManager:
 
 
 def seed_everything(seed: int, per_rank: bool = False) -> int:
-    """Seed python, numpy and torch (plus ``per_rank`` adds the rank) and the loaders' shuffling.
+    """Seed python, numpy and torch (plus ``per_rank`` adds the data-parallel rank, so tensor-parallel
+    peers, which compute on the same batch, draw the same dropout) and the loaders' shuffling.
 
     The loaders' shuffle seed is always ``seed`` itself, so every rank agrees on the order.
     Call it after :func:`init` (it initialises with defaults otherwise) and before :func:`prepare`.

@@ -163,7 +163,7 @@ class Session:
     def seed_everything(self, seed: int, per_rank: bool) -> int:
         """``ud.seed_everything``'s work (see the facade)."""
         self.seed = int(seed)
-        value = self.seed + (self.backend.rank if per_rank else 0)
+        value = self.seed + (self.backend.data_parallel_rank if per_rank else 0)
         random.seed(value)
         with contextlib.suppress(ImportError):
             import numpy

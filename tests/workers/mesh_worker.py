@@ -113,6 +113,10 @@ def run_layout(name, keywords, expect):
         except Exception as exc:  # noqa: BLE001 - reported per check
             results[check] = f"FAIL: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
 
+    hosts = ud.all_gather_object(socket.gethostname())  # collectives first, on every rank; asserts after
+    seeded = ud.seed_everything(3, per_rank=True)
+    draws = ud.all_gather_object(torch.rand(1).item())
+
     def identity():
         assert world == R * S * T == 4, (world, expect)
         assert (ud.data_parallel_world_size(), ud.data_parallel_rank()) == (dp, dp_rank), \
@@ -121,10 +125,13 @@ def run_layout(name, keywords, expect):
         assert mesh is not None and tuple(mesh.mesh_dim_names) == ("dp_replicate", "dp_shard", "tp"), mesh
         assert tuple(mesh.shape) == (R, S, T), mesh.shape
         assert mesh.device_type == "cpu", mesh.device_type
-        hosts = ud.all_gather_object(socket.gethostname())
         if keywords.get("dp_replicate") == "nodes":  # a replica is one machine's ranks
             replicas = [sorted({hosts[r] for r in range(world) if r // (S * T) == i}) for i in range(R)]
             assert all(len(h) == 1 for h in replicas) and len({h[0] for h in replicas}) == R, replicas
+        # per_rank seeds by data-parallel rank: TP peers (same batch) draw the same dropout, others differ
+        assert seeded == 3 + dp_rank, (seeded, dp_rank)
+        assert all(draws[r] == draws[(r // T) * T] for r in range(world)), draws
+        assert len({draws[d * T] for d in range(dp)}) == dp, draws
     attempt("identity_knows_the_mesh", identity)
 
     n = 5 * PER_RANK * dp - 1  # 2 full steps, then one ragged micro-batch split unevenly over the dp ranks
