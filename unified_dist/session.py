@@ -56,7 +56,8 @@ def config_from(given: Mapping[str, Any], environ: Mapping[str, str], cuda: bool
     if sharding.needs_mesh and values["gradient_compression"]:
         raise UnifiedDistError(
             f"gradient_compression={values['gradient_compression']!r} compresses DDP's and Horovod's all-reduce; "
-            "sharding='fsdp' and tensor parallelism reduce otherwise: use one of the two")
+            "sharding='fsdp' reduce-scatters instead, and tensor parallelism reduces inside its layers: "
+            "use one of the two")
     return Config(sharding=sharding, timeout=datetime.timedelta(seconds=values.pop("timeout")), **values)
 
 
