@@ -36,15 +36,6 @@ LAYOUTS = {  # name -> (ud.init keywords, processes it runs on)
     "fsdp_ac": (dict(sharding="fsdp", activation_checkpointing=True), None),
 }
 
-BERT_TP_PLAN = {  # MiniLM's BertLayer: q/k/v split by heads (BertSelfAttention reshapes to -1 heads), MLP split
-    "bert.encoder.layer.*.attention.self.query": "colwise",
-    "bert.encoder.layer.*.attention.self.key": "colwise",
-    "bert.encoder.layer.*.attention.self.value": "colwise",
-    "bert.encoder.layer.*.attention.output.dense": "rowwise",
-    "bert.encoder.layer.*.intermediate.dense": "colwise",
-    "bert.encoder.layer.*.output.dense": "rowwise",
-}
-
 LLAMA_CONFIG = dict(vocab_size=8000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                     num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=256,
                     tie_word_embeddings=False)
@@ -186,7 +177,7 @@ def build(name: str):
     torch.manual_seed(0)
     if name == "bert":
         sys.path.insert(0, str(EXAMPLE))
-        from modeling import load_model_and_tokenizer, optimizer_groups, resolve_model
+        from modeling import BERT_TP_PLAN, load_model_and_tokenizer, optimizer_groups, resolve_model
 
         model, _ = load_model_and_tokenizer(resolve_model(None), no_dropout=False)  # the example's default model
         optimizer = torch.optim.AdamW(optimizer_groups(model, 0.01), lr=1e-4)
