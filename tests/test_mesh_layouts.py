@@ -149,3 +149,11 @@ def test_launch_flags_hand_the_layout_to_the_script():
     assert env == {"UNIFIED_DIST_DP_REPLICATE": "nodes", "UNIFIED_DIST_TP": "2",
                    "UNIFIED_DIST_TP_PLAN": '{"a.*": "colwise"}', "UNIFIED_DIST_CPU_OFFLOAD": "1",
                    "UNIFIED_DIST_ACTIVATION_CHECKPOINTING": "0"}
+
+
+def test_nodes_counts_the_machines_and_needs_equal_ones():
+    from unified_dist.mesh import machines
+
+    assert machines(["h1", "h1", "h2", "h2"]) == 2 and machines(["h"] * 4) == 1
+    with pytest.raises(UnifiedDistError, match="needs the same number of ranks on every machine"):
+        machines(["h1", "h1", "h1", "h2"])

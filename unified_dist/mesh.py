@@ -14,12 +14,12 @@ when ``T`` divides the ranks per machine), and the data-parallel rank is ``r // 
 - Tensor parallel: ``parallelize_module`` on the ``tp`` sub-mesh (:mod:`unified_dist.tensor_parallel`).
 
 Nothing here communicates except :func:`build_mesh` (it creates the process groups of each
-dimension: every rank must call it) and :func:`machines` (one gather of host names).
+dimension: every rank must call it).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .errors import LaunchError, UnifiedDistError
 
@@ -51,9 +51,6 @@ class Layout:
     def tp_rank(self, rank: int) -> int:
         """The index of global ``rank`` among its tensor-parallel peers."""
         return rank % self.tp
-
-    def describe(self) -> str:
-        return f"dp_replicate={self.replicate} x dp_shard={self.shard} x tp={self.tp}"
 
 
 def plan_layout(world: int, dp_replicate: Any, tp: int, dp_shard: Optional[int] = None,
@@ -95,16 +92,10 @@ def accelerate_dp_shard(environ: Mapping[str, str]) -> Optional[int]:
                           "(accelerate launch --parallelism_config_dp_shard_size) is not an integer") from None
 
 
-def machines() -> int:
-    """The number of machines in the job (one gather of host names; every rank must call it).
-    Raises when they run different numbers of ranks: one replica per machine needs equal machines."""
-    import socket
-
-    import torch.distributed as dist
-
-    hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
-    counts = {h: hosts.count(h) for h in hosts}
+def machines(hosts: Sequence[str]) -> int:
+    """The number of machines among ``hosts`` (each rank's host name, in rank order). Raises when
+    they run different numbers of ranks: one replica per machine needs equal machines."""
+    counts = {h: list(hosts).count(h) for h in hosts}
     if len(set(counts.values())) > 1:
         raise UnifiedDistError(
             f"dp_replicate='nodes' needs the same number of ranks on every machine, got {counts}; "

@@ -11,6 +11,7 @@ import torch
 from ..errors import LaunchError
 from ..mesh import Layout, build_mesh, data_parallel_mesh, machines, plan_layout
 from ..sharding import Sharding, is_sharded, no_gradient_sync, point_optimizer_at, shard_model
+from .process_group import host_names
 
 
 class FsdpModels:
@@ -29,7 +30,8 @@ class FsdpModels:
         self.layout = Layout(1, world_size, 1)
         self.mesh: Optional[Any] = None
         if sharding.needs_mesh:
-            self.layout = plan_layout(world_size, sharding.dp_replicate, sharding.tp, sharding.dp_shard, machines)
+            self.layout = plan_layout(world_size, sharding.dp_replicate, sharding.tp, sharding.dp_shard,
+                                      lambda: machines(host_names()))
             if not sharding.enabled and self.layout.data_parallel > 1:
                 raise LaunchError(
                     f"tp={sharding.tp} on {world_size} ranks leaves {self.layout.data_parallel} data-parallel ranks, "

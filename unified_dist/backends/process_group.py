@@ -81,14 +81,20 @@ def withdraw_rendezvous(exported: Mapping[str, str]) -> None:
             del os.environ[key]
 
 
+def host_names() -> list:
+    """Every rank's host name, in rank order (one gather: every rank must call it)."""
+    hosts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return hosts
+
+
 def local_rank_from_hosts() -> int:
     """This rank's index among the ranks on its host, from one gather of host names.
 
     For a group the process joined itself (``init_process_group`` in an ``mp.spawn`` worker),
     where no launcher said which ranks share a machine.
     """
-    hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts = host_names()
     return hosts[:dist.get_rank()].count(hosts[dist.get_rank()])
 
 
