@@ -450,7 +450,7 @@ class PreparedStreamLoader:
                     "shards, or read it whole with ud.stream(dataset, split=False)")
             following = steps[s + 1] if s + 1 < len(steps) else [0]
             last = sum(following) == 0 or (self.drop_last and sum(following) < self.batch_size * world)
-            self._window = [sum(c) for c in steps[s:s + self._lookahead]]
+            self._window = [sum(c) for c in steps[s:s + self._lookahead + 1]]
             self.batch_info = BatchInfo(real=m, padded=sum(max(c, 1) for c in counts), is_last=last,
                                         mine=counts[rank], counts=counts)
             self._state["consumed"] = [done + c for done, c in zip(self._state["consumed"], counts)]
