@@ -244,6 +244,15 @@ def test_split_stream_reads_own_shards_and_pads_ranks_that_ran_out():
     assert [s["window"] for s in rank0] == [7, 5, 4, 3, 1]
 
 
+def test_padding_rows_are_dropped_wherever_they_sit_in_the_gathered_rows():
+    from unified_dist.data import BatchInfo
+
+    # rank 0 ran out first: its padding row comes before rank 1's two real rows
+    assert BatchInfo(real=2, padded=3, is_last=False, counts=[0, 2]).kept_rows() == [1, 2]
+    assert BatchInfo(real=3, padded=4, is_last=False, counts=[2, 0, 1]).kept_rows() == [0, 1, 3]
+    assert BatchInfo(real=4, padded=4, is_last=False, counts=[2, 2]).kept_rows() is None
+
+
 def test_split_stream_exchanges_counts_once_per_chunk_of_steps():
     parts = [list(range(200)), list(range(1000, 1100))]
     results = run_ranks(2, lambda r, ex: (epoch_of(loader_for(Shards(parts), r, 2, ex, batch_size=2)), ex))
