@@ -8,7 +8,8 @@ set of 37 rows gathered in order, a ``datasets`` streaming CSV (one file, and tw
 rank), ``num_workers=2``, streams of 0 and 1 rows, a seeded shuffle buffer, a generic dataset split by
 its shards (uneven), a stream that differs between ranks (refused), and mid-epoch resume across world
 sizes: the python launch saves a state mid-epoch that every 2-process launch resumes (1 -> 2), and a
-second python launch resumes the torchrun launch's (2 -> 1). The shuffled order is compared across
+second python launch resumes the torchrun launch's (2 -> 1); the torchrun launch's split-mode states
+resume in the other 2-process launches and are refused in the 1-process one. The shuffled order is compared across
 launches here: it must not depend on the launcher or the world size.
 """
 from __future__ import annotations
@@ -69,6 +70,9 @@ class Launches:
             elif launcher != "python":
                 self.get("python")
                 args += ["--resume-from", "python"]
+                if launcher != "torchrun":  # split states resume at the world size that saved them
+                    self.get("torchrun")
+                    args += ["--resume-split-from", "torchrun"]
             if launcher == "ud.launch":
                 result = run([str(BIN / "python"), WORKER, *args, "--ud-launch", "2"], TIMEOUT, child_env())
             else:
@@ -97,9 +101,10 @@ def _ranks(launcher: str, launches: Launches, request) -> Dict[int, dict]:
 
 
 RESUME = stream_worker.CHECKS["resume_load"]
-CASES = [(launcher, check) for launcher in LAUNCHERS for group in stream_worker.SUITE
-         for check in stream_worker.CHECKS[group]] + [(launcher, check) for launcher in LAUNCHERS[1:]
-                                                       for check in RESUME]
+CASES = ([(launcher, check) for launcher in LAUNCHERS for group in stream_worker.SUITE
+          for check in stream_worker.CHECKS[group]]
+         + [(launcher, check) for launcher in LAUNCHERS[1:] for check in RESUME]
+         + [(launcher, check) for launcher in LAUNCHERS[2:] for check in stream_worker.CHECKS["resume_split"]])
 
 
 @pytest.mark.parametrize("launcher,check", CASES, ids=["-".join(c) for c in CASES])

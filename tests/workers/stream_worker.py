@@ -2,7 +2,7 @@
 real launch.
 
     <launcher> tests/workers/stream_worker.py --out DIR --tag NAME --csv-one A.csv --csv-two B.csv,C.csv
-                                              [--resume-from TAG] [--only resume]
+                                              [--resume-from TAG] [--resume-split-from TAG] [--only resume]
     python tests/workers/stream_worker.py ... --ud-launch 2        (ud.launch starts 2 workers)
 
 Every check runs on every rank in the same order, does its collectives first and asserts afterwards,
@@ -30,9 +30,17 @@ EVAL_ROWS, EVAL_PER_RANK = 37, 3  # 37 = 6 x 6 + 1 under 2 ranks: the last globa
 SEED, BUFFER = 1234, 16
 LR = 0.05
 RESUME_STEPS = 3  # the state is taken after this many steps of the second epoch
+SPLIT_RESUME_STEPS = (3, 5)  # split states: while every rank has rows left, and once rank 1's 13 rows ran out
 SPLIT_SHARDS = (30, 13)  # a generic dataset with 2 uneven shards (split mode under 2 ranks)
 LONG_SHARDS = (70, 29)  # read with batch 1: 70 steps, past two exchanges of counts (every 32 steps)
 WORKER_ROWS = 45
+WORKER_START = "forkserver"
+"""How DataLoader workers start here. Not ``fork``: on the project's CPython 3.11.7 a child forked while
+another thread of the rank holds the runtime's lock deadlocks in ``PyOS_AfterFork_Child`` (CPython
+gh-112275, not fixed in 3.11.7); with a rank's queue-feeder, tqdm and backend threads that happened in 3
+of about 30 launches under mpirun (gdb: the worker stuck in ``_PyThreadState_DeleteExcept``, its rank
+waiting for batches, the other rank in the next collective). The forkserver forks from a process
+without those threads; what the checks look at (how the workers share the stream) is the same."""
 
 
 # ---------------------------------------------------------------------- data and model
@@ -110,6 +118,16 @@ def shards(ids, parts):
     return out
 
 
+def step_rows(pieces, per_rank, world):
+    """The real rows of each step of a dataset with shards ``pieces``: split under 2 ranks (rank r reads
+    shard r; a step is rank 0's batch, then rank 1's), read whole (one shard after the other) under 1."""
+    if world == 1:
+        rows = [i for p in pieces for i in p]
+        return [rows[s:s + per_rank] for s in range(0, len(rows), per_rank)]
+    n = max(-(-len(p) // per_rank) for p in pieces)
+    return [[i for p in pieces for i in p[s * per_rank:(s + 1) * per_rank]] for s in range(n)]
+
+
 def split_counts(m, world):
     """A global batch of m split as evenly as it goes, lower ranks taking the extra rows."""
     return [m // world + (1 if r < m % world else 0) for r in range(world)]
@@ -140,9 +158,10 @@ def reports(*names):
 
 
 class Checks:
-    def __init__(self, out, tag, csv_one, csv_two, resume_from):
+    def __init__(self, out, tag, csv_one, csv_two, resume_from, resume_split_from):
         self.out, self.tag = out, tag
-        self.csv_one, self.csv_two, self.resume_from = csv_one, csv_two, resume_from
+        self.csv_one, self.csv_two = csv_one, csv_two
+        self.resume_from, self.resume_split_from = resume_from, resume_split_from
         self.results, self.measured = {}, {}
         self.rank, self.world = ud.rank(), ud.world_size()
 
@@ -298,14 +317,21 @@ class Checks:
         return dict(zip(CHECKS["csv"], (one_shard, two_shards)))
 
     # 4 ------------------------------------------------------------------
-    @reports("num_workers_2_duplicates_nothing_and_gives_the_batches_of_num_workers_0")
+    @reports("num_workers_2_duplicates_nothing_and_gives_the_batches_of_num_workers_0",
+             "num_workers_2_split_by_shards_duplicates_nothing")
     def workers(self):
         world = self.world
         got = {}
         for name, cls in (("plain", Rows), ("worker_aware", WorkerAware)):
             for workers in (0, 2):
-                loader = ud.prepare(DataLoader(cls(range(WORKER_ROWS)), batch_size=PER_RANK, num_workers=workers))
+                loader = ud.prepare(DataLoader(cls(range(WORKER_ROWS)), batch_size=PER_RANK, num_workers=workers,
+                                               multiprocessing_context=WORKER_START if workers else None))
                 got[(name, workers)] = ud.all_gather_object([ids_of(b) for b in loader])
+        parts = shards(list(range(sum(SPLIT_SHARDS))), SPLIT_SHARDS)
+        split = ud.prepare(DataLoader(Sharded(parts), batch_size=PER_RANK, num_workers=2,
+                                      multiprocessing_context=WORKER_START))
+        split_steps = [ud.gather_for_metrics(b[2]).tolist() for b in split]
+        split_counts_ = ud.all_gather_object(len(split_steps))
 
         def same():
             B = PER_RANK * world
@@ -314,7 +340,11 @@ class Checks:
                 steps = [[i for r in range(world) for i in everyone[r][s]] for s in range(len(everyone[0]))]
                 assert steps == want, (name, workers, steps)
                 assert everyone == got[(name, 0)], (name, workers, everyone, got[(name, 0)])
-        return dict(zip(CHECKS["workers"], (same,)))
+        def split_same():
+            want = step_rows(parts, PER_RANK, world)
+            assert split_counts_ == [len(want)] * world, split_counts_
+            assert split_steps == want, (split_steps, want)
+        return dict(zip(CHECKS["workers"], (same, split_same)))
 
     # 5 ------------------------------------------------------------------
     @reports("streams_of_0_and_1_rows_end_cleanly_on_every_rank",
@@ -399,14 +429,7 @@ class Checks:
         long_gathered = [ud.gather_for_metrics(b[2]).tolist() for b in long_loader]
         long_steps = ud.all_gather_object(len(long_gathered))
 
-        def steps_of(pieces, per_rank):
-            if world == 1:  # one process reads the shards one after the other
-                rows = [i for p in pieces for i in p]
-                return [rows[s:s + per_rank] for s in range(0, len(rows), per_rank)]
-            n = max(-(-len(p) // per_rank) for p in pieces)
-            return [[i for p in pieces for i in p[s * per_rank:(s + 1) * per_rank]] for s in range(n)]
-
-        want = steps_of(parts, PER_RANK)
+        want = step_rows(parts, PER_RANK, world)
         reference = net()
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
         for idx in want:
@@ -429,7 +452,7 @@ class Checks:
             assert err <= 1e-6, f"parameters differ from one process on the step batches by {err:.3g}"
 
         def long():
-            expect = steps_of(long_parts, 1)
+            expect = step_rows(long_parts, 1, world)
             assert long_steps == [len(expect)] * world, (long_steps, len(expect))
             assert long_gathered == expect, (long_gathered, expect)
         return dict(zip(CHECKS["split"], (rows, training, long)))
@@ -468,19 +491,22 @@ class Checks:
             if s + 1 == RESUME_STEPS:
                 state = loader.state_dict()
         consumed = RESUME_STEPS * PER_RANK * world
+        # the 2-shard dataset: split under 2 ranks (under 1 it is read whole: then whole-stream states)
         split_loader = ud.prepare(DataLoader(Sharded(shards(list(range(43)), SPLIT_SHARDS)), batch_size=PER_RANK))
-        split_state = None  # under 1 rank the 2 shards are read whole: then a whole-stream state
-        for s, _ in enumerate(split_loader):
-            if s + 1 == RESUME_STEPS:
-                split_state = split_loader.state_dict()
+        split_states, split_rows = {}, []
+        for s, batch in enumerate(split_loader):
+            split_rows.append(ud.gather_for_metrics(batch[2]).tolist())
+            if s + 1 in SPLIT_RESUME_STEPS:
+                split_states[s + 1] = split_loader.state_dict()
+        split_rests = {k: [i for step in split_rows[k:] for i in step] for k in SPLIT_RESUME_STEPS}
         if self.rank == 0:
             with open(os.path.join(self.out, f"{self.tag}_resume.json"), "w") as f:
                 json.dump({"world_size": world, "state": state, "rest": order[consumed:],
-                           "split_state": split_state}, f)
+                           "split_states": split_states, "split_rests": split_rests}, f)
         ud.barrier()
 
         def saved():
-            assert state is not None and split_state is not None, (state, split_state)
+            assert state is not None and sorted(split_states) == list(SPLIT_RESUME_STEPS), (state, split_states)
             assert sorted(order) == list(range(ROWS)), order
         return dict(zip(CHECKS["resume_save"], (saved,)))
 
@@ -499,7 +525,7 @@ class Checks:
         if (saved["world_size"] == 1) != (world == 1):  # the 2-shard dataset is split under 2 ranks, not under 1
             split_loader = ud.prepare(DataLoader(Sharded(shards(list(range(43)), SPLIT_SHARDS)),
                                                  batch_size=PER_RANK))
-            split_loader.load_state_dict(saved["split_state"])
+            split_loader.load_state_dict(saved["split_states"][str(SPLIT_RESUME_STEPS[0])])
             try:
                 refusal = f"read {sum(1 for _ in split_loader)} batches"
             except ud.UnifiedDistError as exc:
@@ -520,18 +546,45 @@ class Checks:
             assert reported == ["UnifiedDistError"] * world, reported
         return dict(zip(CHECKS["resume_load"], (continues, refused)))
 
+    @reports("a_split_state_resumes_at_the_same_world_size_with_the_uninterrupted_rows",
+             "a_split_state_taken_after_a_ranks_shards_ran_out_resumes_with_the_uninterrupted_rows")
+    def resume_split(self):
+        """A split state another launch with as many ranks saved (after 3 steps, and after 5: rank 1's shard
+        of 13 rows ran out after 4) continues with the rows that launch went on with."""
+        with open(os.path.join(self.out, f"{self.resume_split_from}_resume.json")) as f:
+            saved = json.load(f)
+        outcomes = {}
+        for k in SPLIT_RESUME_STEPS:
+            loader = ud.prepare(DataLoader(Sharded(shards(list(range(43)), SPLIT_SHARDS)), batch_size=PER_RANK))
+            loader.load_state_dict(saved["split_states"][str(k)])
+            try:  # an error here comes after the same exchange of counts on every rank: no rank is left waiting
+                outcomes[k] = [i for b in loader for i in ud.gather_for_metrics(b[2]).tolist()]
+            except ud.UnifiedDistError as exc:
+                outcomes[k] = exc
+
+        def resumes(k):
+            def check():
+                assert saved["world_size"] == self.world, (saved["world_size"], self.world)
+                got = outcomes[k]
+                assert not isinstance(got, Exception), f"refused: {got}"
+                assert got == saved["split_rests"][str(k)], (got, saved["split_rests"][str(k)])
+            return check
+        return dict(zip(CHECKS["resume_split"], [resumes(k) for k in SPLIT_RESUME_STEPS]))
+
 
 SUITE = ("rows_and_training", "eval_gather", "csv", "workers", "tiny", "shuffle", "split", "differing",
          "resume_save")
 
 
-def run_all(out, tag, csv_one, csv_two, resume_from, only):
+def run_all(out, tag, csv_one, csv_two, resume_from, resume_split_from, only):
     ud.init()
-    checks = Checks(out, tag, csv_one, csv_two, resume_from)
+    checks = Checks(out, tag, csv_one, csv_two, resume_from, resume_split_from)
     for group in (() if only == "resume" else SUITE):
         checks.run(group)
     if resume_from:
         checks.run("resume_load")
+    if resume_split_from:
+        checks.run("resume_split")
     identity = {"backend": ud.backend_name(), "launcher": ud.launcher(), "world_size": ud.world_size(),
                 "rank": ud.rank()}
     ud.barrier()
@@ -549,11 +602,13 @@ def main():
     parser.add_argument("--csv-one", default="", help="one CSV file (comma-separated paths)")
     parser.add_argument("--csv-two", default="", help="two CSV files, comma-separated")
     parser.add_argument("--resume-from", default=None, help="load the loader state a launch with this tag wrote")
+    parser.add_argument("--resume-split-from", default=None,
+                        help="load the split-mode states a launch with this tag (and as many ranks) wrote")
     parser.add_argument("--only", choices=["resume"], default=None)
     parser.add_argument("--ud-launch", type=int, default=0, metavar="N", help="run the checks in N ud.launch workers")
     args = parser.parse_args()
     call = (args.out, args.tag, [p for p in args.csv_one.split(",") if p], [p for p in args.csv_two.split(",") if p],
-            args.resume_from, args.only)
+            args.resume_from, args.resume_split_from, args.only)
     if args.ud_launch:  # the checks by reference to this module (not __main__), as a notebook imports its code:
         # the DataLoader workers of a spawn-ed ud.launch worker are spawn-ed too and unpickle the datasets by name
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
