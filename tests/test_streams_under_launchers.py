@@ -34,7 +34,8 @@ FIXTURE = {"srun": "slurm_cluster", "mpirun": "mpirun_available"}
 TIMEOUT = 200  # a launch takes 10-30 s on 2 cores; the worker dumps its stacks and exits after 170 s
 RESUMED = "python-resumed"  # a second, 1-process launch that resumes the torchrun launch's state (2 -> 1)
 CSV_ONE = [(7 * i + 3) % 23 for i in range(23)]  # ids in an order no sorting gives back
-CSV_TWO = ([100 + (5 * i) % 15 for i in range(15)], [200 + (4 * i) % 9 for i in range(9)])  # 2 shards: 15 + 9 rows
+# 2 shards of 9 and 15 rows: under 2 ranks rank 0's runs out first, so its padding rows lie before rank 1's rows
+CSV_TWO = ([200 + (4 * i) % 9 for i in range(9)], [100 + (5 * i) % 15 for i in range(15)])
 
 
 def nproc(launcher: str) -> int:

@@ -32,7 +32,7 @@ LR = 0.05
 RESUME_STEPS = 3  # the state is taken after this many steps of the second epoch
 SPLIT_RESUME_STEPS = (3, 5)  # split states: while every rank has rows left, and once rank 1's 13 rows ran out
 SPLIT_SHARDS = (30, 13)  # a generic dataset with 2 uneven shards (split mode under 2 ranks)
-LONG_SHARDS = (70, 29)  # read with batch 1: 70 steps, past two exchanges of counts (every 32 steps)
+LONG_SHARDS = (29, 70)  # batch 1: 70 steps, past two exchanges of counts (every 32); rank 0 pads from step 29
 WORKER_ROWS = 45
 WORKER_START = "forkserver"
 """How DataLoader workers start here. Not ``fork``: on the project's CPython 3.11.7 a child forked while
@@ -303,7 +303,7 @@ class Checks:
             if world == 2:  # split: rank r reads file r; step s is rank 0's s-th batch, then rank 1's
                 n_steps = max(-(-len(ids) // PER_RANK) for ids in two)
                 assert [len(local_two[r]) for r in range(world)] == [n_steps] * world, \
-                    f"ranks ended at different steps: {[len(x) for x in local_two]}"
+                    f"steps per rank {[len(x) for x in local_two]}, expected {n_steps} on every rank"
                 want = [[i for ids in two for i in ids[s * PER_RANK:(s + 1) * PER_RANK]] for s in range(n_steps)]
                 for r in range(world):  # a rank whose file ran out gets one padding row a step
                     mine = [two[r][s * PER_RANK:(s + 1) * PER_RANK] for s in range(-(-len(two[r]) // PER_RANK))]
@@ -439,7 +439,7 @@ class Checks:
 
         def rows():
             assert [len(x) for x in everyone] == [len(want)] * world, \
-                f"ranks ended at different steps: {[len(x) for x in everyone]}, expected {len(want)}"
+                f"steps per rank {[len(x) for x in everyone]}, expected {len(want)} on every rank"
             assert gathered == want, (gathered, want)
             if world == 2:
                 for r in range(world):
