@@ -377,6 +377,16 @@ def test_a_map_style_state_is_refused_by_a_stream():
         loader.load_state_dict({"epoch": 0, "samples_consumed": 4, "num_samples": 5, "seed": 0})
 
 
+def test_a_stream_state_is_refused_by_a_map_style_loader():
+    ud.init(backend="single")
+    try:
+        loader = ud.prepare(DataLoader(list(range(5)), batch_size=2))
+        with pytest.raises(ud.UnifiedDistError, match="saved by a prepared stream"):
+            loader.load_state_dict({"epoch": 0, "seed": 0, "stream": {"mode": "whole", "consumed": 4}})
+    finally:
+        ud.shutdown()
+
+
 def test_a_finished_epoch_state_starts_the_next_epoch():
     loader = loader_for(Rows(5), 0, 1, Exchange(1))
     epoch_of(loader)

@@ -258,6 +258,10 @@ class PreparedDataLoader:
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         """Make the next iteration continue where ``state`` was taken (any world size)."""
+        if "samples_consumed" not in state:
+            raise UnifiedDistError(
+                "this loader state was saved by a prepared stream (an IterableDataset); a map-style loader resumes "
+                "only from a map-style loader's state_dict()")
         if int(state.get("num_samples", self._num_samples)) != self._num_samples:
             raise UnifiedDistError(
                 f"loader state is for a dataset of {state['num_samples']} samples, this one has "
