@@ -119,7 +119,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     optimizer, scheduler = modeling.make_optimizer(args, model, plan.warmup, plan.total_steps)
     model, optimizer, train_loader, val_loader, test_loader, scheduler = ud.prepare(
         model, optimizer, train_loader, val_loader, test_loader, scheduler)
-    assert len(train_loader) == plan.micro_per_epoch, (len(train_loader), plan.micro_per_epoch)
+    if args.streaming:  # the loader cannot know the stream's length (len() raises TypeError): the plan
+        # counts the training rows written to the CSV, which the stream reads once per epoch
+        ud.print(f"training data: streamed from {len(splits.train_files)} CSV file(s) in {cache} "
+                 f"({'shuffle buffer ' + str(args.shuffle_buffer) if args.shuffle_buffer else 'not shuffled'}); "
+                 f"{len(splits.train)} rows per epoch")
+    else:
+        assert len(train_loader) == plan.micro_per_epoch, (len(train_loader), plan.micro_per_epoch)
     logs.print_parameters_held(model)  # with --sharding fsdp each process holds only its shard of the weights
 
     # what a checkpoint holds (besides its step, epoch and provenance), and what ud.load restores in place
