@@ -107,13 +107,13 @@ def test_prepare_rejects_unknown_objects_and_backward_non_tensor():
         ud.backward(1.0)
 
 
-def test_iterable_dataset_and_batch_sampler_loaders_are_refused():
+def test_unbatched_stream_and_batch_sampler_loaders_are_refused():
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.raises(ud.UnifiedDistError, match="map-style"):
-        ud.prepare(torch.utils.data.DataLoader(Stream(), batch_size=2))
+    with pytest.raises(ud.UnifiedDistError, match="batch_size=...; a stream batched by the dataset"):
+        ud.prepare(torch.utils.data.DataLoader(Stream(), batch_size=None))
     sampler = torch.utils.data.BatchSampler(range(4), batch_size=2, drop_last=False)
     with pytest.raises(ud.UnifiedDistError, match="batch_size"):
         ud.prepare(torch.utils.data.DataLoader(list(range(4)), batch_sampler=sampler))

@@ -24,6 +24,7 @@ _FROM: Dict[str, str] = {
     **dict.fromkeys(["ElasticState", "elastic_run"], ".elastic"),
     **dict.fromkeys(["launch"], ".spawn"),
     **dict.fromkeys(["RNG"], ".rng"),
+    **dict.fromkeys(["stream"], ".streams"),
     **dict.fromkeys(["BackendNotInstalled", "CheckpointError", "CollectiveError", "CollectiveTimeout", "LaunchError",
                      "NonFiniteLoss", "PeerLost", "PrecisionError", "UnifiedDistError", "WorkerFailed"], ".errors"),
     **dict.fromkeys(["accumulate", "all_gather", "all_gather_object", "all_reduce", "autocast", "backend_name",
@@ -110,3 +111,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .rng import RNG  # noqa: F401
     from .saving import get_state_dict, latest_checkpoint, load, load_sharded, save, save_checkpoint, save_sharded  # noqa: F401
     from .spawn import launch  # noqa: F401
+    from .streams import stream  # noqa: F401

@@ -92,6 +92,23 @@ class BatchInfo:
     padded: int  # rows an all_gather of per-sample results has (real, plus one per rank without any)
     is_last: bool  # the epoch's last batch
     mine: int = 0  # this rank's real samples in it (0: its one row is padding)
+    counts: Optional[List[int]] = None  # each data-parallel rank's real samples in it, in rank order
+
+    @property
+    def even(self) -> bool:
+        """Whether every rank holds the same number of real samples (then no rank's weight differs)."""
+        return self.counts is None or len(set(self.counts)) == 1
+
+    def kept_rows(self) -> Optional[List[int]]:
+        """Positions of the real rows in an all_gather of per-sample rows (``None``: all of them); a rank
+        without a real sample gives one padding row."""
+        if self.counts is None or self.real == self.padded:
+            return None
+        rows, start = [], 0
+        for count in self.counts:
+            rows.extend(range(start, start + count))
+            start += max(count, 1)
+        return rows
 
 
 class LoaderStack:
@@ -131,10 +148,8 @@ class PreparedDataLoader:
 
     def __init__(self, loader: DataLoader, topology: Callable[[], Tuple[int, int]], device: torch.device,
                  seed: int, stack: LoaderStack) -> None:
-        if isinstance(loader.dataset, IterableDataset):
-            raise UnifiedDistError(
-                "prepare() shards map-style datasets only; shard an IterableDataset yourself "
-                "with ud.rank() and ud.world_size()")
+        if isinstance(loader.dataset, IterableDataset):  # pragma: no cover - prepare() routes streams elsewhere
+            raise UnifiedDistError("a stream needs unified_dist.streams.PreparedStreamLoader")
         if isinstance(loader.sampler, DistributedSampler):
             raise UnifiedDistError(
                 "prepare() got a DataLoader whose sampler is already a DistributedSampler, so each rank would see "
@@ -220,7 +235,8 @@ class PreparedDataLoader:
             for i, (m, batch) in enumerate(zip(sizes, self._loader)):
                 self._index = i
                 self.batch_info = BatchInfo(real=m, padded=max(m, world), is_last=i == len(sizes) - 1,
-                                            mine=shard(m, world, rank)[0])
+                                            mine=shard(m, world, rank)[0],
+                                            counts=[shard(m, world, r)[0] for r in range(world)])
                 self._consumed += m
                 yield _move(batch, self.device)
             completed = True

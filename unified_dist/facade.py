@@ -153,7 +153,9 @@ def prepare(*objs: Any) -> Any:
     BatchNorm synchronised with ``init(sync_batchnorm=True)``); optimizers step only when
     gradients are synchronised (an optimizer built on a model's parameters before this call
     steps the prepared model's); loaders are sharded (see :mod:`unified_dist.data`) and
-    reshuffle each epoch.
+    reshuffle each epoch. A loader over an ``IterableDataset`` (a ``datasets`` stream included) is
+    sharded the same way, in global batches of the stream (see :mod:`unified_dist.streams`;
+    :func:`unified_dist.stream` adds a shuffle buffer).
     """
     out = session.current().prepare(objs)
     return out[0] if len(out) == 1 else tuple(out)

@@ -32,6 +32,7 @@ from .errors import LaunchError, NonFiniteLoss, UnifiedDistError
 from .mesh import accelerate_dp_shard
 from .precision import check_device
 from .sharding import Sharding, clip_grad_norm, full_tensor
+from .streams import PreparedStreamLoader
 from .training import GradientSync, PreparedOptimizer, PreparedScheduler
 
 
@@ -97,9 +98,12 @@ class Session:
                 self.prepared_from[id(obj)] = prepared
                 out[i] = prepared
             elif isinstance(obj, torch.utils.data.DataLoader):
-                out[i] = PreparedDataLoader(obj, lambda: (backend.data_parallel_rank, backend.data_parallel_world_size),
-                                            backend.device,
-                                            self.seed, self.loaders)
+                topology = lambda: (backend.data_parallel_rank, backend.data_parallel_world_size)  # noqa: E731
+                if isinstance(obj.dataset, torch.utils.data.IterableDataset):
+                    out[i] = PreparedStreamLoader(obj, topology, backend.device, self.seed, self.loaders,
+                                                  self._gather_ints, backend.config.gradient_accumulation_steps)
+                else:
+                    out[i] = PreparedDataLoader(obj, topology, backend.device, self.seed, self.loaders)
             elif is_scheduler(obj):
                 # The scheduler must drive the optimizer that steps: Horovod's DistributedOptimizer is
                 # a new object, and load_state_dict() replaces param_groups, so a scheduler left on
@@ -112,6 +116,15 @@ class Session:
                     f"prepare() got a {type(obj).__name__}; it accepts torch.nn.Module, torch.optim.Optimizer, "
                     "LR schedulers and torch.utils.data.DataLoader")
         return out
+
+    def _gather_ints(self, values: List[int]) -> List[List[int]]:
+        """Each data-parallel rank's ``values`` (the same length everywhere), in data-parallel rank order:
+        what prepared streams exchange (one all_gather; tensor-parallel peers hold the same values)."""
+        backend = self.backend
+        mine = torch.tensor([values], dtype=torch.int64, device=backend.device)
+        rows = collectives.all_gather(backend, mine, what="prepared stream (examples per rank)").cpu().tolist()
+        tp = backend.world_size // backend.data_parallel_world_size
+        return rows[::tp]
 
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         backend = self.backend
@@ -185,10 +198,16 @@ class Session:
                       "rows a padded last batch repeats and acts as ud.all_gather; prepare the evaluation loader "
                       "with ud.prepare(...) and call it inside that loop (or call ud.all_gather)")
         info = loader.batch_info if loader is not None else None
-        if info is None or info.real == info.padded:
+        rows = info.kept_rows() if info is not None else None
+        if rows is None:
             return gathered
+        if rows == list(range(info.real)):
+            return collectives.map_each(
+                gathered, lambda t: t[:info.real] if t.shape[0] == info.padded else t, "gather_for_metrics")
+        index = torch.tensor(rows, dtype=torch.long)
         return collectives.map_each(
-            gathered, lambda t: t[:info.real] if t.shape[0] == info.padded else t, "gather_for_metrics")
+            gathered, lambda t: t.index_select(0, index.to(t.device)) if t.shape[0] == info.padded else t,
+            "gather_for_metrics")
 
 
 def is_scheduler(obj: Any) -> bool:

@@ -84,7 +84,7 @@ class GradientSync:
             return "fp16 loss scaling"
         loader = self.loaders.current
         info = loader.batch_info if loader is not None else None
-        if info is not None and info.real % self.backend.data_parallel_world_size:  # then no rank's weight is 1
+        if info is not None and not info.even:  # then no rank's weight is 1
             return "this ragged last batch split unevenly across ranks"
         return None
 
