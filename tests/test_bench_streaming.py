@@ -40,7 +40,8 @@ def check_record(record: dict, repeats: int) -> None:
     for r in record["rows"]:
         assert r["repeats"] == repeats and r["loop_samples_per_s"] > 0 and r["step_samples_per_s"] > 0, r
         assert len(r["bytes_per_rank"]) == r["processes"]
-        assert (r["config"] == "map") == ("loop_vs_map" not in r), r
+        assert (r["config"] == "map") == ("loop_vs_map" not in r) == ("best_vs_map" not in r), r
+        assert r["loop_samples_per_s_best"] == max(r["loop_samples_per_s_runs"]) >= r["loop_samples_per_s"]
     for nproc in (1, 2):
         assert _row(record, nproc, "map")["bytes_per_rank"] == [0] * nproc
         whole = _row(record, nproc, "stream")
@@ -95,6 +96,7 @@ def test_ratios_to_map_style_are_paired_by_seed(bench):
     rows = bench.rows_of(1, ("map", "stream"), runs, [reads])
     assert rows[0]["loop_samples_per_s"] == 10.0 and "loop_vs_map" not in rows[0]
     assert rows[1]["loop_vs_map"] == pytest.approx(0.75)  # median of 0.5, 0.9, 0.75 (unpaired: 5 / 10 = 0.5)
+    assert rows[1]["loop_samples_per_s_best"] == 18.0 and rows[1]["best_vs_map"] == pytest.approx(18 / 20)
 
 
 def test_the_worker_counts_reads_of_the_training_csv_only():
