@@ -57,8 +57,9 @@ from torch.utils.data import DataLoader, IterableDataset
 from .data import BatchInfo, LoaderStack, _move, shard
 from .errors import UnifiedDistError
 
-EXCHANGE_STEPS = 32
-"""Split mode: steps whose per-rank counts one ``all_gather`` exchanges (more when accumulating)."""
+EXCHANGE_STEPS = 8
+"""Split mode: steps whose per-rank counts one ``all_gather`` exchanges (more when accumulating). Each rank
+holds that many of its batches read ahead: more steps per exchange would cost memory for large batches."""
 
 SPLIT_CHOICES = ("auto", True, False)
 
@@ -419,7 +420,7 @@ class PreparedStreamLoader:
         padding: Optional[Any] = None
         ever = [False] * world  # which ranks have had an example so far in this pass
         exhausted = False
-        chunk = max(EXCHANGE_STEPS, 2 * self._lookahead)
+        chunk = max(EXCHANGE_STEPS, self._lookahead + 1)
         s = 0
         while True:
             if len(steps) < s + self._lookahead + 1 and (not steps or any(steps[-1])):
@@ -450,7 +451,7 @@ class PreparedStreamLoader:
                     "shards, or read it whole with ud.stream(dataset, split=False)")
             following = steps[s + 1] if s + 1 < len(steps) else [0]
             last = sum(following) == 0 or (self.drop_last and sum(following) < self.batch_size * world)
-            self._window = [sum(c) for c in steps[s:s + self._lookahead]]
+            self._window = [sum(c) for c in steps[s:s + self._lookahead + 1]]
             self.batch_info = BatchInfo(real=m, padded=sum(max(c, 1) for c in counts), is_last=last,
                                         mine=counts[rank], counts=counts)
             self._state["consumed"] = [done + c for done, c in zip(self._state["consumed"], counts)]
