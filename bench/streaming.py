@@ -2,7 +2,7 @@
 samples per second with 1 and 2 processes, and the bytes of training data each rank reads from a
 stream of one CSV file vs a stream of as many files (shards) as ranks.
 
-    python bench/streaming.py [--rows 1024] [--batch-size 16] [--repeats 3] [--out FILE]
+    python bench/streaming.py [--rows 512] [--batch-size 16] [--repeats 5] [--out FILE]
 
 Two launches of bench/streaming_worker.py (``python`` for 1 process, ``torchrun --standalone`` for 2;
 ``OMP_NUM_THREADS=1``, ``--threads 1``), each running examples/bert_sentiment/train.py's ``main()``
@@ -23,6 +23,9 @@ checkpoints excluded): ``loop`` is rows / the summed step times (the whole epoch
 start included), ``step`` the median step. Ratios to ``map`` are paired within a repeat (adjacent in
 time), median over repeats; on a shared machine another job's load comes and goes between runs, so
 the best run of each configuration (the least disturbed) and the ratio of the bests are recorded too.
+``loader alone``: after each run, the same training loader through ``ud.prepare`` iterated for an
+epoch with no model (bench/streaming_worker.py's ``data_pass``): the examples of the epoch over the
+slowest rank's seconds, median over repeats: what the data path itself costs.
 Bytes per rank: the sizes of the training CSV files each rank opened for reading
 (bench/streaming_worker.py says why that is what it read). Results: bench/results/streaming.json
 with the commit, the command and each launch's command line.
@@ -69,6 +72,14 @@ def speeds(metrics: list, global_batch: int, rows: int) -> dict:
     return {"loop": rows / sum(global_batch / s for s in steps), "step": statistics.median(steps)}
 
 
+def data_only(reads: list, nproc: int) -> list:
+    """Per repeat: the examples of the epoch (every rank's) over the slowest rank's seconds of the
+    loader-only pass."""
+    return [sum(reads[r][i]["data_only"]["examples"] for r in range(nproc))
+            / max(max(reads[r][i]["data_only"]["seconds"] for r in range(nproc)), 1e-9)
+            for i in range(len(reads[0]))]
+
+
 def rows_of(nproc: int, configs: tuple, runs: list, per_rank: list) -> list:
     """One row per configuration: medians over the repeats, paired ratios to ``map`` of the same repeat."""
     rows = []
@@ -82,6 +93,8 @@ def rows_of(nproc: int, configs: tuple, runs: list, per_rank: list) -> list:
                "loop_samples_per_s_runs": [r["loop"] for r in mine],
                "bytes_per_rank": [max(e["bytes"] for e in rank) for rank in reads],
                "files_per_rank": [sorted({Path(o["path"]).name for e in rank for o in e["opened"]}) for rank in reads],
+               "data_only_samples_per_s": statistics.median(data_only(reads, nproc)),
+               "data_only_samples_per_s_runs": data_only(reads, nproc),
                "opens_per_rank_per_run": [max(len(e["opened"]) for e in rank) for rank in reads]}
         if config != "map":
             pairs = [(r["loop"], m["loop"]) for r in mine for m in runs
@@ -95,14 +108,15 @@ def rows_of(nproc: int, configs: tuple, runs: list, per_rank: list) -> list:
 def table(rows: list) -> str:
     """The Markdown table BENCHMARKS.md shows."""
     lines = ["| processes | data | loop samples/s: median (runs) | / map-style, paired median | best run "
-             "| best / map-style's best | training CSV bytes read per rank |", "|---|---|---|---|---|---|---|"]
+             "| best / map-style's best | loader alone, samples/s | training CSV bytes read per rank |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['loop_vs_map']:.3f}" if "loop_vs_map" in r else "1"
         best = f"{r['best_vs_map']:.3f}" if "best_vs_map" in r else "1"
         runs = ", ".join(f"{x:.1f}" for x in r["loop_samples_per_s_runs"])
         read = " / ".join(f"{b:,}" for b in r["bytes_per_rank"]) if any(r["bytes_per_rank"]) else "- (Arrow cache)"
         lines.append(f"| {r['processes']} | {r['config']} | {r['loop_samples_per_s']:.1f} ({runs}) | {ratio} "
-                     f"| {r['loop_samples_per_s_best']:.1f} | {best} | {read} |")
+                     f"| {r['loop_samples_per_s_best']:.1f} | {best} | {r['data_only_samples_per_s']:,.0f} | {read} |")
     return "\n".join(lines)
 
 
@@ -118,11 +132,11 @@ def summary(rows: list) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", type=int, default=1024, help="training rows (a multiple of 2 x --batch-size)")
+    p.add_argument("--rows", type=int, default=512, help="training rows (a multiple of 2 x --batch-size)")
     p.add_argument("--batch-size", type=int, default=16, help="examples per process per step")
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--eval-rows", type=int, default=32, help="--limit-eval (evaluation is not timed)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "streaming.json"))
     args = p.parse_args()
     if args.rows % (2 * args.batch_size):

@@ -14,8 +14,14 @@ fsspec and the built-in ``open``), and those of the example's training CSVs (``t
 for reading count with their size. The reader parses each file it opens to the end once per epoch, so
 the sizes are the bytes it read (checked once against a wrapper counting each ``read`` of the files
 a rank split by shards opened: equal to its file's size, and nothing from the other file); no
-datasets or pandas internals are patched. Per rank and run:
-``DIR/rank<R>.json`` (rewritten after every run, so finished runs survive a later failure).
+datasets or pandas internals are patched.
+
+After each run, the same flags' training loader alone (:func:`data_pass`): built by the example's own
+``data.tokenised_splits`` / ``data.make_loaders``, through ``ud.prepare``, iterated for one epoch with
+no model: the seconds this rank spends getting its batches (reading, tokenising on the fly, cutting
+the stream, collating), which the training loop's samples/s cannot separate from the noise of a
+shared machine. Per rank and run: ``DIR/rank<R>.json`` (rewritten after every run, so finished runs
+survive a later failure).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import List
 
@@ -57,6 +64,30 @@ def load_train():
     return module
 
 
+def data_pass(train, argv: List[str]) -> dict:
+    """One epoch of the run's prepared training loader with no model: this rank's examples and seconds."""
+    from transformers import AutoTokenizer
+
+    ud, data = train.ud, train.sentiment_data
+    args = train.parse_args(argv)
+    ud.init()
+    try:
+        ud.seed_everything(args.seed)
+        tokenizer = AutoTokenizer.from_pretrained(train.modeling.resolve_model(args.model))
+        with ud.main_process_first():  # the run just made the caches: this only reads them
+            splits = data.tokenised_splits(args, tokenizer, os.path.abspath(args.cache_dir))
+        loader = ud.prepare(data.make_loaders(args, splits, tokenizer, args.batch_size * ud.world_size())[0])
+        ud.barrier()
+        start, examples = time.perf_counter(), 0
+        for batch in loader:
+            examples += int(batch["labels"].shape[0])
+        seconds = time.perf_counter() - start
+        ud.barrier()
+    finally:
+        ud.shutdown()
+    return {"examples": examples, "seconds": seconds}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--plan", required=True)
@@ -73,7 +104,8 @@ def main() -> int:
         if code != 0:
             raise SystemExit(f"{entry['name']}: train.py exited with {code}")
         opened = [{"path": path, "bytes": os.path.getsize(path)} for path in _opened]
-        record.append({"name": entry["name"], "opened": opened, "bytes": sum(o["bytes"] for o in opened)})
+        record.append({"name": entry["name"], "opened": opened, "bytes": sum(o["bytes"] for o in opened),
+                       "data_only": data_pass(train, entry["argv"])})
         (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
         if rank == 0:  # the checkpoints and the final model (~360 MB a run) are not measured: keep the disk
             out = Path(entry["argv"][entry["argv"].index("--output-dir") + 1])

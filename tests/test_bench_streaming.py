@@ -40,6 +40,7 @@ def check_record(record: dict, repeats: int) -> None:
     for r in record["rows"]:
         assert r["repeats"] == repeats and r["loop_samples_per_s"] > 0 and r["step_samples_per_s"] > 0, r
         assert len(r["bytes_per_rank"]) == r["processes"]
+        assert len(r["data_only_samples_per_s_runs"]) == repeats and r["data_only_samples_per_s"] > 0, r
         assert (r["config"] == "map") == ("loop_vs_map" not in r) == ("best_vs_map" not in r), r
         assert r["loop_samples_per_s_best"] == max(r["loop_samples_per_s_runs"]) >= r["loop_samples_per_s"]
     for nproc in (1, 2):
@@ -59,7 +60,7 @@ def check_record(record: dict, repeats: int) -> None:
 
 def test_the_recorded_results_are_complete_and_add_up():
     """bench/results/streaming.json (what BENCHMARKS.md quotes): every row, 3 repeats, and two shards
-    halve what each of two ranks reads (1,024 rows: the halves differ by a few bytes of text)."""
+    halve what each of two ranks reads (the halves differ by a few bytes of text)."""
     record = json.loads(RESULTS.read_text())
     check_record(record, repeats=record["settings"]["repeats"])
     assert record["settings"]["repeats"] >= 3
@@ -92,11 +93,19 @@ def test_ratios_to_map_style_are_paired_by_seed(bench):
     loops = {("map", 0): 10.0, ("stream", 0): 5.0, ("map", 1): 20.0, ("stream", 1): 18.0, ("map", 2): 4.0,
              ("stream", 2): 3.0}
     runs = [{"config": c, "seed": s, "loop": loop, "step": 1.0} for (c, s), loop in loops.items()]
-    reads = [{"name": f"{c}/{s}", "opened": [], "bytes": 0} for s in range(3) for c in ("map", "stream")]
+    reads = [{"name": f"{c}/{s}", "opened": [], "bytes": 0, "data_only": {"examples": 12, "seconds": 0.1 * (s + 1)}}
+             for s in range(3) for c in ("map", "stream")]
     rows = bench.rows_of(1, ("map", "stream"), runs, [reads])
+    assert rows[0]["data_only_samples_per_s_runs"] == pytest.approx([120, 60, 40])
     assert rows[0]["loop_samples_per_s"] == 10.0 and "loop_vs_map" not in rows[0]
     assert rows[1]["loop_vs_map"] == pytest.approx(0.75)  # median of 0.5, 0.9, 0.75 (unpaired: 5 / 10 = 0.5)
     assert rows[1]["loop_samples_per_s_best"] == 18.0 and rows[1]["best_vs_map"] == pytest.approx(18 / 20)
+
+
+def test_loader_alone_counts_every_ranks_examples_over_the_slowest_rank(bench):
+    # rank 0: 6 examples in 0.1 s, rank 1: 5 examples in 0.2 s -> 11 examples in 0.2 s
+    reads = [[{"data_only": {"examples": 6, "seconds": 0.1}}], [{"data_only": {"examples": 5, "seconds": 0.2}}]]
+    assert bench.data_only(reads, 2) == [pytest.approx(55.0)]
 
 
 def test_the_worker_counts_reads_of_the_training_csv_only():
