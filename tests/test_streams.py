@@ -349,6 +349,19 @@ def test_split_stream_resumes_at_its_world_size_and_refuses_another():
     assert [s["rows"] for s in rank0] == [[4, 5], [6, 7], [8]]
     assert [s["rows"][:s["mine"]] for s in rank1] == [[104], [], []]
 
+    def after_rank_1_ran_out(rank, ex):  # 4 steps: rank 1's 5 rows were used up in 3
+        loader = loader_for(Shards(parts), rank, 2, ex, batch_size=2)
+        it = iter(loader)
+        [next(it) for _ in range(4)]
+        state = loader.state_dict()
+        again = loader_for(Shards(parts), rank, 2, ex, batch_size=2)
+        again.load_state_dict(state)
+        return state, [(batch.tolist(), again.batch_info.mine) for batch in again]
+
+    (state0, rows0), (_, rows1) = run_ranks(2, after_rank_1_ran_out)
+    assert state0["stream"]["consumed"] == [8, 5]
+    assert rows0 == [([8], 1)] and rows1 == [([100], 0)]  # rank 1: a padding row (its shards' first), weight 0
+
     def elsewhere(rank, ex):
         loader = loader_for(ud.stream(Shards(parts), split=False), rank, 2, ex)
         loader.load_state_dict(state)

@@ -205,6 +205,9 @@ class _Pass:
     skip: int = 0  # whole stream: global examples; split: this rank's examples
 
 
+_END = object()
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -233,7 +236,9 @@ class _Reader(IterableDataset):
         self.drop_last = drop_last
         self.plan = _Pass()
 
-    def _examples(self) -> Iterator[Any]:
+    def _examples(self) -> Tuple[Any, Iterator[Any]]:
+        """The pass's first example (before the resume's skip; :data:`_END` for an empty stream), and the
+        examples from the resume point on."""
         plan, dataset = self.plan, self.dataset
         if plan.split:
             if _hf_iterable(dataset):
@@ -248,7 +253,11 @@ class _Reader(IterableDataset):
                                     self.shuffle_buffer, plan.seed, plan.epoch)
         else:
             examples = _ordered(dataset, self.shuffle_buffer, plan.seed, plan.epoch)
-        return itertools.islice(examples, plan.skip, None)
+        examples = iter(examples)
+        first = next(examples, _END)
+        if first is not _END:
+            examples = itertools.chain([first], examples)
+        return first, itertools.islice(examples, plan.skip, None)
 
     def __iter__(self) -> Iterator[Tuple[Any, Dict[str, Any]]]:
         worker, workers = _one_process()
@@ -256,7 +265,7 @@ class _Reader(IterableDataset):
 
     def _whole(self, worker: int, workers: int) -> Iterator[Tuple[Any, Dict[str, Any]]]:
         plan, size = self.plan, self.batch_size * self.plan.world_size
-        examples = self._examples()
+        _, examples = self._examples()
         current = list(itertools.islice(examples, size))
         i = 0
         while current and not (self.drop_last and len(current) < size):
@@ -272,15 +281,20 @@ class _Reader(IterableDataset):
             current, i = following, i + 1
 
     def _split(self, worker: int, workers: int) -> Iterator[Tuple[Any, Dict[str, Any]]]:
-        examples = self._examples()
+        # a rank whose shards run out gives padding rows until the others' end: its shards' first example,
+        # taken before a resume's skip (a rank resumed after its shards ran out reads nothing else)
+        first, examples = self._examples()
+        padding = None if first is _END else self.collate_fn([first])
+        yielded = False
         for i in itertools.count():
             batch = list(itertools.islice(examples, self.batch_size))
             if not batch:
-                return
+                break
             if i % workers == worker:
-                meta = {"index": i, "mine": len(batch),
-                        "padding": self.collate_fn(batch[:1]) if i < workers else None}
-                yield self.collate_fn(batch), meta
+                yield self.collate_fn(batch), {"index": i, "mine": len(batch), "padding": None if yielded else padding}
+                yielded = True
+        if not yielded:  # no batch from this worker: it still hands over the padding (after every real batch)
+            yield None, {"index": None, "mine": 0, "padding": padding}
 
 
 # ---------------------------------------------------------------------- the prepared loader
@@ -418,22 +432,30 @@ class PreparedStreamLoader:
         mine: Deque[Any] = collections.deque()
         steps: List[List[int]] = []  # per known step: each rank's real examples
         padding: Optional[Any] = None
-        ever = [False] * world  # which ranks have had an example so far in this pass
+        ever = [done > 0 for done in self._state["consumed"]]  # which ranks have had an example in this epoch
         exhausted = False
+
+        def next_batch() -> Optional[Tuple[Any, Dict[str, Any]]]:
+            nonlocal padding
+            for batch, meta in source:
+                if meta["padding"] is not None and padding is None:
+                    padding = meta["padding"]
+                if meta["index"] is not None:
+                    return batch, meta
+            return None
+
         chunk = max(EXCHANGE_STEPS, self._lookahead + 1)
         s = 0
         while True:
             if len(steps) < s + self._lookahead + 1 and (not steps or any(steps[-1])):
                 counts = []
                 for _ in range(chunk):
-                    item = None if exhausted else next(source, None)
+                    item = None if exhausted else next_batch()
                     if item is None:
                         exhausted = True
                         counts.append(0)
                         continue
                     batch, meta = item
-                    if meta["padding"] is not None and padding is None:
-                        padding = meta["padding"]
                     mine.append(batch)
                     counts.append(meta["mine"])
                 table = self._gather_ints(counts)  # [rank][step]
