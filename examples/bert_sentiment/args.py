@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional
 
+DEFAULT_SHUFFLE_BUFFER = 1000  # rows; datasets.IterableDataset.shuffle's default buffer_size
+
 
 class UserError(Exception):
     """Something the user can fix; train.py prints it as one line and exits with status 2."""
@@ -90,6 +92,18 @@ def add_data_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-length", type=int, default=64, help="truncate texts to this many tokens")
     g.add_argument("--cache-dir", default=None,
                    help="where tokenised data (and local files' Arrow cache) go (default: OUTPUT_DIR/cache)")
+    g.add_argument("--streaming", action="store_true",
+                   help="stream the training split instead of loading it: the seeded split is written once as CSV "
+                        "under --cache-dir, read back with datasets.load_dataset('csv', streaming=True) and tokenised "
+                        "on the fly; ud.prepare cuts the stream into the global batches (evaluation stays map-style)")
+    g.add_argument("--stream-shards", type=int, default=None, metavar="K",
+                   help="with --streaming: write the training split as K CSV files of consecutive rows; when K is a "
+                        "multiple of the data-parallel world size each process reads only its own files (a different "
+                        "batch order from the map-style run's), otherwise every process reads them all (default: 1)")
+    g.add_argument("--shuffle-buffer", type=int, default=None, metavar="N",
+                   help="with --streaming: shuffle the stream through a buffer of N rows (ud.stream, seeded by --seed "
+                        "+ epoch, the same on every rank); the CSV rows are already in a seeded random order, so the "
+                        f"buffer makes the epochs differ (default: {DEFAULT_SHUFFLE_BUFFER}, datasets' own default)")
 
 
 def add_optimisation_flags(g: argparse._ArgumentGroup) -> None:
@@ -126,9 +140,14 @@ def add_optimisation_flags(g: argparse._ArgumentGroup) -> None:
                         "{module pattern: colwise|rowwise}; default: UNIFIED_DIST_TP_PLAN if set, else bert")
     g.add_argument("--seed", type=int, default=0, help="seed of initialisation, dropout and shuffling")
     g.add_argument("--no-dropout", action="store_true", help="set every dropout probability to 0 (parity tests)")
-    g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=None,
                    help="batch training examples of similar length together (less padding, same data per "
-                        "epoch; see BENCHMARKS.md); evaluation always runs longest-first")
+                        "epoch; see BENCHMARKS.md); evaluation always runs longest-first (default: on, except "
+                        "with --streaming or --no-shuffle)")
+    g.add_argument("--no-shuffle", action="store_true",
+                   help="train in the stored order of the training split (already a seeded random order, the "
+                        "same every epoch): DataLoader(shuffle=False), or with --streaming the stream as it is "
+                        "read; for parity tests")
     g.add_argument("--threads", type=int, default=0,
                    help="torch threads per process (0 = the CPUs this process may use / processes)")
 
@@ -200,3 +219,27 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--test-fraction and --val-fraction must lie strictly between 0 and 1")
     if args.lr <= 0 or not 0 <= args.warmup_ratio < 1:
         p.error("--lr must be > 0 and --warmup-ratio in [0, 1)")
+    check_streaming(p, args)
+
+
+def check_streaming(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--streaming, --no-shuffle and their options: refuse what cannot work, then fill in the defaults."""
+    for name in ("stream_shards", "shuffle_buffer"):
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if value is not None and not args.streaming:
+            p.error(f"{flag} shapes the training stream: it needs --streaming")
+        if value is not None and value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    if args.shuffle_buffer is not None and args.no_shuffle:
+        p.error("--shuffle-buffer shuffles the stream and --no-shuffle asks for none: pass one of them")
+    if args.group_by_length and args.streaming:
+        p.error("--group-by-length needs every training example's length before the epoch starts, which a stream "
+                "does not give: drop it with --streaming (the stream shuffles through --shuffle-buffer instead)")
+    if args.group_by_length and args.no_shuffle:
+        p.error("--group-by-length is a shuffled order (by length): it cannot go with --no-shuffle")
+    if args.group_by_length is None:
+        args.group_by_length = not (args.streaming or args.no_shuffle)
+    if args.streaming:
+        args.stream_shards = args.stream_shards or 1
+        args.shuffle_buffer = None if args.no_shuffle else (args.shuffle_buffer or DEFAULT_SHUFFLE_BUFFER)

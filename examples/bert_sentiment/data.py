@@ -1,5 +1,6 @@
 """Data for the sentiment example: load, check, split, tokenise and batch; nothing distributed here
-(``ud.prepare`` shards the plain DataLoaders that :func:`make_loaders` builds).
+(``ud.prepare`` shards the plain DataLoaders that :func:`make_loaders` builds; with ``--streaming``
+the training one reads CSV files as a stream, see :func:`write_training_csv`).
 
 Sources (``--dataset``):
 
@@ -18,6 +19,7 @@ ever reported, never used to choose anything.
 """
 from __future__ import annotations
 
+import csv
 import hashlib
 import importlib.util
 import os
@@ -316,48 +318,117 @@ class LengthGroupedOrder:
         return iter(order + grouped[full * self.global_batch:])
 
 
+# --------------------------------------------------------------------------- streaming (--streaming)
+def write_training_csv(ds, cache_dir: str, shards: int) -> List[str]:
+    """``ds`` (text, label) as ``shards`` CSV files of consecutive rows under ``cache_dir``; their paths.
+
+    File 0 holds the first rows, and so on (``numpy.array_split``'s sizes), so reading the files in
+    order gives back ``ds``'s order: the stream of one file, or of all files read by every process,
+    is the map-style split row for row. Names carry a hash of the rows, so the same split is written
+    once (by the first process, inside ``ud.main_process_first``) and reused by the others and by
+    later runs; each file appears whole (written aside, then renamed).
+    """
+    texts, labels = column(ds, "text"), column(ds, "label")
+    digest = hashlib.sha256(str(shards).encode() + b"\0")
+    for text, label in zip(texts, labels):
+        digest.update(text.encode() + b"\0" + str(label).encode() + b"\0")
+    os.makedirs(cache_dir, exist_ok=True)
+    bounds = np.cumsum([0] + [len(part) for part in np.array_split(np.arange(len(texts)), shards)]).tolist()
+    paths = []
+    for k in range(shards):
+        path = os.path.join(cache_dir, f"train-{digest.hexdigest()[:16]}-{k:05d}-of-{shards:05d}.csv")
+        if not os.path.isfile(path):
+            with open(path + f".tmp{os.getpid()}", "w", newline="", encoding="utf-8") as handle:
+                writer = csv.writer(handle)
+                writer.writerow(["text", "label"])
+                writer.writerows(zip(texts[bounds[k]:bounds[k + 1]], labels[bounds[k]:bounds[k + 1]]))
+            os.replace(path + f".tmp{os.getpid()}", path)
+        paths.append(path)
+    return paths
+
+
+def stream_training_csv(paths: Sequence[str], tokenizer: Any, max_length: int, cache_dir: str):
+    """The CSV files as one ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``, one
+    shard per file) whose rows are tokenised as they are read, as :func:`tokenize` does the map-style
+    split: the same ``input_ids``/``attention_mask``/... and ``label``, so the same batches.
+
+    The texts are read as strings exactly as written (``keep_default_na=False``: a review reading
+    "NA" or "null" stays text; the declared features stop "123" from becoming a number).
+    """
+    import datasets
+
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.Value("int64")})
+    ds = datasets.load_dataset("csv", data_files=list(paths), split="train", streaming=True, features=features,
+                               keep_default_na=False, cache_dir=os.path.join(cache_dir, "datasets"))
+
+    def encode(batch):
+        return tokenizer(batch["text"], truncation=True, max_length=max_length)
+
+    return ds.map(encode, batched=True, remove_columns=["text"])
+
+
 # --------------------------------------------------------------------------- what train.py uses
 @dataclass
 class TokenisedSplits:
     """The three tokenised splits, and what to say about where they came from."""
 
-    train: Any  # datasets.Dataset
+    train: Any  # datasets.Dataset; with --streaming the untokenised rows (the stream tokenises them)
     validation: Any
     test: Any
     source: str
     notes: List[str]
     train_labels: Dict[int, int]  # label counts of the training examples used
     train_pool: int  # size of the whole training split, before --limit-train
+    train_files: List[str] = field(default_factory=list)  # with --streaming: the CSV files of the training split
 
 
 def tokenised_splits(args: Any, tokenizer: Any, cache_dir: str) -> TokenisedSplits:
-    """The flags' splits (seeded: the same on every rank), limited and tokenised into ``cache_dir``."""
+    """The flags' splits (seeded: the same on every rank), limited and tokenised into ``cache_dir``;
+    with ``--streaming`` the training split is written as CSV instead (tokenised as it streams)."""
     splits = load_splits(args.dataset, args.text_column, args.label_column, args.test_fraction, args.val_fraction,
                          args.split_seed, cache_dir, hub_cache_dir=args.cache_dir)
     train_raw = limit(splits.train, args.limit_train)
     val_raw = limit(splits.validation, args.limit_eval)
     test_raw = limit(splits.test, args.limit_eval)
-    train_ds = tokenize(train_raw, tokenizer, args.max_length, cache_dir, "train")
+    if args.streaming:
+        train_ds, train_files = train_raw, write_training_csv(train_raw, cache_dir, args.stream_shards)
+    else:
+        train_ds, train_files = tokenize(train_raw, tokenizer, args.max_length, cache_dir, "train"), []
     val_ds = tokenize(val_raw, tokenizer, args.max_length, cache_dir, "validation")
     test_ds = tokenize(test_raw, tokenizer, args.max_length, cache_dir, "test")
     return TokenisedSplits(train_ds, val_ds, test_ds, splits.source, splits.notes, label_counts(train_raw),
-                           len(splits.train))
+                           len(splits.train), train_files)
 
 
 def make_loaders(args: Any, splits: TokenisedSplits, tokenizer: Any, global_batch: int):
-    """Train loader (length-grouped or shuffled) and longest-first evaluation loaders, padded per batch.
+    """Train loader (length-grouped, shuffled, in order, or a stream) and longest-first evaluation
+    loaders, padded per batch.
 
     They are plain DataLoaders over the whole split: ``ud.prepare`` shards them across processes.
+    With ``--streaming`` the training loader reads :func:`stream_training_csv`'s stream, through
+    ``ud.stream(..., shuffle_buffer=--shuffle-buffer)`` unless ``--no-shuffle`` (``ud.stream`` only
+    declares the buffer shuffle, seeded by ``ud.seed_everything``'s seed + epoch; ``ud.prepare``
+    applies it and cuts the stream into global batches). Evaluation stays map-style: longest-first
+    order needs every length up front, and the splits are small.
     """
     import torch
     from transformers import DataCollatorWithPadding
 
     collator = DataCollatorWithPadding(tokenizer)
-    if args.group_by_length:
+    if args.streaming:
+        stream = stream_training_csv(splits.train_files, tokenizer, args.max_length,
+                                     os.path.dirname(splits.train_files[0]))
+        if args.shuffle_buffer:
+            import unified_dist as ud
+
+            stream = ud.stream(stream, shuffle_buffer=args.shuffle_buffer)
+        train = torch.utils.data.DataLoader(stream, args.batch_size, collate_fn=collator)
+    elif args.group_by_length:
         order = LengthGroupedOrder(token_lengths(splits.train), global_batch, args.seed)
         train = torch.utils.data.DataLoader(splits.train, args.batch_size, sampler=order, collate_fn=collator)
     else:
-        train = torch.utils.data.DataLoader(splits.train, args.batch_size, shuffle=True, collate_fn=collator)
+        train = torch.utils.data.DataLoader(splits.train, args.batch_size, shuffle=not args.no_shuffle,
+                                            collate_fn=collator)
     val, test = (torch.utils.data.DataLoader(longest_first(ds), batch_size=args.eval_batch_size, collate_fn=collator)
                  for ds in (splits.validation, splits.test))
     return train, val, test

@@ -119,7 +119,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     optimizer, scheduler = modeling.make_optimizer(args, model, plan.warmup, plan.total_steps)
     model, optimizer, train_loader, val_loader, test_loader, scheduler = ud.prepare(
         model, optimizer, train_loader, val_loader, test_loader, scheduler)
-    assert len(train_loader) == plan.micro_per_epoch, (len(train_loader), plan.micro_per_epoch)
+    if args.streaming:  # the loader cannot know the stream's length (len() raises TypeError): the plan
+        # counts the training rows written to the CSV, which the stream reads once per epoch
+        ud.print(f"training data: streamed from {len(splits.train_files)} CSV file(s) in {cache} "
+                 f"({'shuffle buffer ' + str(args.shuffle_buffer) if args.shuffle_buffer else 'not shuffled'}); "
+                 f"{len(splits.train)} rows per epoch")
+    else:
+        assert len(train_loader) == plan.micro_per_epoch, (len(train_loader), plan.micro_per_epoch)
     logs.print_parameters_held(model)  # with --sharding fsdp each process holds only its shard of the weights
 
     # what a checkpoint holds (besides its step, epoch and provenance), and what ud.load restores in place
@@ -243,8 +249,11 @@ def resume(r: Run, path: str) -> None:
     saved = ud.load(path, r.state)  # returns what state does not name: step, epoch and provenance
     r.resumed_from, r.last_saved = path, r.step
     position, old_batch = r.state["loader"].state_dict(), saved.get("global_batch")
+    stream = position.get("stream")  # a stream loader's position: examples consumed, per rank when split by shards
+    consumed = position["samples_consumed"] if stream is None else sum(stream["consumed"]) \
+        if isinstance(stream["consumed"], list) else stream["consumed"]
     ud.print(f"resumed from {path}: step {r.step}, epoch {position['epoch'] + 1}, "
-             f"{position['samples_consumed']} samples into it"
+             f"{consumed} samples into it"
              + (f" (WARNING: it was trained with global batch {old_batch}, now {r.global_batch})"
                 if old_batch not in (None, r.global_batch) else ""))
 
