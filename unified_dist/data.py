@@ -138,7 +138,44 @@ def _move(batch: Any, device: torch.device) -> Any:
         else leaf, batch)
 
 
-class PreparedDataLoader:
+class Epochs:
+    """What every prepared loader does around a pass: counting epochs (each pass starts the next one unless
+    told otherwise) and being the current loader of its :class:`LoaderStack` while the pass runs."""
+
+    _epoch = 0  # the epoch being iterated (while _in_pass)
+    _next_epoch = 0  # the epoch the next pass starts
+    _in_pass = False
+    _stack: LoaderStack
+    device: torch.device
+    batch_info: Optional[BatchInfo]
+
+    def _pass(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches`` moved to the device, with this loader current meanwhile; the pass ends (``epoch``
+        moves on) only when all are out, so a pass left midway is resumed by ``state_dict``."""
+        self._in_pass = True
+        self._stack.push(self)  # type: ignore[arg-type]
+        completed = False
+        try:
+            for batch in batches:
+                yield _move(batch, self.device)
+            completed = True
+        finally:
+            self._stack.remove(self)  # type: ignore[arg-type]
+            self.batch_info = None
+            if completed:
+                self._in_pass = False
+
+    @property
+    def epoch(self) -> int:
+        """The epoch being iterated, or the one the next iteration starts."""
+        return self._epoch if self._in_pass else self._next_epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration epoch ``epoch`` (only needed to jump; iterating advances it)."""
+        self._next_epoch = epoch
+
+
+class PreparedDataLoader(Epochs):
     """A ``DataLoader`` sharded across ranks (see the module docstring for the layout).
 
     Iterating it again starts the next epoch (with a new order when shuffling); no
@@ -205,15 +242,6 @@ class PreparedDataLoader:
             self._base_sampler.set_epoch(epoch)
         return list(self._base_sampler)
 
-    @property
-    def epoch(self) -> int:
-        """The epoch being iterated, or the one the next iteration starts."""
-        return self._epoch if self._in_pass else self._next_epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (only needed to jump; iterating advances it)."""
-        self._next_epoch = epoch
-
     def __len__(self) -> int:
         """Batches per rank in a whole epoch."""
         return len(plan_global_batches(self._num_samples, self.batch_sampler.global_batch, 0,
@@ -228,23 +256,17 @@ class PreparedDataLoader:
         sizes = plan_global_batches(self._num_samples, self.batch_sampler.global_batch, start,
                                     self.batch_sampler.drop_last)
         rank, world = self.batch_sampler.rank, self.batch_sampler.world_size
-        self._consumed, self._in_pass, self._sizes = start, True, sizes
-        self._stack.push(self)
-        completed = False
-        try:
-            for i, (m, batch) in enumerate(zip(sizes, self._loader)):
-                self._index = i
-                self.batch_info = BatchInfo(real=m, padded=max(m, world), is_last=i == len(sizes) - 1,
-                                            mine=shard(m, world, rank)[0],
-                                            counts=[shard(m, world, r)[0] for r in range(world)])
-                self._consumed += m
-                yield _move(batch, self.device)
-            completed = True
-        finally:
-            self._stack.remove(self)
-            self.batch_info = None
-            if completed:
-                self._in_pass = False
+        self._consumed, self._sizes = start, sizes
+        yield from self._pass(self._batches(sizes, rank, world))
+
+    def _batches(self, sizes: List[int], rank: int, world: int) -> Iterator[Any]:
+        for i, (m, batch) in enumerate(zip(sizes, self._loader)):
+            self._index = i
+            self.batch_info = BatchInfo(real=m, padded=max(m, world), is_last=i == len(sizes) - 1,
+                                        mine=shard(m, world, rank)[0],
+                                        counts=[shard(m, world, r)[0] for r in range(world)])
+            self._consumed += m
+            yield batch
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, int]:

@@ -54,7 +54,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .data import BatchInfo, LoaderStack, _move, shard
+from .data import BatchInfo, Epochs, LoaderStack, shard
 from .errors import UnifiedDistError
 
 EXCHANGE_STEPS = 8
@@ -298,7 +298,7 @@ class _Reader(IterableDataset):
 
 
 # ---------------------------------------------------------------------- the prepared loader
-class PreparedStreamLoader:
+class PreparedStreamLoader(Epochs):
     """A ``DataLoader`` over an ``IterableDataset``, sharded across the data-parallel ranks (see the
     module docstring). Iterating it again starts the next epoch; batches arrive on the backend's device;
     ``state_dict``/``load_state_dict`` resume mid-epoch."""
@@ -340,16 +340,6 @@ class PreparedStreamLoader:
         self.batch_info: Optional[BatchInfo] = None
         self._window: List[int] = []
 
-    # ------------------------------------------------------------------ identity of the epoch
-    @property
-    def epoch(self) -> int:
-        """The epoch being iterated, or the one the next iteration starts."""
-        return self._epoch if self._in_pass else self._next_epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (only needed to jump; iterating advances it)."""
-        self._next_epoch = epoch
-
     def __len__(self) -> int:
         """This rank's batches per epoch, when the dataset has a length and the stream is read whole."""
         rank, world = self._topology()
@@ -382,19 +372,7 @@ class PreparedStreamLoader:
             plan.skip = self._resumed_whole(resume)
             self._state = {"mode": "whole", "consumed": plan.skip}
         self._reader.plan = plan
-        self._in_pass = True
-        self._stack.push(self)
-        completed = False
-        try:
-            batches = self._split_pass(rank, world) if split else self._whole_pass(rank, world)
-            for batch in batches:
-                yield _move(batch, self.device)
-            completed = True
-        finally:
-            self._stack.remove(self)
-            self.batch_info = None
-            if completed:
-                self._in_pass = False
+        yield from self._pass(self._split_pass(rank, world) if split else self._whole_pass(rank, world))
 
     def _whole_pass(self, rank: int, world: int) -> Iterator[Any]:
         source = iter(self._loader)
