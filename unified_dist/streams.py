@@ -499,9 +499,3 @@ class PreparedStreamLoader(Epochs):
                 "split stream resumes only at the world size that saved it; resume with that many ranks, or use "
                 "ud.stream(dataset, split=False) (every rank reads the whole stream) to resume at any world size")
         return [int(c) for c in resume["consumed"]]
-
-
-def is_stream(loader: DataLoader) -> bool:
-    """Whether ``prepare`` treats this DataLoader as a stream."""
-    return isinstance(loader.dataset, IterableDataset)
-
