@@ -138,6 +138,19 @@ def _move(batch: Any, device: torch.device) -> Any:
         else leaf, batch)
 
 
+def worker_options(loader: DataLoader, seed: int) -> Dict[str, Any]:
+    """The user's ``DataLoader`` options about worker processes and memory, for the loader built in its place."""
+    options: Dict[str, Any] = dict(
+        num_workers=loader.num_workers, pin_memory=loader.pin_memory, timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+        # Starting an iterator draws a worker seed from `generator`; a private one keeps the
+        # global RNG (dropout) untouched, so a resumed run draws the same numbers.
+        generator=loader.generator if loader.generator is not None else torch.Generator().manual_seed(seed))
+    if loader.num_workers > 0:
+        options["prefetch_factor"] = loader.prefetch_factor
+    return options
+
+
 class Epochs:
     """What every prepared loader does around a pass: counting epochs (each pass starts the next one unless
     told otherwise) and being the current loader of its :class:`LoaderStack` while the pass runs."""
@@ -208,17 +221,8 @@ class PreparedDataLoader(Epochs):
         rank, world_size = topology()
         self.batch_sampler = ShardedBatchSampler(
             self._order, self._num_samples, loader.batch_size, rank, world_size, loader.drop_last)
-        kwargs: Dict[str, Any] = dict(
-            num_workers=loader.num_workers, collate_fn=loader.collate_fn, pin_memory=loader.pin_memory,
-            timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            # Starting an iterator draws a worker seed from `generator`; a private one keeps the
-            # global RNG (dropout) untouched, so a resumed run draws the same numbers.
-            generator=loader.generator if loader.generator is not None else torch.Generator().manual_seed(seed),
-            persistent_workers=loader.persistent_workers)
-        if loader.num_workers > 0:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
-        self._loader = DataLoader(self.dataset, batch_sampler=self.batch_sampler, **kwargs)
+        self._loader = DataLoader(self.dataset, batch_sampler=self.batch_sampler, collate_fn=loader.collate_fn,
+                                  persistent_workers=loader.persistent_workers, **worker_options(loader, seed))
         self._next_epoch = 0
         self._resume_from = 0
         self._epoch = 0
@@ -262,9 +266,9 @@ class PreparedDataLoader(Epochs):
     def _batches(self, sizes: List[int], rank: int, world: int) -> Iterator[Any]:
         for i, (m, batch) in enumerate(zip(sizes, self._loader)):
             self._index = i
+            counts = [shard(m, world, r)[0] for r in range(world)]
             self.batch_info = BatchInfo(real=m, padded=max(m, world), is_last=i == len(sizes) - 1,
-                                        mine=shard(m, world, rank)[0],
-                                        counts=[shard(m, world, r)[0] for r in range(world)])
+                                        mine=counts[rank], counts=counts)
             self._consumed += m
             yield batch
 

@@ -201,9 +201,6 @@ class Session:
         rows = info.kept_rows() if info is not None else None
         if rows is None:
             return gathered
-        if rows == list(range(info.real)):
-            return collectives.map_each(
-                gathered, lambda t: t[:info.real] if t.shape[0] == info.padded else t, "gather_for_metrics")
         index = torch.tensor(rows, dtype=torch.long)
         return collectives.map_each(
             gathered, lambda t: t.index_select(0, index.to(t.device)) if t.shape[0] == info.padded else t,

@@ -54,7 +54,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .data import BatchInfo, Epochs, LoaderStack, shard
+from .data import BatchInfo, Epochs, LoaderStack, shard, worker_options
 from .errors import UnifiedDistError
 
 EXCHANGE_STEPS = 8
@@ -323,15 +323,8 @@ class PreparedStreamLoader(Epochs):
         self._lookahead = max(1, lookahead)
         self._reader = _Reader(self.dataset, options.shuffle_buffer, loader.collate_fn, loader.batch_size,
                                loader.drop_last)
-        kwargs: Dict[str, Any] = dict(
-            batch_size=None, collate_fn=_identity, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-            timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            generator=loader.generator if loader.generator is not None else torch.Generator().manual_seed(seed))
-        if loader.num_workers > 0:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
         # the reader's pass (epoch, skip) travels to the workers when they start: at every pass
-        self._loader = DataLoader(self._reader, **kwargs)
+        self._loader = DataLoader(self._reader, batch_size=None, collate_fn=_identity, **worker_options(loader, seed))
         self._next_epoch = 0
         self._epoch = 0
         self._in_pass = False
