@@ -23,7 +23,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
          cpu_offload: Optional[bool] = None, activation_checkpointing: Optional[bool] = None,
          sync_batchnorm: Optional[bool] = None, gradient_compression: Optional[str] = None,
          bucket_mb: Optional[float] = None, bucket_view: Optional[bool] = None,
-         check_finite: Optional[bool] = None) -> None:
+         check_finite: Optional[bool] = None, compile: Optional[Any] = None,  # noqa: A002 - Accelerate's word
+         compile_mode: Optional[str] = None) -> None:
     """Join the job's process group through the detected (or given) backend.
 
     Every keyword is a setting of :data:`unified_dist.settings.TABLE` (``unified-dist env`` lists
@@ -42,14 +43,15 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     ``dp_replicate=R`` (HSDP: shard inside each of ``R`` replicas, an integer or ``"nodes"``),
     ``tp=T`` with ``tp_plan`` (tensor parallelism), ``cpu_offload`` and ``activation_checkpointing``
     lay the ranks out on a device mesh (:mod:`unified_dist.mesh`): ``R * dp_shard * T`` ranks, with
-    ``dp_shard`` the rest of the world.
+    ``dp_shard`` the rest of the world. ``compile=True`` (or a ``torch.compile`` backend's name) makes
+    :func:`prepare` compile each model in place, after wrapping it (see ``docs/hot-path.md``).
     """
     given = dict(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
                  timeout=timeout, debug=debug, sharding=sharding, shard_modules=shard_modules,
                  reshard_after_forward=reshard_after_forward, sync_batchnorm=sync_batchnorm,
                  gradient_compression=gradient_compression, bucket_mb=bucket_mb, bucket_view=bucket_view,
                  check_finite=check_finite, dp_replicate=dp_replicate, tp=tp, tp_plan=tp_plan, cpu_offload=cpu_offload,
-                 activation_checkpointing=activation_checkpointing)
+                 activation_checkpointing=activation_checkpointing, compile=compile, compile_mode=compile_mode)
     session.init(backend, given)
 
 

@@ -24,7 +24,7 @@ from typing import Any, List, Mapping, Optional
 
 import torch
 
-from . import collectives, live, settings
+from . import collectives, compiling, live, settings
 from .backends import Backend, Config, backend_class
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
@@ -43,6 +43,7 @@ def config_from(given: Mapping[str, Any], environ: Mapping[str, str], cuda: bool
     launcher, :class:`UnifiedDistError` for settings that exclude each other."""
     values = settings.resolve_all(given, environ)
     check_device(values["mixed_precision"], cuda)
+    compiling.check_backend(values["compile"], values["compile_mode"])
     modules = values.pop("shard_modules")
     sharding = Sharding(values.pop("sharding"), tuple(modules) if modules else None,
                         values.pop("reshard_after_forward"), dp_replicate=values.pop("dp_replicate"),
@@ -74,6 +75,7 @@ class Session:
     prepared_from: dict = field(default_factory=dict)  # id(user's optimizer) -> PreparedOptimizer
     seed: int = 0  # the loaders' shuffle seed (seed_everything)
     failed: bool = False  # an exception reached the top of the program (see _note_failure)
+    _finite: Optional[torch.Tensor] = None  # on the device: every loss of this accumulation window was finite
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, objs: tuple) -> List[Any]:
@@ -133,28 +135,43 @@ class Session:
                 model, gather=lambda t: collectives.all_gather(backend, t, what="SyncBatchNorm"),
                 reduce_sum=lambda t: collectives.all_reduce(backend, t, "sum"))
         prepared = backend.prepare_model(model)
+        if backend.config.compile:
+            prepared = backend.compile_model(prepared)
         self.sync.buffers.add(prepared)  # every rank starts from rank 0's buffers (unified_dist.buffers)
         return prepared
 
     # ------------------------------------------------------------------ training
     def backward(self, loss: torch.Tensor) -> None:
-        """``ud.backward``'s work (see the facade)."""
+        """``ud.backward``'s work (see the facade).
+
+        The non-finite check costs nothing on a micro-step that only accumulates: whether the loss is
+        finite is kept on the device (no host sync, no collective), and once per optimizer step, on
+        the micro-step that synchronises gradients and before its backward starts, one tiny
+        all-reduce tells every rank which ranks saw a non-finite loss in the window (one host sync).
+        """
         if not isinstance(loss, torch.Tensor):
             raise UnifiedDistError(f"backward() expects the loss tensor, got {type(loss).__name__}")
         self.sync.check_backward_context()
         self.sync.backward_calls += 1
         if self.backend.config.check_finite:
-            self._stop_on_non_finite(loss)
+            finite = torch.isfinite(loss.detach()).all()
+            self._finite = finite if self._finite is None else self._finite & finite
+            if self.sync.sync_gradients:
+                window, self._finite = self._finite, None
+                self._stop_on_non_finite(window)
         scaler = self.optimizers[-1].scaler if self.optimizers else None
         self.backend.backward(loss, scaler, self.sync.loss_weight())
 
-    def _stop_on_non_finite(self, loss: torch.Tensor) -> None:
-        """Every rank learns whether any rank's loss is NaN/inf, and all stop at the same step."""
-        finite = torch.isfinite(loss.detach()).all().to(torch.uint8).reshape(1)
-        flags = collectives.all_gather(self.backend, finite, what="backward(non-finite check)")
-        if bool(flags.all()):
+    def _stop_on_non_finite(self, finite: torch.Tensor) -> None:
+        """Every rank learns which ranks' losses of this optimizer step were NaN/inf (``finite``: a 0-d
+        bool on the device, this rank's window), and all stop at the same step before it updates anything."""
+        backend = self.backend
+        mine = torch.zeros(backend.world_size, dtype=torch.int32, device=backend.device)
+        mine[backend.rank] = (~finite).to(torch.int32)  # on the device: no host sync before the exchange
+        flags = collectives.all_reduce(backend, mine, "sum").tolist()  # the step's one host sync
+        bad = [r for r, n in enumerate(flags) if n]
+        if not bad:
             return
-        bad = [r for r, ok in enumerate(flags.tolist()) if not ok]
         step = (self.optimizers[-1].steps_taken if self.optimizers else 0) + 1
         raise NonFiniteLoss(
             f"loss is not finite on rank {', '.join(map(str, bad))} at optimizer step {step}: nothing was "

@@ -134,6 +134,38 @@ class Number:
 
 
 @dataclass(frozen=True)
+class Compiler:
+    """Whether and with which dynamo backend ``ud.prepare`` compiles models: off (0/false/no/off,
+    ``False``), on (1/true/yes/on, ``True``: ``inductor``) or a backend's name (``aot_eager``,
+    ``eager``, ...; ``torch._dynamo.list_backends()`` names the installed ones, checked at ``init``)."""
+
+    accepted: str = "on (inductor), off, or a torch.compile backend's name (inductor, aot_eager, eager, ...)"
+
+    def read(self, text: str) -> Optional[str]:
+        word = text.strip().lower()
+        if word in TRUE_WORDS:
+            return "inductor"
+        if word in FALSE_WORDS:
+            return None
+        if not word.replace("_", "").isalnum():
+            raise ValueError(f"is not a torch.compile backend; use {self.accepted}")
+        return word
+
+    def take(self, value: Any) -> Optional[str]:
+        if isinstance(value, bool):
+            return "inductor" if value else None
+        if isinstance(value, str):
+            return self.read(value)
+        raise ValueError("takes True, False or a torch.compile backend's name")
+
+    def show(self, value: Any) -> str:
+        return "off" if value is None else str(value)
+
+    def flag_value(self, value: Any) -> str:
+        return "0" if value is None else str(value)
+
+
+@dataclass(frozen=True)
 class Text:
     """Free text (a path, a name): read as given."""
 
@@ -360,7 +392,15 @@ TABLE: Dict[str, Setting] = _declare(
     Setting("bucket_view", "UNIFIED_DIST_BUCKET_VIEW", Switch(), True,
             "DDP keeps gradients as views into its buckets; off for code that replaces .grad in place"),
     Setting("check_finite", "UNIFIED_DIST_CHECK_FINITE", Switch(), True,
-            "ud.backward stops every rank at the same step when any rank's loss is NaN/inf"),
+            "every rank stops at the same optimizer step when any rank's loss was NaN/inf (one tiny exchange "
+            "per optimizer step, none on micro-steps that only accumulate)"),
+    Setting("compile", "UNIFIED_DIST_COMPILE", Compiler(), None,
+            "ud.prepare compiles models with torch.compile (DDP's wrapper whole; FSDP2's blocks one by one)",
+            launcher=LauncherWord("ACCELERATE_DYNAMO_BACKEND", "accelerate launch --dynamo_backend", silent=("no",))),
+    Setting("compile_mode", "UNIFIED_DIST_COMPILE_MODE",
+            Choice(("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"), "compile mode"),
+            "default", "torch.compile's mode when compile is on",
+            launcher=LauncherWord("ACCELERATE_DYNAMO_MODE", "accelerate launch --dynamo_mode", silent=("default",))),
     Setting("slurm", "UNIFIED_DIST_SLURM", Switch(), True,
             "detection reads srun's variables (off: srun -n N without torchrun is refused)",
             keyword=False, flag=False, read_by="detection"),

@@ -5,7 +5,7 @@ import contextlib
 import os
 from dataclasses import replace
 from fractions import Fraction
-from typing import Any, ContextManager, Dict, Iterator, Optional
+from typing import Any, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 
@@ -89,6 +89,9 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
                 mixed_precision=config.mixed_precision,
                 gradient_accumulation_steps=config.gradient_accumulation_steps,
                 step_scheduler_with_optimizer=False,
+                # the facade compiles (unified_dist.compiling), in place: Accelerate's own compile would wrap
+                # the model in an OptimizedModule (with _orig_mod. in its state dict) before the facade's hooks
+                dynamo_backend="no",
                 kwargs_handlers=[InitProcessGroupKwargs(timeout=config.timeout),
                                  DistributedDataParallelKwargs(**BUFFER_KWARGS,
                                                               **ddp_kwargs(config.bucket_mb, config.bucket_view))],
@@ -140,6 +143,9 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
         """The hook on the DDP wrapper Accelerate made (its own ``comm_hook=BF16`` kwarg hands DDP
         torch's bf16 hook, which DDP refuses without NCCL, so on CPU it could not run)."""
         return register_ddp_hook(model, self.config.gradient_compression)
+
+    def compile_regions(self, model: torch.nn.Module) -> Optional[List[torch.nn.Module]]:
+        return self._fsdp.regions(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:

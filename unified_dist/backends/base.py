@@ -57,6 +57,8 @@ class Config:
     bucket_mb: Optional[float] = TABLE["bucket_mb"].default  # MiB per fused reduction (unified_dist.buckets)
     bucket_view: bool = TABLE["bucket_view"].default  # DDP's gradient_as_bucket_view (unified_dist.buckets)
     check_finite: bool = TABLE["check_finite"].default  # ud.backward's NaN/inf check
+    compile: Optional[str] = TABLE["compile"].default  # torch.compile backend ud.prepare uses (None: off)
+    compile_mode: str = TABLE["compile_mode"].default  # torch.compile's mode
 
     def value(self, name: str) -> Any:
         """The value of setting ``name`` as ``init`` takes it (the sharding keywords from
@@ -191,10 +193,26 @@ class Backend(ABC):
         return optimizer
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's original module inside whatever wrapper :meth:`prepare_model` added."""
-        while isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
-            model = model.module
-        return getattr(model, "_orig_mod", model)  # torch.compile wrapper
+        """The user's original module inside whatever wrappers :meth:`prepare_model` and
+        ``torch.compile`` (before or after ``prepare``) added, in any order."""
+        while True:
+            if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+                model = model.module
+            elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper
+                model = model._orig_mod
+            else:
+                return model
+
+    def compile_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Compile a prepared ``model`` in place as ``config.compile`` says (:mod:`unified_dist.compiling`):
+        by :meth:`compile_regions` when there are any, else whole."""
+        from ..compiling import compile_in_place
+
+        return compile_in_place(model, self.config.compile, self.config.compile_mode, self.compile_regions(model))
+
+    def compile_regions(self, model: torch.nn.Module) -> Optional[List[torch.nn.Module]]:
+        """The blocks to compile one by one (``None``: the whole model; sharded models override)."""
+        return None
 
     # ----------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None, weight: Fraction = Fraction(1)) -> None:

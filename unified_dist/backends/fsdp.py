@@ -4,13 +4,13 @@ Accelerate): the job's device mesh, and what ``prepare`` does to models and opti
 from __future__ import annotations
 
 import weakref
-from typing import Any, ContextManager, Dict, Optional, Tuple
+from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
 from ..errors import LaunchError
 from ..mesh import Layout, build_mesh, data_parallel_mesh, machines, plan_layout
-from ..sharding import Sharding, is_sharded, no_gradient_sync, point_optimizer_at, shard_model
+from ..sharding import Sharding, blocks_to_shard, is_sharded, no_gradient_sync, point_optimizer_at, shard_model
 from .process_group import host_names
 
 
@@ -27,6 +27,7 @@ class FsdpModels:
         self.sharding = sharding
         self.mixed_precision = mixed_precision
         self._new_of: Dict[int, Tuple["weakref.ref[torch.nn.Parameter]", torch.nn.Parameter]] = {}
+        self._blocks: "weakref.WeakKeyDictionary[torch.nn.Module, List[torch.nn.Module]]" = weakref.WeakKeyDictionary()
         self.layout = Layout(1, world_size, 1)
         self.mesh: Optional[Any] = None
         if sharding.needs_mesh:
@@ -47,12 +48,17 @@ class FsdpModels:
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Split ``model`` (already on its device); remember which parameter became which."""
         before = list(model.parameters())
+        self._blocks[model] = blocks_to_shard(model, self.sharding.modules)  # before FSDP2 renames their classes
         mesh = self.mesh
         shard_model(model, self.sharding, self.mixed_precision,
                     dp_mesh=data_parallel_mesh(mesh, self.layout), tp_mesh=mesh["tp"])
         for old, new in zip(before, model.parameters()):
             self._new_of[id(old)] = (weakref.ref(old), new)
         return model
+
+    def regions(self, model: torch.nn.Module) -> Optional[List[torch.nn.Module]]:
+        """The blocks of a model :meth:`prepare` split, to compile one by one (``None``: not split here)."""
+        return self._blocks.get(model) if self.enabled else None
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """``optimizer`` stepping the sharded parameters (a no-op for an optimizer built after ``prepare``)."""

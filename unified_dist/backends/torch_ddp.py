@@ -1,7 +1,7 @@
 """torch.distributed + DistributedDataParallel, as started by ``torchrun``."""
 from __future__ import annotations
 
-from typing import Any, ContextManager, Dict, Optional
+from typing import Any, ContextManager, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -80,6 +80,9 @@ class TorchBackend(StoreArrivals, OnMesh, Backend):
     def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
         """A DDP communication hook (torch's fp16/bf16 compress hooks)."""
         return register_ddp_hook(model, self.config.gradient_compression)
+
+    def compile_regions(self, model: torch.nn.Module) -> Optional[List[torch.nn.Module]]:
+        return self._fsdp.regions(model)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:

@@ -35,7 +35,7 @@ INSTALL_FIX: Dict[str, str] = {name: SPECS[name].install_fix for name in BACKEND
 """How to get each backend's library and launcher, for error messages and ``unified-dist env``."""
 
 
-NATIVE: Dict[str, FrozenSet[str]] = {"accelerate": frozenset({"mixed_precision"})}
+NATIVE: Dict[str, FrozenSet[str]] = {"accelerate": frozenset({"mixed_precision", "compile", "compile_mode"})}
 """The settings a backend's launcher carries with flags of its own (``accelerate launch --mixed_precision``)
 instead of the script's ``UNIFIED_DIST_*`` variable."""
 
@@ -187,7 +187,11 @@ def accelerate_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Co
     elif plan.master_port:
         args += ["--main_process_port", str(plan.master_port)]
     mode = plan.setting("mixed_precision") or settings.TABLE["mixed_precision"].from_environment(environ)
-    args += ["--mixed_precision", mode, "--dynamo_backend", "no"]
+    compiler = plan.setting("compile") or settings.TABLE["compile"].from_environment(environ)
+    args += ["--mixed_precision", mode, "--dynamo_backend", compiler or "no"]
+    compile_mode = plan.setting("compile_mode") or settings.TABLE["compile_mode"].from_environment(environ)
+    if compile_mode != "default":
+        args += ["--dynamo_mode", compile_mode]
     argv = ("accelerate", "launch", *args, plan.script, *plan.script_args)
     return Command(argv, _socket_env(plan, cuda), native=NATIVE["accelerate"])
 
