@@ -24,7 +24,7 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
          sync_batchnorm: Optional[bool] = None, gradient_compression: Optional[str] = None,
          bucket_mb: Optional[float] = None, bucket_view: Optional[bool] = None,
          check_finite: Optional[bool] = None, compile: Optional[Any] = None,  # noqa: A002 - Accelerate's word
-         compile_mode: Optional[str] = None) -> None:
+         compile_mode: Optional[str] = None, stop_signals: Optional[Any] = None) -> None:
     """Join the job's process group through the detected (or given) backend.
 
     Every keyword is a setting of :data:`unified_dist.settings.TABLE` (``unified-dist env`` lists
@@ -45,13 +45,16 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     lay the ranks out on a device mesh (:mod:`unified_dist.mesh`): ``R * dp_shard * T`` ranks, with
     ``dp_shard`` the rest of the world. ``compile=True`` (or a ``torch.compile`` backend's name) makes
     :func:`prepare` compile each model in place, after wrapping it (see ``docs/hot-path.md``).
+    ``stop_signals`` (default SIGUSR1 and SIGTERM) are what :func:`should_stop` listens to
+    (``docs/preemption.md``).
     """
     given = dict(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
                  timeout=timeout, debug=debug, sharding=sharding, shard_modules=shard_modules,
                  reshard_after_forward=reshard_after_forward, sync_batchnorm=sync_batchnorm,
                  gradient_compression=gradient_compression, bucket_mb=bucket_mb, bucket_view=bucket_view,
                  check_finite=check_finite, dp_replicate=dp_replicate, tp=tp, tp_plan=tp_plan, cpu_offload=cpu_offload,
-                 activation_checkpointing=activation_checkpointing, compile=compile, compile_mode=compile_mode)
+                 activation_checkpointing=activation_checkpointing, compile=compile, compile_mode=compile_mode,
+                 stop_signals=stop_signals)
     session.init(backend, given)
 
 
@@ -291,3 +294,29 @@ def main_process_first() -> Iterator[None]:
     finally:
         if is_main():
             barrier()
+
+
+def should_stop() -> bool:
+    """Whether the job was asked to stop: ``True`` on **every** rank from the same optimizer step on,
+    once any rank received one of ``stop_signals`` (SIGUSR1, SIGTERM by default; docs/preemption.md).
+
+    Costs nothing in a loop that calls :func:`backward`: the signal rides on the exchange each
+    optimizer step already makes. In a loop that never calls :func:`backward`, each call is that
+    exchange (a collective: call it at the same point on every rank). Calling it once tells the
+    facade that the program stops on request; until then a stop signal acts as it would without
+    unified_dist. Then save a checkpoint and call :func:`requeue`.
+    """
+    return session.current().should_stop()
+
+
+def requeue() -> None:
+    """Leave so that the job runs again; call it on every rank after the checkpoint is written, once
+    :func:`should_stop` is ``True`` (else a :class:`~unified_dist.errors.UnifiedDistError`: a job that
+    failed for another reason must not come back).
+
+    Waits for every rank; under SLURM the main process runs ``scontrol requeue $SLURM_JOB_ID`` (submit
+    with ``sbatch --requeue``) and every rank exits with status 0; elsewhere every rank exits with
+    status 75 (``EX_TEMPFAIL``), which torchrun's ``--max-restarts``, an elastic agent or a Kubernetes
+    ``restartPolicy: OnFailure`` run again. Never returns.
+    """
+    session.current().requeue()

@@ -24,7 +24,7 @@ from typing import Any, List, Mapping, Optional
 
 import torch
 
-from . import collectives, compiling, live, settings
+from . import collectives, compiling, live, preemption, settings
 from .backends import Backend, Config, backend_class
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
@@ -76,6 +76,10 @@ class Session:
     seed: int = 0  # the loaders' shuffle seed (seed_everything)
     failed: bool = False  # an exception reached the top of the program (see _note_failure)
     _finite: Optional[torch.Tensor] = None  # on the device: every loss of this accumulation window was finite
+    stops: Optional[preemption.StopSignals] = None  # the stop signals this process records (None: off)
+    stop_step: Optional[int] = None  # the optimizer step at which every rank agreed to stop
+    _exchanged: bool = False  # an exchange ran since the last should_stop()
+    _backward_seen: bool = False  # ud.backward ran since the last should_stop()
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, objs: tuple) -> List[Any]:
@@ -153,30 +157,76 @@ class Session:
             raise UnifiedDistError(f"backward() expects the loss tensor, got {type(loss).__name__}")
         self.sync.check_backward_context()
         self.sync.backward_calls += 1
+        self._backward_seen = True
         if self.backend.config.check_finite:
             finite = torch.isfinite(loss.detach()).all()
             self._finite = finite if self._finite is None else self._finite & finite
-            if self.sync.sync_gradients:
-                window, self._finite = self._finite, None
-                self._stop_on_non_finite(window)
+        if self.sync.sync_gradients and self.exchanges:
+            window, self._finite = self._finite, None
+            self._exchange(window)
         scaler = self.optimizers[-1].scaler if self.optimizers else None
         self.backend.backward(loss, scaler, self.sync.loss_weight())
 
-    def _stop_on_non_finite(self, finite: torch.Tensor) -> None:
-        """Every rank learns which ranks' losses of this optimizer step were NaN/inf (``finite``: a 0-d
-        bool on the device, this rank's window), and all stop at the same step before it updates anything."""
+    @property
+    def exchanges(self) -> bool:
+        """Whether the optimizer steps exchange flags (the non-finite check or stop signals are on):
+        a setting, the same on every rank."""
+        return self.backend.config.check_finite or bool(self.backend.config.stop_signals)
+
+    def _exchange(self, finite: Optional[torch.Tensor]) -> None:
+        """The once-per-optimizer-step exchange: one all-reduce of a world-long int32 vector in which
+        each rank sets its own slot (bit 0: a loss of its window was NaN/inf, ``finite`` being a 0-d
+        bool on the device or ``None``; bit 1: it received a stop signal). Reading it is the step's one
+        host sync. Every rank then agrees to stop (:attr:`stop_step`), or raises :class:`NonFiniteLoss`
+        naming the ranks and the step, before that step's backward starts."""
         backend = self.backend
         mine = torch.zeros(backend.world_size, dtype=torch.int32, device=backend.device)
-        mine[backend.rank] = (~finite).to(torch.int32)  # on the device: no host sync before the exchange
+        if finite is not None:
+            mine[backend.rank] = (~finite).to(torch.int32)  # on the device: no host sync before the exchange
+        if self.stops is not None and self.stops.pending:
+            mine[backend.rank] += 2
         flags = collectives.all_reduce(backend, mine, "sum").tolist()  # the step's one host sync
-        bad = [r for r, n in enumerate(flags) if n]
+        self._exchanged = True
+        step = (self.optimizers[-1].steps_taken if self.optimizers else 0) + 1
+        if self.stop_step is None and any(n & 2 for n in flags):
+            self.stop_step = step
+        bad = [r for r, n in enumerate(flags) if n & 1]
         if not bad:
             return
-        step = (self.optimizers[-1].steps_taken if self.optimizers else 0) + 1
         raise NonFiniteLoss(
             f"loss is not finite on rank {', '.join(map(str, bad))} at optimizer step {step}: nothing was "
             "updated and earlier checkpoints are intact; lower the learning rate, clip gradients or check "
             "the inputs (UNIFIED_DIST_CHECK_FINITE=0 skips this check)")
+
+    # ------------------------------------------------------------------ preemption
+    def should_stop(self) -> bool:
+        """``ud.should_stop``'s work (see the facade)."""
+        if self.stops is None:
+            return False
+        self.stops.asked = True
+        if self.stop_step is None and self._backward_seen is False and self._exchanged is False:
+            self._exchange(None)  # a loop without ud.backward: this call is the exchange (on every rank)
+        self._exchanged = self._backward_seen = False
+        return self.stop_step is not None
+
+    def requeue(self) -> None:
+        """``ud.requeue``'s work (see the facade)."""
+        if self.stop_step is None:
+            raise UnifiedDistError(
+                "ud.requeue() runs the job again, which is right only after a stop signal, and ud.should_stop() "
+                "is False here; a job that failed for another reason must end: let the exception propagate")
+        backend = self.backend
+        collectives.barrier(backend)  # every rank has written its part of the checkpoint
+        problem = None
+        job = os.environ.get("SLURM_JOB_ID")
+        if job and backend.rank == 0:
+            problem = preemption.slurm_requeue(job)
+        problem = collectives.broadcast(backend, problem, 0, what="requeue") if job else None
+        if problem:
+            raise UnifiedDistError(problem)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise SystemExit(0 if job else preemption.REQUEUE_EXIT_CODE)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float) -> Optional[torch.Tensor]:
         """``ud.clip_grad_norm_``'s work (see the facade)."""
@@ -267,6 +317,9 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     instance = cls(detection, config)
     loaders = LoaderStack()
     _session = Session(instance, detection, GradientSync(instance, loaders), loaders)
+    if config.stop_signals:
+        _session.stops = preemption.StopSignals(config.stop_signals)
+        _session.stops.install()
     _install_exit_hooks()
 
 
@@ -304,6 +357,8 @@ def shutdown() -> None:
     global _session
     if _session is not None:
         session, _session = _session, None
+        if session.stops is not None:
+            session.stops.uninstall()
         session.backend.shutdown()
 
 

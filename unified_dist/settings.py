@@ -166,6 +166,43 @@ class Compiler:
 
 
 @dataclass(frozen=True)
+class Signals:
+    """Signal names, separated by commas or spaces, with or without ``SIG`` (``USR1,TERM``); ``none``
+    (or an empty list in code) for none."""
+
+    accepted: str = "signal names such as USR1,TERM (commas or spaces; SIG optional), or none"
+
+    def read(self, text: str) -> Tuple[str, ...]:
+        words = text.replace(",", " ").split()
+        if [w.lower() for w in words] in (["none"], ["no"], ["off"]):
+            return ()
+        return self.take(tuple(words))
+
+    def take(self, value: Any) -> Tuple[str, ...]:
+        import signal
+
+        if isinstance(value, str):
+            return self.read(value)
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        names = []
+        for item in value:
+            name = item.name if isinstance(item, signal.Signals) else str(item).strip().upper()
+            if not name.startswith("SIG"):
+                name = "SIG" + name
+            if name in ("SIGKILL", "SIGSTOP") or not isinstance(getattr(signal, name, None), signal.Signals):
+                raise ValueError(f"{item!r} is not a signal a process can catch; use {self.accepted}")
+            if name not in names:
+                names.append(name)
+        return tuple(names)
+
+    def show(self, value: Any) -> str:
+        return ",".join(n[3:] for n in value) if value else "none"
+
+    flag_value = show
+
+
+@dataclass(frozen=True)
 class Text:
     """Free text (a path, a name): read as given."""
 
@@ -401,6 +438,8 @@ TABLE: Dict[str, Setting] = _declare(
             Choice(("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"), "compile mode"),
             "default", "torch.compile's mode when compile is on",
             launcher=LauncherWord("ACCELERATE_DYNAMO_MODE", "accelerate launch --dynamo_mode", silent=("default",))),
+    Setting("stop_signals", "UNIFIED_DIST_STOP_SIGNALS", Signals(), ("SIGUSR1", "SIGTERM"),
+            "the signals ud.should_stop() turns into one agreed stop (SLURM's --signal, scancel, torchrun, Kubernetes)"),
     Setting("slurm", "UNIFIED_DIST_SLURM", Switch(), True,
             "detection reads srun's variables (off: srun -n N without torchrun is refused)",
             keyword=False, flag=False, read_by="detection"),

@@ -12,7 +12,7 @@ import gc
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, ContextManager, List, Optional
+from typing import Any, ContextManager, List, Optional, Tuple
 
 import torch
 
@@ -59,6 +59,7 @@ class Config:
     check_finite: bool = TABLE["check_finite"].default  # ud.backward's NaN/inf check
     compile: Optional[str] = TABLE["compile"].default  # torch.compile backend ud.prepare uses (None: off)
     compile_mode: str = TABLE["compile_mode"].default  # torch.compile's mode
+    stop_signals: Tuple[str, ...] = TABLE["stop_signals"].default  # what ud.should_stop() listens to
 
     def value(self, name: str) -> Any:
         """The value of setting ``name`` as ``init`` takes it (the sharding keywords from
