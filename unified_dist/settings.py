@@ -439,7 +439,7 @@ TABLE: Dict[str, Setting] = _declare(
             "default", "torch.compile's mode when compile is on",
             launcher=LauncherWord("ACCELERATE_DYNAMO_MODE", "accelerate launch --dynamo_mode", silent=("default",))),
     Setting("stop_signals", "UNIFIED_DIST_STOP_SIGNALS", Signals(), ("SIGUSR1", "SIGTERM"),
-            "the signals ud.should_stop() turns into one agreed stop (SLURM's --signal, scancel, torchrun, Kubernetes)"),
+            "the signals ud.should_stop() turns into one agreed stop (SLURM --signal, scancel, torchrun, Kubernetes)"),
     Setting("slurm", "UNIFIED_DIST_SLURM", Switch(), True,
             "detection reads srun's variables (off: srun -n N without torchrun is refused)",
             keyword=False, flag=False, read_by="detection"),
