@@ -39,7 +39,11 @@ def main() -> None:
     eval_loader = DataLoader(toy_data(), batch_size=64)
     model, optimizer, loader, eval_loader = ud.prepare(model, optimizer, loader, eval_loader)
 
-    step = 0
+    checkpoints = os.path.join(args.output_dir, "checkpoints")
+    state = {"model": model, "optimizer": optimizer, "loader": loader, "step": 0}
+    if ud.latest_checkpoint(checkpoints):  # a requeued job resumes where it stopped, at any world size
+        ud.load(ud.latest_checkpoint(checkpoints), state)
+    step = state["step"]
     while step < args.steps:  # the prepared loader reshuffles each epoch by itself
         for x, y in loader:
             loss = torch.nn.functional.mse_loss(model(x), y)
@@ -47,6 +51,9 @@ def main() -> None:
             ud.backward(loss)  # gradients averaged across processes, on every backend
             optimizer.step()
             step += 1
+            if ud.should_stop():  # SIGUSR1/SIGTERM on any process: every process stops at this step
+                ud.save_checkpoint({**state, "step": step}, checkpoints, step)
+                ud.requeue()  # SLURM: scontrol requeue; elsewhere exit 75, which restarts the job
             if step % 10 == 0:
                 mean = ud.all_reduce(loss.detach(), "mean")  # the same value on every process
                 ud.print(f"step {step}: loss {mean.item():.6f}")  # printed by the main process only
@@ -56,8 +63,7 @@ def main() -> None:
     with torch.no_grad():  # every process evaluates its shard; gather_for_metrics drops the padding
         errors = torch.cat([ud.gather_for_metrics((model(x) - y).pow(2).squeeze(1)) for x, y in eval_loader])
     ud.print(f"final mse {errors.mean().item():.6f} on {len(errors)} examples after {step} steps")
-    ud.save_checkpoint({"model": model, "optimizer": optimizer, "step": step},
-                       os.path.join(args.output_dir, "checkpoints"), step)
+    ud.save_checkpoint({**state, "step": step}, checkpoints, step)
     ud.shutdown()
 
 

@@ -63,3 +63,73 @@ def test_two_processes_end_with_the_single_process_weights(launcher: str, single
     for name, reference in single["model"].items():
         assert torch.allclose(two["model"][name], reference, rtol=0, atol=1e-6), (launcher, name)
     assert two["mse"] == pytest.approx(single["mse"], abs=2e-6)  # printed with 6 decimals
+
+
+def test_the_readme_diff_is_the_diff_of_the_two_scripts() -> None:
+    """examples/minimal/README.md shows `diff -u train_ddp.py train.py`: it must be that diff, line for line."""
+    import subprocess
+
+    here = ROOT / "examples" / "minimal"
+    done = subprocess.run(["diff", "-u", "train_ddp.py", "train.py"], cwd=here, capture_output=True, text=True)
+    real = done.stdout.splitlines()[2:]  # the two header lines carry dates
+    text = (here / "README.md").read_text()
+    shown = text[text.index("```diff\n") + 8:].split("```", 1)[0].splitlines()
+    assert shown[:2] == ["--- train_ddp.py", "+++ train.py"] and shown[2:] == real
+    lines = len((here / "train.py").read_text().splitlines())
+    assert f"`train.py` ({lines} lines)" in text
+
+
+LONG = 3000  # optimizer steps: long enough (seconds) that a signal lands mid-run
+STEP_LINE = re.compile(r"^step (\d+): loss", re.M)
+
+
+def test_sigterm_to_torchrun_stops_saves_and_the_relaunch_on_one_process_ends_with_the_uninterrupted_weights(
+        tmp_path: Path) -> None:
+    """docs/preemption.md with the porting guide's few lines: SIGTERM to torchrun mid-run (torchrun forwards it
+    to both workers) -> both stop at one step and the checkpoint of that step is written (torchrun itself then
+ends with its SignalException, not with the workers' status);
+    `python train.py` (1 process, batch 32: the same global batches) resumes it and ends with the weights of
+    an uninterrupted 1-process run (float32 summation order: 1e-6, as above)."""
+    import signal
+    import subprocess
+    import time
+
+    from unified_dist.testing.launchers import child_env, command, kill_session
+
+    out = tmp_path / "stopped"
+    argv = command("torchrun", SCRIPT, ["--steps", str(LONG), "--batch-size", "16", "--output-dir", str(out)])
+    proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines = []
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if line.startswith("step 100:"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            kill_session(proc.pid)
+    output = "".join(lines) + rest
+    assert proc.returncode != 0, output[-3000:]  # torchrun was told to stop: it does not report success
+    saved = sorted((out / "checkpoints").glob("checkpoint-*.pt"))
+    assert len(saved) == 1, output[-3000:]
+    stopped = int(saved[0].stem.split("-")[1])
+    assert 100 <= stopped < LONG, stopped
+    resumed = _train_long("python", 1, 32, out)
+    reference = _train_long("python", 1, 32, tmp_path / "uninterrupted")
+    for name, value in reference["model"].items():
+        assert torch.allclose(resumed["model"][name], value, rtol=0, atol=1e-6), name
+
+
+def _train_long(launcher: str, nproc: int, batch_size: int, out: Path) -> Dict:
+    result = launch(launcher, SCRIPT, ["--steps", str(LONG), "--batch-size", str(batch_size), "--output-dir",
+                                       str(out)], nproc=nproc, timeout=TIMEOUT).check()
+    assert f"after {LONG} steps" in result.output, result.output[-2000:]
+    checkpoint = out / "checkpoints" / f"checkpoint-{LONG:09d}.pt"
+    return {"model": torch.load(checkpoint, weights_only=True)["model"], "output": result.output}
