@@ -117,7 +117,7 @@ def test_prepare_compiles_in_place_and_keeps_state_dict_keys(single, tmp_path):
     compiled.load_state_dict(reference.state_dict())
     ud.init(backend="single", compile="eager")
     model, opt = ud.prepare(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1))
-    assert type(model) is Net and model._compiled_call_impl is not None
+    assert type(model) is Net and hasattr(vars(model)["forward"], "_torchdynamo_orig_callable")
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     expected = []
     g = torch.Generator().manual_seed(3)
@@ -143,12 +143,26 @@ def test_prepare_compiles_in_place_and_keeps_state_dict_keys(single, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), ud.unwrap(model).state_dict().values()))
 
 
+def test_a_model_whose_forward_is_torchs_own_is_compiled_too(single):
+    """nn.Sequential's forward lives in torch/nn, whose frames dynamo skips: ``nn.Module.compile()``
+    captures no graph for it in torch 2.13. prepare compiles the forward itself, so a graph is captured."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    ud.init(backend="single", compile="eager")
+    model = ud.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1)))
+    model(torch.ones(2, 4))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert list(ud.unwrap(model).state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
 def test_a_model_compiled_before_prepare_is_left_as_it_is_and_unwraps(single):
     ud.init(backend="single", compile="eager")
     net = Net().double()
     user_compiled = torch.compile(net, backend="eager")
     model = ud.prepare(user_compiled)
-    assert model is user_compiled and net._compiled_call_impl is None  # not compiled twice
+    assert model is user_compiled and "forward" not in vars(net)  # not compiled twice
     assert ud.unwrap(model) is net
 
 

@@ -80,12 +80,22 @@ def test_a_signal_inside_a_window_stops_at_that_windows_step(single):
     assert _loop(model, opt, 12, signal_at=6) == 7
 
 
-def test_a_second_signal_is_only_recorded(single):
-    ud.init(backend="single")
-    assert ud.should_stop() is False
-    os.kill(os.getpid(), signal.SIGTERM)
-    os.kill(os.getpid(), signal.SIGTERM)  # still alive: recorded twice
-    assert ud.should_stop() is True  # no ud.backward in this loop: the call made the exchange
+@pytest.mark.distributed
+def test_a_second_signal_is_only_recorded(tmp_path):
+    """Once asked, two SIGTERMs are recorded and the process lives on (in a child process: a signal that
+    wrongly kept its default action must end the child, not the test run)."""
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal
+        import unified_dist as ud
+        ud.init(backend="single")
+        print("asked", ud.should_stop())
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("stop", ud.should_stop())  # no ud.backward in this loop: the call made the exchange
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["asked", "False", "stop", "True"], done
 
 
 def test_a_handler_installed_before_init_is_kept(single):

@@ -1,12 +1,13 @@
 """``torch.compile`` through ``ud.prepare`` (``init(compile=...)``, ``UNIFIED_DIST_COMPILE``,
 ``accelerate launch --dynamo_backend``).
 
-Contract: a prepared model is compiled **in place** (``nn.Module.compile``), so it keeps its class,
+Contract: a prepared model is compiled **in place** (its ``forward`` replaced by the compiled
+``forward``, see :func:`compile_in_place`), so it keeps its class,
 its wrapper (DDP's ``no_sync``, FSDP2's methods), and its state-dict keys (no ``_orig_mod.``
 prefix): checkpoints of compiled and uncompiled models load into each other. What is compiled:
 
-- DDP (torch, Accelerate): the DDP wrapper, so dynamo's DDP optimizer splits the graph at the
-  gradient buckets and the all-reduce still overlaps the backward (``torch._dynamo.config.optimize_ddp``);
+- DDP (torch, Accelerate): the DDP wrapper's ``forward``, as ``torch.compile(ddp_model)`` does (dynamo
+  graph-breaks inside DDP's own bookkeeping and compiles the model's forward);
 - FSDP2 / HSDP / tensor parallelism: each block :func:`unified_dist.sharding.blocks_to_shard` chose,
   one by one (regional compilation, as torchtitan does); the root's own layers stay eager;
 - Horovod and one process: the model itself (Horovod's hooks sit on the parameters, outside the graph).
@@ -40,19 +41,32 @@ def check_backend(name: Optional[str], mode: str) -> None:
 
 
 def is_compiled(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is already compiled (``torch.compile(model)`` or ``model.compile()``)."""
-    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or getattr(
-        model, "_compiled_call_impl", None) is not None
+    """Whether ``model``, or a module it wraps (DDP's ``.module``, torch.compile's ``._orig_mod``), is
+    already compiled: by ``torch.compile(model)``, ``model.compile()`` or :func:`compile_in_place`."""
+    seen = model
+    while isinstance(seen, torch.nn.Module):
+        if (isinstance(seen, torch._dynamo.eval_frame.OptimizedModule)
+                or getattr(seen, "_compiled_call_impl", None) is not None
+                or hasattr(vars(seen).get("forward"), "_torchdynamo_orig_callable")):
+            return True
+        seen = getattr(seen, "_orig_mod", None) or getattr(seen, "module", None)
+    return False
 
 
 def compile_in_place(model: torch.nn.Module, backend: str, mode: str,
                      regions: Optional[Sequence[torch.nn.Module]] = None) -> torch.nn.Module:
-    """Compile ``regions`` one by one when given (and not empty), else ``model`` whole; in place.
-    Returns ``model``. Anything already compiled is left alone."""
+    """Compile the ``forward`` of each of ``regions`` when given (and not empty), else of ``model``; in
+    place. Returns ``model``. A model that is already compiled (:func:`is_compiled`) is left alone.
+
+    Why ``forward`` and not ``nn.Module.compile()``: in torch 2.13 dynamo skips the frames of torch's
+    own modules, so ``module.compile()`` compiles nothing when ``forward`` is torch's (``nn.Sequential``,
+    any ``torch.nn`` container); a compiled ``forward`` is compiled whoever wrote it, the module's
+    hooks (FSDP2's) still run around it, and the state dict is untouched.
+    """
     options = {"backend": backend, **({"mode": mode} if mode != "default" else {})}
     targets = list(regions) if regions else [model]
     if any(is_compiled(t) for t in [model, *targets]):
         return model
     for target in targets:
-        target.compile(**options)
+        target.forward = torch.compile(target.forward, **options)
     return model
