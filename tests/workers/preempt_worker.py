@@ -42,9 +42,10 @@ PRIMITIVES = ("all_reduce_", "all_gather_equal", "all_gather_uneven", "broadcast
 
 
 def data():
-    """Row i: (x_i, y_i) from a fixed generator (the test's plain reference builds the same)."""
+    """Row i: (x_i, y_i) from a fixed generator (the test's plain reference trains on the same rows)."""
     g = torch.Generator().manual_seed(29)
-    return torch.randn(ROWS, 3, generator=g, dtype=torch.float64), torch.randn(ROWS, 1, generator=g, dtype=torch.float64)
+    x = torch.randn(ROWS, 3, generator=g, dtype=torch.float64)
+    return x, torch.randn(ROWS, 1, generator=g, dtype=torch.float64)
 
 
 def initial_weights():
@@ -73,9 +74,10 @@ def count_primitives(calls):
         setattr(cls, name, counted)
 
 
-def signal_halfway_through_save():
+def signal_halfway_through_save(marker):
     """Rank 0's torch.save writes half of the checkpoint's bytes, then a second SIGTERM arrives, then
-    the rest is written."""
+    the rest is written; ``marker`` (a JSON file) says how far the write was and which signals this
+    process had recorded once the second was handled."""
     real = torch.save
 
     def save(obj, f, *args, **kwargs):
@@ -86,6 +88,7 @@ def signal_halfway_through_save():
         f.flush()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.2)  # a Python handler runs between bytecodes: the signal is handled here, mid-write
+        write(marker, {"written": len(raw) // 2, "of": len(raw), "received": session.current().stops.received})
         f.write(raw[len(raw) // 2:])
     torch.save = save
 
@@ -144,10 +147,11 @@ def main():
             if stop:
                 write(os.path.join(args.out, f"{tag}_stop_rank{rank}.json"),
                       {"step": step, "steps_taken": optimizer.steps_taken, "world": world, "pid": os.getpid(),
-                       "first_step": first_step, "resumed_from": resumed_from, "time": time.time()})
+                       "first_step": first_step, "resumed_from": resumed_from, "time": time.time(),
+                       "received": list(session.current().stops.received)})
                 dump_calls()
                 if args.signal_in_save and rank == 0:
-                    signal_halfway_through_save()
+                    signal_halfway_through_save(os.path.join(args.out, f"{tag}_save_signal.json"))
                 state["step"] = step
                 ud.save_checkpoint(state, args.dir, step)
                 ud.requeue()
