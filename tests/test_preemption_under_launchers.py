@@ -238,10 +238,10 @@ def test_horovodrun_sigterm_then_resume(dirs):
     ck, out = dirs
     result = run_and_signal(command("horovodrun", WORKER, args(ck, out, "hv", "--slow")), out, "hv", 2, "launcher")
     assert not result.timed_out, result.output[-3000:]
-    # within horovodrun's 5 s grace the workers saved and exited 75 (a SIGKILL would read 137); horovodrun
-    # prints the status of each worker that did not exit 0 (once in several runs here, only one line came)
-    codes = re.findall(r"Process [01] exit with status code (\d+)\.", result.output)
-    assert codes and set(codes) == {"75"}, (result.returncode, result.output[-3000:])
+    # within horovodrun's 5 s grace every worker saved and left with status 75, as each records itself
+    # (horovodrun's own log of the workers' statuses is not read: after its SIGTERM it sometimes lost it)
+    codes = [json.loads((out / f"hv_exit_rank{r}.json").read_text())["code"] for r in range(2)]
+    assert codes == [75, 75], (result.returncode, result.output[-3000:])
     assert result.returncode == 1, (result.returncode, result.output[-3000:])
     stop = stopped_together(out, "hv", 2, result.output)
     one_exchange_per_optimizer_step(out, "hv", 2)

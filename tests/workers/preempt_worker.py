@@ -154,7 +154,11 @@ def main():
                     signal_halfway_through_save(os.path.join(args.out, f"{tag}_save_signal.json"))
                 state["step"] = step
                 ud.save_checkpoint(state, args.dir, step)
-                ud.requeue()
+                try:
+                    ud.requeue()
+                except SystemExit as leaving:  # the status this rank leaves with, seen by the rank itself
+                    write(os.path.join(args.out, f"{tag}_exit_rank{rank}.json"), {"code": leaving.code})
+                    raise
             if not resumed_from and step == READY_STEP and synced:
                 state["step"] = step
                 ud.save_checkpoint(state, args.dir, step)
