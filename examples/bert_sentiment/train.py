@@ -165,9 +165,8 @@ def train(r: Run) -> bool:
             with ud.accumulate(model):
                 with ud.autocast():
                     loss = model(**batch).loss
-                # the loss averaged over every process, for the log (the same value on every rank)
-                window.add(ud.all_reduce(loss.detach(), "mean").item(),
-                           batch["labels"].shape[0] * ud.data_parallel_world_size())
+                # kept on the device for the log (averaged over the processes only when a line is written)
+                window.add(loss, batch["labels"].shape[0] * ud.data_parallel_world_size())
                 ud.backward(loss)  # every rank raises ud.NonFiniteLoss if any rank's loss is NaN or inf
                 ud.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 lr = optimizer.param_groups[0]["lr"]
