@@ -62,6 +62,16 @@ def print_parameters_held(model: torch.nn.Module) -> None:
           "parameter elements", flush=True)
 
 
+def print_compiled(model: torch.nn.Module) -> None:
+    """With --compile: which modules ``ud.prepare`` compiled in place (the whole model, or its blocks
+    one by one under --sharding fsdp / --tp); nothing when none was."""
+    compiled = [name or type(module).__name__ for name, module in model.named_modules()
+                if getattr(module, "_compiled_call_impl", None) is not None]
+    if compiled:
+        what = compiled[0] if len(compiled) == 1 else f"{len(compiled)} blocks ({compiled[0]}, ...)"
+        ud.print(f"torch.compile: {what} compiled in place; the first steps include compiling")
+
+
 def print_plan(args: Any, plan: Any, out: str) -> None:
     """How many optimizer steps, and when the splits are evaluated."""
     ud.print(f"{plan.steps_per_epoch} optimizer steps per epoch, {plan.total_steps} in total "
