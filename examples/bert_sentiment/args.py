@@ -138,6 +138,14 @@ def add_optimisation_flags(g: argparse._ArgumentGroup) -> None:
                         "attention query/key/value and intermediate.dense colwise, attention.output.dense and "
                         "output.dense rowwise), auto (the model's own base_model_tp_plan) or a JSON object "
                         "{module pattern: colwise|rowwise}; default: UNIFIED_DIST_TP_PLAN if set, else bert")
+    g.add_argument("--compile", type=compile_backend, nargs="?", const=True, default=None, metavar="BACKEND|off",
+                   help="ud.prepare compiles the prepared model with torch.compile (alone: inductor; or a dynamo "
+                        "backend's name, e.g. aot_eager; off: never); the state-dict keys stay those of the "
+                        "uncompiled model. Default: what the launcher says (accelerate launch --dynamo_backend, "
+                        "unified-dist launch --compile, UNIFIED_DIST_COMPILE), else off")
+    g.add_argument("--compile-mode", choices=COMPILE_MODES, default=None,
+                   help="torch.compile's mode with --compile inductor; default: what the launcher says "
+                        "(accelerate launch --dynamo_mode, UNIFIED_DIST_COMPILE_MODE), else default")
     g.add_argument("--seed", type=int, default=0, help="seed of initialisation, dropout and shuffling")
     g.add_argument("--no-dropout", action="store_true", help="set every dropout probability to 0 (parity tests)")
     g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=None,
@@ -163,6 +171,25 @@ def replicas(text: str):
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'nodes', got {text!r}")
     return value
+
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's
+
+
+def compile_backend(text: str):
+    """--compile VALUE: on/off words (True/False), or the name of an installed torch.compile backend."""
+    word = text.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    import torch._dynamo  # only when a backend is named: it takes a moment to import
+
+    known = sorted(torch._dynamo.list_backends(exclude_tags=()))
+    if word not in known:
+        raise argparse.ArgumentTypeError(f"must be on, off or a torch.compile backend ({', '.join(known)}), "
+                                         f"got {text!r}")
+    return word
 
 
 def tp_plan(text: str):

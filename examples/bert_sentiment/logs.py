@@ -8,7 +8,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
@@ -62,6 +62,16 @@ def print_parameters_held(model: torch.nn.Module) -> None:
           "parameter elements", flush=True)
 
 
+def print_compiled(model: torch.nn.Module) -> None:
+    """With --compile: which modules ``ud.prepare`` compiled in place (the whole model, or its blocks
+    one by one under --sharding fsdp / --tp); nothing when none was."""
+    compiled = [name or type(module).__name__ for name, module in model.named_modules()
+                if getattr(module, "_compiled_call_impl", None) is not None]
+    if compiled:
+        what = compiled[0] if len(compiled) == 1 else f"{len(compiled)} blocks ({compiled[0]}, ...)"
+        ud.print(f"torch.compile: {what} compiled in place; the first steps include compiling")
+
+
 def print_plan(args: Any, plan: Any, out: str) -> None:
     """How many optimizer steps, and when the splits are evaluated."""
     ud.print(f"{plan.steps_per_epoch} optimizer steps per epoch, {plan.total_steps} in total "
@@ -72,26 +82,42 @@ def print_plan(args: Any, plan: Any, out: str) -> None:
 
 @dataclass
 class LogWindow:
-    """The training since the last logged line: its per-step losses, samples and training time."""
+    """The training since the last logged line: its losses, samples and training time.
 
-    step_losses: List[float] = field(default_factory=list)  # mean micro-batch loss of each optimizer step
-    micro_losses: List[float] = field(default_factory=list)  # of the optimizer step under way
+    The logged loss is the mean over the window's optimizer steps of each step's mean micro-batch loss,
+    each averaged over the processes. The losses stay on the device (float64 sums, detached): adding one
+    reads nothing back, so a micro-step makes no host sync and no collective for the log (on a GPU an
+    ``.item()`` waits for the queue to drain). ``row`` averages the window's sum over the processes and
+    reads it, once per logged line; every process calls it (it is a collective).
+    """
+
+    step_sum: Optional[torch.Tensor] = None  # sum over the window's steps of each step's mean micro-batch loss
+    steps: int = 0  # optimizer steps in the window
+    micro_sum: Optional[torch.Tensor] = None  # sum of the micro-batch losses of the optimizer step under way
+    micros: int = 0
     samples: int = 0
     t0: float = field(default_factory=time.time)
 
-    def add(self, loss: float, samples: int) -> None:
-        self.micro_losses.append(loss)
+    def add(self, loss: torch.Tensor, samples: int) -> None:
+        """One micro-batch's loss (this process's, a tensor on the device) and the samples it covered
+        on every process."""
+        loss = loss.detach().to(torch.float64)
+        self.micro_sum = loss if self.micro_sum is None else self.micro_sum + loss
+        self.micros += 1
         self.samples += samples
 
     def end_step(self) -> None:
-        self.step_losses.append(sum(self.micro_losses) / len(self.micro_losses))
-        self.micro_losses = []
+        mean = self.micro_sum / self.micros  # each step weighs the same, however many micro-batches it had
+        self.step_sum = mean if self.step_sum is None else self.step_sum + mean
+        self.steps += 1
+        self.micro_sum, self.micros = None, 0
 
     def row(self, lr: float) -> Dict[str, float]:
-        """The line to log (mean loss, learning rate, samples/s); starts the next window."""
+        """The line to log (mean loss, learning rate, samples/s); starts the next window. A collective."""
+        loss = ud.all_reduce(self.step_sum, "mean").item() / self.steps  # the one host sync per logged line
         elapsed = max(time.time() - self.t0, 1e-9)
-        row = {"loss": sum(self.step_losses) / len(self.step_losses), "lr": lr, "samples_per_s": self.samples / elapsed}
-        self.step_losses, self.samples, self.t0 = [], 0, time.time()
+        row = {"loss": loss, "lr": lr, "samples_per_s": self.samples / elapsed}
+        self.step_sum, self.steps, self.samples, self.t0 = None, 0, 0, time.time()
         return row
 
     @contextlib.contextmanager

@@ -55,6 +55,9 @@ def load_model_and_tokenizer(name: str, no_dropout: bool):
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
         config = AutoConfig.from_pretrained(name, num_labels=2)
+        # what the model's forward infers from 2 labels of integers on its first call (and writes into its
+        # config); set here, a compiled model's guard on it does not recompile the forward at the second step
+        config.problem_type = config.problem_type or "single_label_classification"
         if no_dropout:
             for key, value in config.to_dict().items():
                 if "dropout" in key and isinstance(value, float):

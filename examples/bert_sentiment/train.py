@@ -53,7 +53,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         ud.init(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum,
                 sharding=args.sharding, dp_replicate=args.dp_replicate, tp=args.tp,
-                tp_plan=modeling.tp_plan(args.tp_plan))  # None: the launcher's (its flags, its variables)
+                tp_plan=modeling.tp_plan(args.tp_plan), compile=args.compile,
+                compile_mode=args.compile_mode)  # None: the launcher's (its flags, its variables)
     except ud.UnifiedDistError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     else:
         assert len(train_loader) == plan.micro_per_epoch, (len(train_loader), plan.micro_per_epoch)
     logs.print_parameters_held(model)  # with --sharding fsdp each process holds only its shard of the weights
+    logs.print_compiled(model)  # with --compile (or the launcher's): what ud.prepare compiled, in place
 
     # what a checkpoint holds (besides its step, epoch and provenance), and what ud.load restores in place
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader, "rng": ud.RNG}
@@ -165,9 +167,8 @@ def train(r: Run) -> bool:
             with ud.accumulate(model):
                 with ud.autocast():
                     loss = model(**batch).loss
-                # the loss averaged over every process, for the log (the same value on every rank)
-                window.add(ud.all_reduce(loss.detach(), "mean").item(),
-                           batch["labels"].shape[0] * ud.data_parallel_world_size())
+                # kept on the device for the log (averaged over the processes only when a line is written)
+                window.add(loss, batch["labels"].shape[0] * ud.data_parallel_world_size())
                 ud.backward(loss)  # every rank raises ud.NonFiniteLoss if any rank's loss is NaN or inf
                 ud.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 lr = optimizer.param_groups[0]["lr"]
