@@ -65,8 +65,8 @@ def print_parameters_held(model: torch.nn.Module) -> None:
 def print_compiled(model: torch.nn.Module) -> None:
     """With --compile: which modules ``ud.prepare`` compiled in place (the whole model, or its blocks
     one by one under --sharding fsdp / --tp); nothing when none was."""
-    compiled = [name or type(module).__name__ for name, module in model.named_modules()
-                if getattr(module, "_compiled_call_impl", None) is not None]
+    compiled = [name or type(module).__name__ for name, module in model.named_modules()  # forward = compiled forward
+                if hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable")]
     if compiled:
         what = compiled[0] if len(compiled) == 1 else f"{len(compiled)} blocks ({compiled[0]}, ...)"
         ud.print(f"torch.compile: {what} compiled in place; the first steps include compiling")

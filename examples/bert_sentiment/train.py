@@ -185,6 +185,11 @@ def train(r: Run) -> bool:
                 if args.stop_after and r.step >= args.stop_after:
                     save_checkpoint(r)
                     return True
+                if ud.should_stop():  # a preemption signal on any rank (SLURM, torchrun, Kubernetes): all stop here
+                    save_checkpoint(r)
+                    ud.print(f"stop signal: saved step {r.step}; the job comes back with --resume auto")
+                    r.log.close()
+                    ud.requeue()  # SLURM: scontrol requeue; elsewhere exit 75, which restart policies run again
                 if args.save_every and r.step % args.save_every == 0:
                     save_checkpoint(r)
             if r.step >= r.plan.total_steps:

@@ -1,0 +1,73 @@
+"""The BERT example stops on a preemption signal and resumes exactly (docs/preemption.md).
+
+`python train.py` on the 2-layer BERT of test_bert_hotpath.py: SIGTERM after its first logged step ->
+it stops at the next optimizer step, writes that step's checkpoint and exits 75 (ud.requeue outside
+SLURM); `--resume auto` then finishes the run with the weights of an uninterrupted run (one process,
+the same order of float32 sums: equal within 1e-6, as the other resume tests of the example)."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from unified_dist.testing.launchers import ROOT, child_env, command, kill_session, launch
+
+from test_bert_hotpath import _missing, _tiny_bert  # pytest puts this folder on sys.path
+
+EXAMPLE = ROOT / "examples" / "bert_sentiment"
+pytestmark = [pytest.mark.example, pytest.mark.distributed, pytest.mark.slow,
+              pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")]
+ARGS = ["--limit-train", "512", "--limit-eval", "32", "--max-length", "16", "--batch-size", "8", "--eval-batch-size",
+        "8", "--epochs", "1", "--max-steps", "40", "--log-every", "1", "--eval-every", "0", "--save-every", "0",
+        "--no-dropout", "--no-progress", "--resume", "auto"]
+
+
+def _weights(out: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "final_model" / "model.safetensors"))
+
+
+def test_sigterm_stops_saves_exits_75_and_resume_auto_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
+    model = str(_tiny_bert(tmp_path / "tiny-bert"))
+    out = tmp_path / "stopped"
+    argv = command("python", str(EXAMPLE / "train.py"), [*ARGS, "--model", model, "--output-dir", str(out)])
+    log = tmp_path / "stopped.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            if metrics.exists() and '"train"' in metrics.read_text():  # its first optimizer step is logged
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.02)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            kill_session(proc.pid)
+    output = log.read_text()
+    assert proc.returncode == 75, output[-3000:]
+    said = [line for line in output.splitlines() if line.startswith("stop signal: saved step ")]
+    assert len(said) == 1, output[-3000:]
+    stopped = int(said[0].split()[4].rstrip(";"))
+    assert 1 <= stopped < 40
+    assert (out / "checkpoints" / f"checkpoint-{stopped:09d}.pt").exists()
+    assert not (out / "final_model").exists()
+    launch("python", str(EXAMPLE / "train.py"), [*ARGS, "--model", model, "--output-dir", str(out)],
+           nproc=1, timeout=240).check()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert max(r["step"] for r in rows if r["type"] == "train") == 40
+    reference = tmp_path / "uninterrupted"
+    launch("python", str(EXAMPLE / "train.py"), [*ARGS, "--model", model, "--output-dir", str(reference)],
+           nproc=1, timeout=240).check()
+    resumed, expected = _weights(out), _weights(reference)
+    assert resumed.keys() == expected.keys()
+    assert max((resumed[k] - expected[k]).abs().max().item() for k in expected) <= 1e-6
