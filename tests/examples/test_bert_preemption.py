@@ -13,11 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from test_bert_hotpath import _missing, _tiny_bert  # pytest puts this folder on sys.path
 
 from unified_dist.testing.launchers import ROOT, child_env, command, kill_session, launch
-
-from test_bert_hotpath import _missing, _tiny_bert  # pytest puts this folder on sys.path
 
 EXAMPLE = ROOT / "examples" / "bert_sentiment"
 pytestmark = [pytest.mark.example, pytest.mark.distributed, pytest.mark.slow,
