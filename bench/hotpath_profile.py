@@ -26,18 +26,7 @@ import torch  # noqa: E402
 
 import provenance  # noqa: E402
 from common import model_and_batches  # noqa: E402  (bench/step/common.py)
-
-
-def make_step(model):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
-
-    def step(batch):
-        loss = model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad()
-    return step
+from native_torch import train_step as make_step  # noqa: E402  (the plain step: forward, backward, clip, AdamW)
 
 
 def top_ops(step, batch, n=12):

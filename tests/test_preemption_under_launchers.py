@@ -42,7 +42,7 @@ import psutil
 import pytest
 import torch
 
-from unified_dist.testing.launchers import BIN, ROOT, Result, child_env, command, kill_session
+from unified_dist.testing.launchers import BIN, ROOT, Result, child_env, command, kill_session, run
 
 sys.path.insert(0, str(ROOT / "tests" / "workers"))
 import preempt_worker as worker  # noqa: E402  (its data and sizes; the loop runs in the launched processes)
@@ -118,20 +118,8 @@ def run_and_signal(cmd: List[str], out: Path, tag: str, ranks: int, target: str,
 
 
 def relaunch(cmd: List[str], out: Path, tag: str) -> Result:
-    log = out / f"{tag}.log"
-    with open(log, "w") as handle:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=handle, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    timed_out = False
-    try:
-        proc.wait(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:
-        if proc.poll() is None:
-            kill_session(proc.pid)
-            proc.wait()
-    return Result(cmd, proc.returncode, log.read_text(), timed_out)
+    """Run ``cmd`` to its end (killed after TIMEOUT)."""
+    return run(cmd, TIMEOUT)
 
 
 def args(ck: Path, out: Path, tag: str, *more: str) -> List[str]:
