@@ -39,6 +39,18 @@ pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_refuse_unmarked_launches)
 pytest_runtest_call = pytest.hookimpl(wrapper=True)(_refuse_unmarked_launches)
 
 
+@pytest.fixture(autouse=True)
+def _no_session_left_open():
+    """A test that leaves a unified_dist session open fails (its session is shut down first): the next
+    test's ``ud.init`` would otherwise adopt it silently, and pass or fail by the order tests run in."""
+    yield
+    from unified_dist import session
+
+    if session._session is not None:
+        session.shutdown()
+        pytest.fail("this test left a unified_dist session open: call ud.shutdown() in its teardown", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A real one-node SLURM (tools/slurm_cluster.sh): yields the environment srun needs; stopped afterwards."""

@@ -47,6 +47,27 @@ def test_a_group_joined_with_file_init_is_adopted_and_left_running(clean_env, tm
         dist.destroy_process_group()
 
 
+def test_a_one_process_session_refuses_a_group_started_after_it(clean_env, tmp_path):
+    """A ud call before init_process_group started one process; once the group exists, the next ud call
+    (init or any other) is refused in one line instead of answering for this rank alone; after
+    ud.shutdown() the group is adopted."""
+    assert ud.world_size() == 1 and ud.backend_name() == "single"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        for call in (ud.init, lambda: ud.all_reduce(torch.ones(2), "sum"), ud.is_main):
+            with pytest.raises(ud.UnifiedDistError, match=r"started as one process .* torch was initialised after "
+                               r"it with 1 process\(es\); call ud.init\(\) after torch's init") as caught:
+                call()
+            assert "\n" not in str(caught.value)
+        ud.shutdown()
+        ud.init()
+        assert ud.backend_name() == "torch"
+        assert isinstance(ud.prepare(torch.nn.Linear(2, 2)), torch.nn.parallel.DistributedDataParallel)
+        ud.shutdown()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_probe_order_horovod_then_accelerate_then_torch(clean_env, monkeypatch):
     hvd = types.SimpleNamespace(is_initialized=lambda: True, size=lambda: 4, rank=lambda: 2, local_rank=lambda: 0)
     state = types.SimpleNamespace(num_processes=3, process_index=1, local_process_index=1)

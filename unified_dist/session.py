@@ -299,6 +299,7 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     global _session
     if _session is not None:
         _check_same(_session, backend, given)
+        _refuse_a_stack_started_later(_session)
         return
     settings.warn_unknown(os.environ, stacklevel=4)  # a misspelled UNIFIED_DIST_* variable would do nothing silently
     config = config_from(given, os.environ, torch.cuda.is_available())
@@ -339,10 +340,27 @@ def _check_same(session: Session, backend: Optional[str], given: Mapping[str, An
                 "other ud function, or ud.shutdown() first")
 
 
+def _refuse_a_stack_started_later(session: Session) -> None:
+    """A one-process session must not outlive the start of a real stack: a ``ud`` call made before
+    ``dist.init_process_group``/``hvd.init()``/``PartialState()`` started one process, and its collectives
+    would now answer for this rank alone, silently. Refused; distributed sessions are not probed."""
+    if session.backend.name != "single":
+        return
+    found = live.probe()
+    if found is not None:
+        raise UnifiedDistError(
+            f"unified_dist started as one process (a ud call came first), but {found.stack} was initialised "
+            f"after it with {found.world_size} process(es); call ud.init() after {found.stack}'s init, before "
+            "any other ud function, or ud.shutdown() first")
+
+
 def current() -> Session:
-    """The session, initialised with defaults on first use."""
+    """The session, initialised with defaults on first use. A one-process session refuses to go on once a
+    stack was initialised after it (see :func:`_refuse_a_stack_started_later`)."""
     if _session is None:
         init(None, {})
+    else:
+        _refuse_a_stack_started_later(_session)
     assert _session is not None
     return _session
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import unified_dist as ud
 from unified_dist.testing.launchers import ROOT
 
 EXAMPLE = ROOT / "examples" / "bert_sentiment"
@@ -52,6 +53,7 @@ def logs(monkeypatch: pytest.MonkeyPatch) -> Iterator:
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     yield module
+    ud.shutdown()  # the log window's all_reduce started a one-process session
     for name in ("args", "plots", "modeling", spec.name):
         if name not in before:
             sys.modules.pop(name, None)
