@@ -8,8 +8,9 @@ export PATH := $(abspath $(VENV))/bin:$(PATH)
 export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
+export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: setup system-deps test demo bench mutants clean
+.PHONY: setup system-deps test docs demo bench mutants clean
 
 setup: system-deps $(STAMP)
 
@@ -37,7 +38,12 @@ $(STAMP): requirements-ci.txt requirements-offline-data.txt setup.cfg tools/buil
 # Lint first (rules in pyproject.toml's [tool.ruff]): a finding fails the target before the tests run.
 test: setup
 	$(PY) -m ruff check .
+	$(MAKE) --no-print-directory docs
 	$(PY) -m pytest -ra --durations=30 tests
+
+# The documentation site (mkdocs.yml): strict, so a broken link or an unresolved reference fails it.
+docs: setup
+	$(PY) -m mkdocs build --strict --site-dir site
 
 demo: setup
 	$(PY) examples/bert_sentiment/train.py
@@ -53,4 +59,4 @@ bench: setup
 	if [ -f bench/results/network_short.json ]; then $(PY) bench/network_report.py bench/results/network_short.json; fi
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache
