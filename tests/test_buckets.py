@@ -150,7 +150,8 @@ def test_ddp_gradients_are_bucket_views_unless_switched_off(monkeypatch, tmp_pat
 
 
 def test_horovod_backend_sets_the_fusion_buffer_before_its_init_and_refuses_a_contradiction(monkeypatch):
-    """README: bucket_mb becomes Horovod's HOROVOD_FUSION_THRESHOLD (bytes) before hvd.init; a different
+    """docs/multinode.md (On a slow network): bucket_mb becomes Horovod's HOROVOD_FUSION_THRESHOLD (bytes)
+    before hvd.init; a different
     value already set there is refused, before init."""
     import types
 

@@ -161,7 +161,7 @@ def _p10_ms(ranks: Dict[int, dict]) -> float:
 
 @pytest.mark.horovod
 def test_horovod_cycles_every_5_ms_on_cpu_unless_the_user_set_a_cycle(runs, tmp_path):
-    """README ("Horovod's cycle"): on CPU hosts the facade sets HOROVOD_CYCLE_TIME=5 before hvd.init()
+    """docs/multinode.md ("Horovod's cycle"): on CPU hosts the facade sets HOROVOD_CYCLE_TIME=5 before hvd.init()
     unless the user set one, which wins. A scalar all-reduce waits for the next cycle, so its times order
     the launches: the user's 50 ms, the default launch (the accumulation suite's horovodrun run, which
     sets none), the user's 1 ms. Compared by the 10th percentile (load only adds time; medians at 1 ms

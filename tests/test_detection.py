@@ -198,7 +198,7 @@ def test_detection_imports_no_backend():
 
 
 def test_derived_port_is_the_documented_formula_below_the_ephemeral_range():
-    """README: the port is 15000 + crc32(job id) % 10000, below Linux's ephemeral range (32768-60999)."""
+    """docs/launchers.md: the port is 15000 + crc32(job id) % 10000, below Linux's ephemeral range (32768-60999)."""
     import zlib
     port = detect(SRUN).master_port
     assert port == 15000 + zlib.crc32(b"slurm:4242.0") % 10000

@@ -62,7 +62,7 @@ def test_seed_and_failure_flag_belong_to_the_session(fresh_hooks):
 
 
 def test_seed_everything_seeds_the_loaders_shuffle():
-    """README: seed_everything seeds the shuffle of loaders prepared after it (a seed that did nothing
+    """API reference (seed_everything): it seeds the shuffle of loaders prepared after it (a seed that did nothing
     would give every seed the same data order)."""
     import torch
     ud.shutdown()
@@ -79,7 +79,7 @@ def test_seed_everything_seeds_the_loaders_shuffle():
 
 @pytest.mark.parametrize("value,refused", [("0", False), ("1", True)])
 def test_check_finite_off_lets_a_nan_loss_through(monkeypatch, value, refused):
-    """README: a NaN loss stops before any update; UNIFIED_DIST_CHECK_FINITE=0 turns the check off."""
+    """docs/faults.md: a NaN loss stops before any update; UNIFIED_DIST_CHECK_FINITE=0 turns the check off."""
     import torch
     monkeypatch.setenv("UNIFIED_DIST_CHECK_FINITE", value)
     ud.shutdown()

@@ -68,7 +68,7 @@ def test_a_killed_rank_ends_the_job_in_bounded_time(launcher, tmp_path):
     assert result.returncode != 0
     assert wall < 60, wall
     assert 1 not in ranks  # the killed rank wrote nothing
-    # the survivor, blocked in all_reduce, raises ud.PeerLost (README) on every backend
+    # the survivor, blocked in all_reduce, raises ud.PeerLost (docs/faults.md) on every backend
     assert ranks[0]["error"] == "PeerLost", (ranks, result.output[-2000:])
     assert "all_reduce failed on rank 0: a peer process is gone" in ranks[0]["message"], ranks[0]
     assert ranks[0]["elapsed"] < 30, ranks[0]
@@ -76,7 +76,7 @@ def test_a_killed_rank_ends_the_job_in_bounded_time(launcher, tmp_path):
     first_exit = {"horovodrun": r"first process to do so was:\s*Process name: 1\b"}.get(
         launcher, r"failed \(exitcode: -9\) local_rank: 1 ")  # torch's elastic agent (torchrun, accelerate)
     assert re.search(first_exit, result.output), result.output[-2000:]
-    # README: under Horovod it is also Horovod's own HorovodInternalError (isinstance, in the worker), so
+    # docs/faults.md: under Horovod it is also Horovod's own HorovodInternalError (isinstance, in the worker), so
     # hvd.elastic.run recovers from it
     assert ranks[0]["horovod_internal_error"] is (True if launcher == "horovodrun" else None), ranks[0]
 

@@ -126,7 +126,7 @@ def test_mixed_precision_becomes_fsdp2s_policy_with_float32_gradient_reduction(m
 
 
 def test_prepare_gives_fully_shard_the_bf16_policy_on_every_block(monkeypatch):
-    """README: under sharding="fsdp", mixed_precision="bf16" becomes FSDP2's MixedPrecisionPolicy
+    """docs/fsdp.md: under sharding="fsdp", mixed_precision="bf16" becomes FSDP2's MixedPrecisionPolicy
     (parameters in bf16, gradients reduced in float32): what a backend's FSDP prepare hands fully_shard."""
     import torch.distributed.fsdp as fsdp
 

@@ -131,7 +131,7 @@ def test_horovod_backend_averages_then_unscales_and_step_skips_a_second_wait():
 
 
 def test_clip_waits_for_every_prepared_optimizer_first(monkeypatch):
-    """README, clip_grad_norm_: it clips the averaged gradients, so it first waits for the averaging
+    """API reference, clip_grad_norm_: it clips the averaged gradients, so it first waits for the averaging
     (Horovod's is asynchronous): every prepared optimizer's synchronize() runs before the norm."""
     import unified_dist as ud
     calls = []

@@ -65,18 +65,21 @@ def test_two_processes_end_with_the_single_process_weights(launcher: str, single
     assert two["mse"] == pytest.approx(single["mse"], abs=2e-6)  # printed with 6 decimals
 
 
-def test_the_readme_diff_is_the_diff_of_the_two_scripts() -> None:
-    """examples/minimal/README.md shows `diff -u train_ddp.py train.py`: it must be that diff, line for line."""
+@pytest.mark.parametrize("readme", ["examples/minimal/README.md", "README.md"])
+def test_the_readme_diff_is_the_diff_of_the_two_scripts(readme: str) -> None:
+    """examples/minimal/README.md and the repository's README show `diff -u train_ddp.py train.py`: it must
+    be that diff, line for line."""
     import subprocess
 
     here = ROOT / "examples" / "minimal"
     done = subprocess.run(["diff", "-u", "train_ddp.py", "train.py"], cwd=here, capture_output=True, text=True)
     real = done.stdout.splitlines()[2:]  # the two header lines carry dates
-    text = (here / "README.md").read_text()
+    text = (ROOT / readme).read_text()
     shown = text[text.index("```diff\n") + 8:].split("```", 1)[0].splitlines()
     assert shown[:2] == ["--- train_ddp.py", "+++ train.py"] and shown[2:] == real
-    lines = len((here / "train.py").read_text().splitlines())
-    assert f"`train.py` ({lines} lines)" in text
+    if readme.startswith("examples"):
+        lines = len((here / "train.py").read_text().splitlines())
+        assert f"`train.py` ({lines} lines)" in text
 
 
 LONG = 3000  # optimizer steps: long enough (seconds) that a signal lands mid-run

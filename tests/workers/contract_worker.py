@@ -263,7 +263,7 @@ def scalar_all_reduce_ms(repeats=40):
 @check("accum")
 def horovod_cycles_at_the_cpu_default_and_other_stacks_are_left_alone():
     """On CPU hosts the facade sets ``HOROVOD_CYCLE_TIME=5`` (ms) before its ``hvd.init()`` when the launch
-    set none (README, "Horovod's cycle"); this launch sets none. A small all-reduce then waits about one
+    set none (docs/multinode.md, "Horovod's cycle"); this launch sets none. A small all-reduce then waits about one
     cycle, so its median is at least 3 ms (a lower bound: a loaded machine only adds). The times are
     recorded: the test compares them with launches where the user set 50 and 1 ms
     (tests/workers/cycle_worker.py). Other stacks get no such variable."""
