@@ -95,7 +95,7 @@ def verdict(rows: list, models: list) -> dict:
 
 
 def table(rows: list) -> str:
-    """The Markdown table BENCHMARKS.md shows."""
+    """The Markdown table docs/benchmarks/memory.md shows (bench/docs_hook.py renders it when the site is built)."""
     mib = 2 ** 20
     lines = ["| model | processes | layout | params MiB | grads MiB | AdamW state MiB | **total MiB** | total / DDP "
              "| saved for backward MiB | step s | step / DDP |", "|---|---|---|---|---|---|---|---|---|---|---|"]

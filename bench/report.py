@@ -24,14 +24,12 @@ def load(name: str):
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def overhead_section(data, suffix, lines):
+def overhead_table(data) -> list:
+    """The facade-overhead table (Markdown lines) of an overhead.json."""
     res = data["results"]
-    lines += ["## Facade overhead per training step (2 processes, 1 thread each)", "",
-              "Ratio: median of facade/native step times alternating in one launch (quartiles in brackets); "
-              "separate launches: ratio of per-launch medians (noisier). Peak RSS from the separate launches.", "",
-              "| backend | facade s/step | native s/step | ratio (paired) | ratio (separate launches) "
-              "| facade peak RSS/rank MiB | native peak RSS/rank MiB | exit crashes facade/native |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines = ["| backend | facade s/step | native s/step | ratio (paired) | ratio (separate launches) "
+             "| facade peak RSS/rank MiB | native peak RSS/rank MiB | exit crashes facade/native |",
+             "|---|---|---|---|---|---|---|---|"]
     for b, r in res.items():
         iqr = f" [{r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f}]" if "ratio_iqr" in r else ""
         crashes = r.get("exit_crashes", {})
@@ -39,13 +37,24 @@ def overhead_section(data, suffix, lines):
                      f"{r.get('separate_launch_ratio', float('nan')):.3f} | {r['facade_peak_rss_mib']:.0f} | "
                      f"{r['native_peak_rss_mib']:.0f} | {crashes.get('facade', 0)}/{crashes.get('native', 0)} "
                      f"of {r.get('reps', 0)} |")
-    lines.append("")
-    for b, r in res.items():
+    return lines
+
+
+def finite_check_lines(data) -> list:
+    """One sentence per backend whose separate launches also ran without the finite-loss check."""
+    lines = []
+    for b, r in data["results"].items():
         if "finite_check_off_vs_on" in r:
             meds = {v: statistics.median(m) for v, m in r["separate_launch_medians"].items()}
             lines += [f"{b}, separate launches: median step with the finite-loss check {meds['facade']:.3f} s, "
                       f"without it (`UNIFIED_DIST_CHECK_FINITE=0`) {meds[NO_FINITE_CHECK]:.3f} s "
                       f"(x{r['finite_check_off_vs_on']:.3f}), native {meds['native']:.3f} s.", ""]
+    return lines
+
+
+def step_time_plot(data, out) -> None:
+    """Bar chart of facade and native median step times per backend, saved to ``out`` (a path or a file)."""
+    res = data["results"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     names = list(res)
     x = range(len(names))
@@ -56,34 +65,44 @@ def overhead_section(data, suffix, lines):
     ax.set_title("BERT (MiniLM-L6) step, 2 processes")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / f"step_time{suffix}.png", dpi=110)
+    fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
+
+
+def overhead_section(data, suffix, lines):
+    lines += ["## Facade overhead per training step (2 processes, 1 thread each)", "",
+              "Ratio: median of facade/native step times alternating in one launch (quartiles in brackets); "
+              "separate launches: ratio of per-launch medians (noisier). Peak RSS from the separate launches.", "",
+              *overhead_table(data), ""]
+    lines += finite_check_lines(data)
+    step_time_plot(data, RESULTS / f"step_time{suffix}.png")
     lines += [f"![step time](step_time{suffix}.png)", ""]
 
 
-def collectives_section(data, suffix, lines):
-    res = data["results"]
-    lines += ["## Collectives: facade vs raw backend call (2 processes)", "",
-              "Wall ratios: medians of interleaved blocks (quartiles of the per-round ratio in brackets). "
-              "CPU: the calling thread's CPU time per call, facade minus raw (what the facade adds).", "",
-              "| backend | size KB | all_reduce ratio | all_gather ratio | facade CPU +µs/call (reduce, gather) "
-              "| uneven/even gather | check mode cost | all_reduce GB/s |",
-              "|---|---|---|---|---|---|---|---|"]
+def collectives_table(data) -> list:
+    """The collectives table (Markdown lines) of a collectives.json: facade vs raw call per backend and size."""
+    lines = ["| backend | size KB | all_reduce ratio | all_gather ratio | facade CPU +µs/call (reduce, gather) "
+             "| uneven/even gather | check mode cost | all_reduce GB/s |",
+             "|---|---|---|---|---|---|---|---|"]
 
     def iqr(r, key):
         q = r.get(key)
         return f" [{q[0]:.2f}-{q[1]:.2f}]" if q else ""
 
-    for b, rows in res.items():
+    for b, rows in data["results"].items():
         for r in rows:
             cpu = (f"{r['all_reduce_cpu_overhead_us']:+.0f}, {r['all_gather_cpu_overhead_us']:+.0f}"
                    if "all_reduce_cpu_overhead_us" in r else "")
             lines.append(f"| {b} | {r['size_kb']} | {r['all_reduce_ratio']:.3f}{iqr(r, 'all_reduce_ratio_iqr')} | "
                          f"{r['all_gather_ratio']:.3f}{iqr(r, 'all_gather_ratio_iqr')} | {cpu} | "
                          f"{r['uneven_vs_even_ratio']:.3f} | {r['checkmode_ratio']:.3f} | {r['all_reduce_GBps']:.2f} |")
-    lines.append("")
+    return lines
+
+
+def collectives_plot(data, out) -> None:
+    """all_reduce throughput against size, facade and raw, per backend, saved to ``out``."""
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for b, rows in res.items():
+    for b, rows in data["results"].items():
         sizes = [r["size_kb"] for r in rows]
         ax.plot(sizes, [r["size_kb"] * 1024 / r["facade_all_reduce_s"] / 1e9 for r in rows], "o-", label=f"{b} facade")
         ax.plot(sizes, [r["size_kb"] * 1024 / r["raw_all_reduce_s"] / 1e9 for r in rows], "x--", label=f"{b} raw")
@@ -92,17 +111,50 @@ def collectives_section(data, suffix, lines):
     ax.set_ylabel("all_reduce throughput (GB/s)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"collectives{suffix}.png", dpi=110)
+    fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
+
+
+def collectives_section(data, suffix, lines):
+    lines += ["## Collectives: facade vs raw backend call (2 processes)", "",
+              "Wall ratios: medians of interleaved blocks (quartiles of the per-round ratio in brackets). "
+              "CPU: the calling thread's CPU time per call, facade minus raw (what the facade adds).", "",
+              *collectives_table(data), ""]
+    collectives_plot(data, RESULTS / f"collectives{suffix}.png")
     lines += [f"![collectives](collectives{suffix}.png)", ""]
 
 
-def scaling_section(data, lines):
-    lines += ["## Scaling (training samples/s, 1 thread per process)", "",
-              "| backend | 1 process | 2 processes | efficiency |", "|---|---|---|---|"]
+def scaling_table(data) -> list:
+    """The scaling table (Markdown lines) of a scaling.json."""
+    lines = ["| backend | 1 process | 2 processes | efficiency |", "|---|---|---|---|"]
     for b, r in data["results"].items():
         lines.append(f"| {b} | {r['samples_per_s_1']:.1f} | {r['samples_per_s_2']:.1f} | {r['efficiency']:.2f} |")
-    lines.append("")
+    return lines
+
+
+def scaling_plot(data, out) -> None:
+    """Samples/s with 1 and 2 processes per backend, with the efficiency written over each pair, saved to ``out``."""
+    res = data["results"]
+    names = list(res)
+    x = range(len(names))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar([i - 0.2 for i in x], [res[n]["samples_per_s_1"] for n in names], 0.4, label="1 process")
+    ax.bar([i + 0.2 for i in x], [res[n]["samples_per_s_2"] for n in names], 0.4, label="2 processes")
+    for i, n in zip(x, names):
+        ax.annotate(f"efficiency {res[n]['efficiency']:.2f}", (i, res[n]["samples_per_s_2"]),
+                    textcoords="offset points", xytext=(0, 4), ha="center", fontsize=8)
+    ax.set_ylim(0, 1.15 * max(res[n]["samples_per_s_2"] for n in names))
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("training samples/s")
+    ax.set_title("BERT (MiniLM-L6), 1 thread per process")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, format="png")
+    plt.close(fig)
+
+
+def scaling_section(data, lines):
+    lines += ["## Scaling (training samples/s, 1 thread per process)", "", *scaling_table(data), ""]
 
 
 def _mean_std(s: dict, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
@@ -112,14 +164,12 @@ def _mean_std(s: dict, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
     return text + ("" if s["n"] == s["of"] else f" ({s['n']} of {s['of']} reached)")
 
 
-def accuracy_section(data, lines):
+def accuracy_table(data) -> list:
+    """The time-to-accuracy table (Markdown lines) of an accuracy.json (bench/time_to_accuracy.py's format)."""
     threshold = data.get("threshold", 0.8)
-    lines += [f"## Time to {threshold:.0%} validation accuracy: the example vs Hugging Face Trainer", "",
-              f"Seeds {data['seeds']}, validation every {data['eval_every']} steps; mean ± sample std over seeds "
-              "[min–max].", "",
-              f"| configuration | s to ≥ {threshold:.0%} validation | [min–max] | CPU s to ≥ {threshold:.0%} | "
-              "final validation accuracy % | final test accuracy % | whole run s | steal % | time vs its reference |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| configuration | s to ≥ {threshold:.0%} validation | [min–max] | CPU s to ≥ {threshold:.0%} | "
+             "final validation accuracy % | final test accuracy % | whole run s | steal % | time vs its reference |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, s in data["summary"].items():
         t = s["time_to_threshold_s"]
         rng = f"[{t['min']:.0f}–{t['max']:.0f}]" if t["mean"] is not None else "–"
@@ -132,7 +182,12 @@ def accuracy_section(data, lines):
                      f"{_mean_std(s['test_accuracy'], 100, '{:.2f}')} | "
                      f"{_mean_std(s['wall_s'])} | "
                      f"{_mean_std(steal, 100) if steal.get('n') else '–'} | {ratio} |")
-    lines.append("")
+    return lines
+
+
+def accuracy_plot(data, out) -> None:
+    """Validation accuracy against wall time, every run of every configuration, saved to ``out``."""
+    threshold = data.get("threshold", 0.8)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     colours = {}
     for name, runs in data["runs"].items():
@@ -146,8 +201,16 @@ def accuracy_section(data, lines):
     ax.set_ylim(0.5, 0.9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(RESULTS / "accuracy_vs_time.png", dpi=110)
+    fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
+
+
+def accuracy_section(data, lines):
+    threshold = data.get("threshold", 0.8)
+    lines += [f"## Time to {threshold:.0%} validation accuracy: the example vs Hugging Face Trainer", "",
+              f"Seeds {data['seeds']}, validation every {data['eval_every']} steps; mean ± sample std over seeds "
+              "[min–max].", "", *accuracy_table(data), ""]
+    accuracy_plot(data, RESULTS / "accuracy_vs_time.png")
     lines += ["![accuracy vs wall time](accuracy_vs_time.png)", ""]
 
 

@@ -1,4 +1,4 @@
-"""Benchmarks of unified_dist (see BENCHMARKS.md for the full results and the machine).
+"""Benchmarks of unified_dist (results and machines: docs/benchmarks/ and docs/changelog.md).
 
     python bench/run.py [--short] [--only overhead,collectives,scaling,accuracy]
 

@@ -106,7 +106,7 @@ def rows_of(nproc: int, configs: tuple, runs: list, per_rank: list) -> list:
 
 
 def table(rows: list) -> str:
-    """The Markdown table BENCHMARKS.md shows."""
+    """The Markdown table docs/benchmarks/streaming.md shows (bench/docs_hook.py renders it when the site is built)."""
     lines = ["| processes | data | loop samples/s: median (runs) | / map-style, paired median | best run "
              "| best / map-style's best | loader alone, samples/s | training CSV bytes read per rank |",
              "|---|---|---|---|---|---|---|---|"]
@@ -121,7 +121,7 @@ def table(rows: list) -> str:
 
 
 def summary(rows: list) -> dict:
-    """The figures BENCHMARKS.md quotes: bytes per rank with as many shards as ranks over one shard."""
+    """The figures docs/benchmarks/streaming.md quotes: bytes per rank with as many shards as ranks over one shard."""
     one = next((r for r in rows if (r["processes"], r["config"]) == (2, "stream")), None)
     two = next((r for r in rows if (r["processes"], r["config"]) == (2, "stream-2-shards")), None)
     out = {}

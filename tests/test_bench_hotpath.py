@@ -38,7 +38,7 @@ def check_record(record: dict, repeats: int, backends: list) -> None:
 
 
 def test_the_recorded_results_are_complete():
-    """bench/results/hotpath.json (what BENCHMARKS.md §9 quotes): >= 3 repeats, inductor, every backend."""
+    """bench/results/hotpath.json (what docs/benchmarks/hot-path.md shows): >= 3 repeats, inductor, every backend."""
     record = json.loads(RESULTS.read_text())
     assert record["settings"]["repeats"] >= 3 and record["settings"]["compile_backend"] == "inductor"
     assert not record["settings"]["smoke"]

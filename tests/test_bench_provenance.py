@@ -48,8 +48,8 @@ BEFORE_STEAL = {"compression_parity_smoke", "exit_stress_before_fix", "network_s
 
 
 def test_every_results_file_records_commit_command_load_and_steal():
-    """BENCHMARKS.md: each results file has the commit, the command and the load around it, and the steal
-    share unless it is one of the older files named here."""
+    """Each results file has the commit, the command and the load around it (the benchmark pages,
+    docs/benchmarks/*.md, show them), and the steal share unless it is one of the older files named here."""
     root = Path(__file__).resolve().parents[1] / "bench" / "results"
     files = sorted(p for p in root.glob("*.json") if not p.stem.endswith(("_partial", "_short")))  # git ignores these
     assert files

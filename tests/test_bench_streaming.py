@@ -59,7 +59,7 @@ def check_record(record: dict, repeats: int) -> None:
 
 
 def test_the_recorded_results_are_complete_and_add_up():
-    """bench/results/streaming.json (what BENCHMARKS.md quotes): every row, 3 repeats, and two shards
+    """bench/results/streaming.json (what docs/benchmarks/streaming.md shows): every row, 3 repeats, and two shards
     halve what each of two ranks reads (the halves differ by a few bytes of text)."""
     record = json.loads(RESULTS.read_text())
     check_record(record, repeats=record["settings"]["repeats"])

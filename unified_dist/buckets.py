@@ -6,13 +6,13 @@ Each stack reduces gradients in fused groups while backward still runs: DDP fill
 ``HOROVOD_FUSION_THRESHOLD`` bytes. Smaller groups start sending earlier and overlap more of
 backward; larger ones pay less per-message latency. ``None`` keeps each stack's own default
 (DDP 25 MiB with a 1 MiB first bucket, Horovod 128 MiB), which the network benchmark measured
-against the alternatives (BENCHMARKS.md, "Tuning"). Horovod's cycle stays its own 1 ms on GPU
-hosts and becomes :data:`CPU_CYCLE_MS` on CPU hosts, unless set.
+against the alternatives (docs/benchmarks/network.md, "Tuning what the facade controls"). Horovod's
+cycle stays its own 1 ms on GPU hosts and becomes :data:`CPU_CYCLE_MS` on CPU hosts, unless set.
 
 DDP (torch and Accelerate) is built with ``gradient_as_bucket_view=True`` by default: each gradient
 is a view into its communication bucket instead of a tensor of its own that is copied into the
 bucket and back every step. That saves one gradient-sized copy and its memory per rank
-(BENCHMARKS.md §6: 0.96x the step time on loopback, faster or level on a 1 Gbit/s link, 3 bucket
+(docs/benchmarks/network.md: 0.96x the step time on loopback, faster or level on a 1 Gbit/s link, 3 bucket
 storages instead of 105 gradients for the example's model). The one thing a
 view forbids is ``grad.detach_()``; the facade's ``zero_grad(set_to_none=False)`` does not call it
 on gradients without a graph, as torch's own optimizers do not. Code of one's own that detaches or
@@ -32,7 +32,7 @@ CPU_CYCLE_MS = 5
 Each cycle, Horovod's background thread wakes and coordinates with every other rank. On a GPU
 host that thread has idle cores to itself and Horovod's own 1 ms suits it; on a CPU host whose
 cores all compute, it takes them from the compute threads. Measured on 2 hosts x 1 core at
-1 Gbit/s (BENCHMARKS.md §6, "Horovod's cycle time"): micro-batches that send nothing took
+1 Gbit/s (docs/benchmarks/network.md, "Horovod's cycle time"): micro-batches that send nothing took
 1.33-1.68x as long as on one host at 1 ms, 1.09-1.15x at 5-100 ms (torch: 1.2x). The price of a
 longer cycle is latency: a small collective (a logged loss, a metric) waits about one cycle."""
 MIB = 1 << 20

@@ -150,8 +150,8 @@ def add_optimisation_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--no-dropout", action="store_true", help="set every dropout probability to 0 (parity tests)")
     g.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=None,
                    help="batch training examples of similar length together (less padding, same data per "
-                        "epoch; see BENCHMARKS.md); evaluation always runs longest-first (default: on, except "
-                        "with --streaming or --no-shuffle)")
+                        "epoch; see docs/benchmarks/time-to-accuracy.md); evaluation always runs longest-first "
+                        "(default: on, except with --streaming or --no-shuffle)")
     g.add_argument("--no-shuffle", action="store_true",
                    help="train in the stored order of the training split (already a seeded random order, the "
                         "same every epoch): DataLoader(shuffle=False), or with --streaming the stream as it is "
