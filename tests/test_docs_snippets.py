@@ -15,7 +15,7 @@ The convention (an HTML comment on the line right before the fence; mkdocs does 
   ``.loss``/``.logits`` as Hugging Face models do, SGD, a StepLR ``scheduler``, ``train_loader``
   (= ``loader``) and ``eval_loader`` of dict batches, ``epochs``. ``tiny-prepared``: the same after
   ``ud.init()`` and ``ud.prepare``, plus one ``batch``. ``tiny-checkpoint``: ``tiny-prepared`` with a
-  ``ckpt.pt`` saved at epoch 3, which the fragment must load into ``state``. ``tiny-blocks``: a model
+  ``ckpt.pt`` saved at epoch 1 (``epochs`` is 2), which the fragment must load into ``state``. ``tiny-blocks``: a model
   with ``blocks.*.w1``/``w2`` (for tensor-parallel plans), SGD and a ``loader``; its epilogue trains a
   step. ``stream``: part-0.csv/part-1.csv in the folder, a ``model``, ``optimizer``, ``collate``,
   ``loss_of(model, batch)`` and an IterableDataset ``dataset``. Shell: ``train-py``, an empty
@@ -112,8 +112,13 @@ loader = train_loader
 """
 
 _TINY_CHECKPOINT = _TINY_PREPARED + """\
-ud.save({"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader, "epoch": 3},
-        "ckpt.pt")
+ud.save({"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader, "rng": ud.RNG,
+         "epoch": 1}, "ckpt.pt")
+"""
+# the fragment loaded the saved epoch into state (1, or more if it went on training), and what it saved is it
+_LOADED_EPOCH = """\
+assert state["epoch"] >= 1, f"state['epoch'] is {state['epoch']}: the saved epoch 1 was not loaded"
+assert ud.load("ckpt.pt")["epoch"] == state["epoch"], (ud.load("ckpt.pt")["epoch"], state["epoch"])
 """
 
 _TINY_BLOCKS = _IMPORTS + """\
@@ -158,6 +163,8 @@ ud.shutdown()
 """
 
 _STREAM = _IMPORTS + """\
+from torch.utils.data import DataLoader
+
 with open("part-0.csv", "w") as f0, open("part-1.csv", "w") as f1:
     for i in range(50):
         (f0 if i % 2 else f1).write(("x0,x1,y\\n" if i < 2 else "") + f"{i / 50},{1 - i / 50},{i / 25}\\n")
@@ -184,15 +191,22 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 dataset = Pairs()
 """
 
+_EACH_EXAMPLE_ONCE = """\
+order = [round(v * 25) for _, y in loader for v in y.flatten().tolist()]
+assert sorted(order) == list(range(50)), order
+assert order != list(range(50)), "not shuffled"
+"""
+
 PREAMBLES: Dict[str, Tuple[str, str, str]] = {
     # name: (kind, code before the block, code after it)
     "imports": ("python", _IMPORTS, ""),
     "tiny-loop": ("python", _TINY_LOOP, ""),
     "tiny-prepared": ("python", _TINY_PREPARED, ""),
     # checkpoints.md and common-mistakes.md promise that state["epoch"] now holds the saved epoch
-    "tiny-checkpoint": ("python", _TINY_CHECKPOINT, 'assert state["epoch"] == 3, state["epoch"]\n'),
+    "tiny-checkpoint": ("python", _TINY_CHECKPOINT, _LOADED_EPOCH),
     "tiny-blocks": ("python", _TINY_BLOCKS, _ONE_STEP),
-    "stream": ("python", _STREAM, "for _ in loader:\n    pass\n"),
+    # streaming.md: each example once per epoch, shuffled (both datasets hold y = i / 25 for i in 0..49)
+    "stream": ("python", _STREAM, _EACH_EXAMPLE_ONCE),
     "train-py": ("shell", ": > train.py\n", ""),
 }
 
