@@ -114,10 +114,22 @@ loader = train_loader
 _TINY_CHECKPOINT = _TINY_PREPARED + """\
 ud.save({"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": train_loader, "rng": ud.RNG,
          "epoch": 1}, "ckpt.pt")
+saved_epochs = []  # the epoch of every ud.save the fragment makes
+_save = ud.save
+
+
+def _recording_save(obj, path, **kwargs):
+    saved_epochs.append(obj["epoch"])
+    return _save(obj, path, **kwargs)
+
+
+ud.save = _recording_save
 """
-# the fragment loaded the saved epoch into state (1, or more if it went on training), and what it saved is it
+# the fragment loaded the saved epoch into state, went on from there (its saves, if any, are of epoch 2 and
+# later: a loop that started again at epoch 0 saves epoch 1), and the file holds what it saved last
 _LOADED_EPOCH = """\
 assert state["epoch"] >= 1, f"state['epoch'] is {state['epoch']}: the saved epoch 1 was not loaded"
+assert all(epoch >= 2 for epoch in saved_epochs), f"saved epochs {saved_epochs}: the loop did not resume at 1"
 assert ud.load("ckpt.pt")["epoch"] == state["epoch"], (ud.load("ckpt.pt")["epoch"], state["epoch"])
 """
 
