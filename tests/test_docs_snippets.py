@@ -223,7 +223,6 @@ PREAMBLES: Dict[str, Tuple[str, str, str]] = {
 }
 
 MARKER = re.compile(r"^\s*<!--\s*snippet:(.*?)-->\s*$")
-ANY_MARKER = re.compile(r"<!--\s*snippet:")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 DIRECTIVE = re.compile(r"^(skip|output varies)\s*(?:\((.*)\))?$|^(after)\s+(\S+)$|^(torchrun)\s+(\d+)$"
                        r"|^(continue|run)$")
@@ -282,7 +281,7 @@ def blocks_of(path: Path) -> Tuple[List[Block], List[str]]:
     lines = path.read_text().splitlines()
     blocks: List[Block] = []
     orphans: List[str] = []
-    used = set()
+    used, inside = set(), set()  # the markers' lines; the fences' lines and what they hold
     i = 0
     while i < len(lines):
         opening = FENCE.match(lines[i])
@@ -301,9 +300,10 @@ def blocks_of(path: Path) -> Tuple[List[Block], List[str]]:
             used.add(i - 1)
             parse_marker(marker.group(1), block)
         blocks.append(block)
+        inside.update(range(i, end + 1))
         i = end + 1
-    for number, line in enumerate(lines):
-        if ANY_MARKER.search(line) and number not in used:
+    for number, line in enumerate(lines):  # a whole-line marker elsewhere (a blank line before the fence...)
+        if MARKER.match(line) and number not in used and number not in inside:
             orphans.append(f"{page}:{number + 1}: a snippet marker must be the line right before a fence: "
                            f"{line.strip()}")
     previous_python: Optional[Block] = None
