@@ -40,6 +40,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -275,9 +276,9 @@ def parse_marker(text: str, block: Block) -> None:
             block.run = True
 
 
-def blocks_of(path: Path) -> Tuple[List[Block], List[str]]:
+def blocks_of(path: Path, page: Optional[str] = None) -> Tuple[List[Block], List[str]]:
     """The fenced blocks of one page, and the page's markers that stand before no fence."""
-    page = path.relative_to(ROOT).as_posix()
+    page = page or path.relative_to(ROOT).as_posix()
     lines = path.read_text().splitlines()
     blocks: List[Block] = []
     orphans: List[str] = []
@@ -491,3 +492,63 @@ def test_the_extractor_sees_every_page_and_block():
     assert preemption.count("python") == 1 and preemption.count("bash") == 1, preemption
     bert = [b for b in ALL if b.page == "examples/bert_sentiment/README.md" and b.python]
     assert len(bert) == 1 and bert[0].code.startswith("with ud.accumulate(model):\n    with"), bert  # dedented
+
+
+def test_the_directives_parse_as_documented(tmp_path):
+    """The parser on a page written here: each directive, each refusal, and what a chain runs."""
+    page = tmp_path / "page.md"
+    page.write_text(textwrap.dedent("""\
+        <!-- snippet: torchrun 2; after tiny-loop -->
+        ```python
+        a = 1
+        ```
+        <!-- snippet: continue -->
+        ```python
+        b = a
+        ```
+        <!-- snippet: skip -->
+        ```python
+        c
+        ```
+        <!-- snippet: after nowhere -->
+        ```python
+        d
+        ```
+        <!-- snippet: run -->
+        ```python
+        e
+        ```
+        <!-- snippet: run; output varies (clock) -->
+        ```console
+        $ date
+        ```
+        1. a list item:
+
+           <!-- snippet: skip (a fragment) -->
+           ```py
+           f(
+           ```
+        <!-- snippet: after imports -->
+
+        ```python
+        g
+        ```
+        """))
+    blocks, orphans = blocks_of(page, "page.md")
+    assert [(b.line, b.lang) for b in blocks] == [(2, "python"), (6, "python"), (10, "python"), (14, "python"),
+                                                 (18, "python"), (22, "console"), (28, "py"), (33, "python")]
+    first, chained, unreasoned, unknown, run_python, shell, indented, separated = blocks
+    assert (first.torchrun, first.after, first.problems) == (2, "tiny-loop", [])
+    assert chained.previous is first and head(chained) is first and not chained.problems
+    assert program(chained).index("class TinyClassifier") < program(chained).index("a = 1\n") \
+        < program(chained).index("b = a\n")
+    assert unreasoned.problems == ["skip needs a reason: <!-- snippet: skip (REASON) -->"]
+    assert unknown.problems and "no preamble 'nowhere'" in unknown.problems[0]
+    assert run_python.problems and "runs unless skipped" in run_python.problems[0]
+    assert (shell.run, shell.output_varies, shell.problems) == (True, "clock", [])
+    assert commands(shell.code) == [("date", [])]
+    assert (indented.skip, indented.code, indented.python) == ("a fragment", "f(\n", True)
+    assert separated.after is None and orphans == ["page.md:31: a snippet marker must be the line right before a "
+                                                   "fence: <!-- snippet: after imports -->"]
+    assert matches(["a", "...", "d"], ["a", "b", "c", "d"]) and matches(["a", "..."], ["a"])
+    assert not matches(["a", "d"], ["a", "b", "d"]) and not matches(["a"], ["a", "b"])
