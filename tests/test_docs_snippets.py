@@ -29,7 +29,9 @@ The convention (an HTML comment on the line right before the fence; mkdocs does 
 - Any other block (bash, console, output, diff) is not run unless marked ``<!-- snippet: run -->``.
   A block with ``$ `` prompts runs each command (bash, in the temporary folder, the venv's bin/ first
   on PATH) and compares its stdout with the lines shown under it (a line ``...`` stands for any
-  lines); add ``output varies (REASON)`` to compare the exit status only. A block without prompts runs
+  lines); add ``output from "TEXT"`` to compare from the first line that starts with TEXT on (the
+  lines before it are this machine's: versions, paths), or ``output varies (REASON)`` to compare the
+  exit status only. A block without prompts runs
   as one ``bash -e`` script. Every command must exit 0. Shell runs are marked ``distributed`` (a
   command may start a launcher: ``unified-dist env`` runs ``horovodrun --check-build``).
 - A marker that is not right before a fence, an unknown directive or preamble, or ``skip`` without a
@@ -226,7 +228,7 @@ PREAMBLES: Dict[str, Tuple[str, str, str]] = {
 MARKER = re.compile(r"^\s*<!--\s*snippet:(.*?)-->\s*$")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 DIRECTIVE = re.compile(r"^(skip|output varies)\s*(?:\((.*)\))?$|^(after)\s+(\S+)$|^(torchrun)\s+(\d+)$"
-                       r"|^(continue|run)$")
+                       r"|^(continue|run)$|^output from\s+\"(.+)\"$")
 
 
 @dataclass
@@ -241,6 +243,7 @@ class Block:
     chained: bool = False
     run: bool = False
     output_varies: Optional[str] = None
+    output_from: Optional[str] = None
     problems: List[str] = field(default_factory=list)
     previous: Optional["Block"] = None  # for `continue`: the block it continues
 
@@ -272,6 +275,8 @@ def parse_marker(text: str, block: Block) -> None:
             block.torchrun = int(m.group(6))
         elif m.group(7) == "continue":
             block.chained = True
+        elif m.group(8):
+            block.output_from = m.group(8)
         else:
             block.run = True
 
@@ -321,8 +326,8 @@ def _check(block: Block, previous: Optional[Block]) -> None:
     elif block.after and PREAMBLES[block.after][0] != ("python" if block.python else "shell"):
         block.problems.append(f"preamble {block.after!r} is for {PREAMBLES[block.after][0]} blocks")
     if block.python:
-        if block.run or block.output_varies:
-            block.problems.append("a python block runs unless skipped: `run`/`output varies` are for shell blocks")
+        if block.run or block.output_varies or block.output_from:
+            block.problems.append("a python block runs unless skipped: `run` and `output ...` are for shell blocks")
         if block.chained:
             if previous is None or previous.skip is not None:
                 block.problems.append("`continue` needs a previous ```python block on the page that runs")
@@ -331,7 +336,7 @@ def _check(block: Block, previous: Optional[Block]) -> None:
             else:
                 block.previous = previous
     else:
-        if (block.after or block.output_varies) and not block.run:
+        if (block.after or block.output_varies or block.output_from) and not block.run:
             block.problems.append("a shell block runs only when marked `run`")
         if block.torchrun or block.chained:
             block.problems.append("`torchrun` and `continue` are for ```python blocks")
@@ -369,7 +374,10 @@ def program(block: Block) -> str:
 def runnable(kind: str) -> List[Block]:
     chosen = []
     for block in ALL:
-        if block.problems or block.skip is not None:
+        chain = [block]
+        while chain[-1].previous is not None:
+            chain.append(chain[-1].previous)
+        if any(b.problems for b in chain) or block.skip is not None:  # test_every_marker_is_well_formed says why
             continue
         if kind == "shell" and not block.python and block.run:
             chosen.append(block)
@@ -455,6 +463,12 @@ def _shell(cmd: str, env: Dict[str, str], cwd: Path) -> subprocess.CompletedProc
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def _from(text: str, lines: List[str], where: str) -> List[str]:
+    starts = [n for n, line in enumerate(lines) if line.startswith(text)]
+    assert starts, f"no line of {where} starts with {text!r}:\n" + "\n".join(lines)
+    return lines[starts[0]:]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("block", _params("shell"))
 def test_shell_snippet_runs_and_prints_what_the_page_shows(block: Block, tmp_path):
@@ -471,6 +485,8 @@ def test_shell_snippet_runs_and_prints_what_the_page_shows(block: Block, tmp_pat
             got = [line.rstrip() for line in result.stdout.rstrip("\n").splitlines()]
             while expected and expected[-1] == "":
                 expected.pop()
+            if block.output_from:
+                expected, got = _from(block.output_from, expected, "the page"), _from(block.output_from, got, cmd)
             assert matches(expected, got), (f"{block.name}: `{cmd}` printed\n" + "\n".join(got)
                                              + "\nwhere the page shows\n" + "\n".join(expected))
 
@@ -550,5 +566,9 @@ def test_the_directives_parse_as_documented(tmp_path):
     assert (indented.skip, indented.code, indented.python) == ("a fragment", "f(\n", True)
     assert separated.after is None and orphans == ["page.md:31: a snippet marker must be the line right before a "
                                                    "fence: <!-- snippet: after imports -->"]
+    marked = Block("page.md", 1, "console", "")
+    parse_marker('run; output from "this environment"', marked)
+    assert (marked.run, marked.output_from, marked.problems) == (True, "this environment", [])
+    assert _from("b", ["a", "b", "c"], "x") == ["b", "c"]
     assert matches(["a", "...", "d"], ["a", "b", "c", "d"]) and matches(["a", "..."], ["a"])
     assert not matches(["a", "d"], ["a", "b", "d"]) and not matches(["a"], ["a", "b"])
