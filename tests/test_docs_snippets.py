@@ -39,6 +39,7 @@ The convention (an HTML comment on the line right before the fence; mkdocs does 
 """
 from __future__ import annotations
 
+import difflib
 import re
 import subprocess
 import sys
@@ -487,8 +488,9 @@ def test_shell_snippet_runs_and_prints_what_the_page_shows(block: Block, tmp_pat
                 expected.pop()
             if block.output_from:
                 expected, got = _from(block.output_from, expected, "the page"), _from(block.output_from, got, cmd)
-            assert matches(expected, got), (f"{block.name}: `{cmd}` printed\n" + "\n".join(got)
-                                             + "\nwhere the page shows\n" + "\n".join(expected))
+            assert matches(expected, got), (f"{block.name}: `{cmd}` printed other lines than the page shows "
+                                             "(- the page, + the output):\n"
+                                             + "\n".join(difflib.unified_diff(expected, got, lineterm="", n=1)))
 
 
 def test_every_marker_is_well_formed():
