@@ -20,6 +20,7 @@
 - Under ``torchrun --max-restarts N`` (or ``accelerate launch --max_restarts N``) the launcher
   restarts every process; ``commit()`` writes ``checkpoint_dir/checkpoint-<step>.pt`` (atomic,
   rotated) and a new ``ElasticState`` loads the newest one, so the restarted job continues.
+
 With ``checkpoint_dir`` set, Horovod commits also write the checkpoint (for whole-job restarts).
 Objects are anything with ``state_dict``/``load_state_dict`` (prepared models are stored
 unwrapped); every other keyword is a plain value, readable and writable as an attribute.
