@@ -36,6 +36,15 @@ def test_one_process_at_a_time_is_not_a_launch():
     assert watch.launched is None
 
 
+def test_a_signature_formatter_beside_one_process_is_not_a_launch():
+    """``mkdocs build`` (tests/test_docs_site.py) runs ``ruff format`` children to lay out signatures."""
+    formatter = ["bash", "-c", 'exec -a "ruff format --stdin-filename file.py" sleep 3']  # one process, renamed
+    with LaunchWatch() as watch:
+        with subprocess.Popen(formatter), subprocess.Popen(["sleep", "3"]):
+            pass
+    assert watch.launched is None, watch.launched
+
+
 @pytest.mark.distributed
 def test_two_processes_at_once_are_a_launch():
     with LaunchWatch() as watch:

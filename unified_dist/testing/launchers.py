@@ -155,8 +155,10 @@ def launch(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2,
 # ---------------------------------------------------------------------- what counts as a launch
 LAUNCHER_PROGRAMS = ("torchrun", "horovodrun", "srun", "mpirun", "mpiexec")
 LAUNCHER_MODULES = ("torch.distributed.launch", "torch.distributed.run")
-HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-"""Processes Python starts beside a single one (its multiprocessing bookkeeping): not a launch."""
+HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "ruff format")
+"""Processes started beside a single one that are not a launch: Python's multiprocessing bookkeeping, and
+``ruff format`` (``mkdocs build`` formats each long signature of the API reference with one: mkdocstrings'
+``separate_signature``; tests/test_docs_site.py builds the site)."""
 
 
 def is_launcher(cmdline: Sequence[str]) -> bool:
@@ -220,6 +222,8 @@ class LaunchWatch:
                     continue
                 cmdline = child.cmdline()
             except psutil.Error:
+                continue
+            if not cmdline:  # it exited between the two reads (a zombie's command line is empty)
                 continue
             if not any(helper in " ".join(cmdline) for helper in HELPERS):
                 running.append(cmdline)
