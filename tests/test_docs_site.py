@@ -17,7 +17,7 @@ import sys
 from html.parser import HTMLParser
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 import yaml
@@ -52,6 +52,7 @@ class _Entries(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
         self.docs: Dict[str, str] = {}
+        self.links: Dict[str, Set[str]] = {}  # heading id -> the anchors its docstring links to
         self._pending: Optional[str] = None  # a heading seen, its contents not yet
         self._current: Optional[str] = None
         self._depth = 0  # open divs inside the contents being read
@@ -77,6 +78,8 @@ class _Entries(HTMLParser):
                 self._skip += 1
         elif tag == "p" and "doc-class-bases" in classes:
             self._in_bases = True
+        elif tag == "a" and not self._skip and not self._in_bases and "#" in (attrs.get("href") or ""):
+            self.links.setdefault(self._current, set()).add(attrs["href"].partition("#")[2])
 
     def handle_endtag(self, tag):
         if self._current is None:
@@ -96,13 +99,19 @@ class _Entries(HTMLParser):
             self._text.append(data)
 
 
-def _api_entries(site_dir: Path) -> Dict[str, str]:
+def _api_entries(site_dir: Path) -> Tuple[Dict[str, str], Dict[str, Set[str]]]:
+    """Over every page of docs/api/: heading id -> rendered docstring text, and -> anchors it links to."""
     docs: Dict[str, str] = {}
+    links: Dict[str, Set[str]] = {}
     for page in sorted((site_dir / "api").glob("*.html")):
         parser = _Entries()
         parser.feed(page.read_text(encoding="utf-8"))
         docs.update(parser.docs)
-    return docs
+        links.update(parser.links)
+    return docs, links
+
+
+ROLE_TARGET = re.compile(r":[a-z]+:`(?:[^`<]*<)?~?([\w.]+)>?`")
 
 
 def _first_words(docstring: str, count: int = 4) -> str:
@@ -122,7 +131,7 @@ def test_every_public_name_has_an_entry_with_its_docstring(site):
 
     import unified_dist
 
-    entries = _api_entries(_built(site))
+    entries, links = _api_entries(_built(site))
     names = list(unified_dist.__all__)
     assert len(names) >= 60, names  # issue #30 counted 60 public names; fewer means __all__ was not read
     missing = [name for name in names if f"unified_dist.{name}" not in entries]
@@ -130,14 +139,20 @@ def test_every_public_name_has_an_entry_with_its_docstring(site):
     empty = [name for name in names if not entries[f"unified_dist.{name}"]]
     assert not empty, f"entries with no rendered docstring: {empty}"
     package = griffe.load("unified_dist", search_paths=[str(ROOT)], resolve_aliases=True)
-    wrong = {}
+    wrong, unlinked = {}, {}
     for name in names:
         source = package[name].docstring
         assert source is not None and source.value.strip(), f"unified_dist.{name} has no docstring in the source"
         words = _first_words(source.value)
         if words not in entries[f"unified_dist.{name}"]:
             wrong[name] = (words, entries[f"unified_dist.{name}"][:120])
+        # a Sphinx role naming a public name (:func:`init`, :class:`~unified_dist.errors.LaunchError`) is a link
+        referenced = {target.rpartition(".")[2] for target in ROLE_TARGET.findall(source.value)} & set(names)
+        missing_links = {f"unified_dist.{ref}" for ref in referenced} - links.get(f"unified_dist.{name}", set())
+        if missing_links:
+            unlinked[name] = sorted(missing_links)
     assert not wrong, f"entries whose rendered docstring does not start as the source's: {wrong}"
+    assert not unlinked, f"entries whose docstring names a public name without linking its entry: {unlinked}"
 
 
 def test_no_sphinx_role_is_left_as_text(site):
