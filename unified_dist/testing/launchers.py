@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -155,10 +156,8 @@ def launch(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2,
 # ---------------------------------------------------------------------- what counts as a launch
 LAUNCHER_PROGRAMS = ("torchrun", "horovodrun", "srun", "mpirun", "mpiexec")
 LAUNCHER_MODULES = ("torch.distributed.launch", "torch.distributed.run")
-HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "ruff format")
-"""Processes started beside a single one that are not a launch: Python's multiprocessing bookkeeping, and
-``ruff format`` (``mkdocs build`` formats each long signature of the API reference with one: mkdocstrings'
-``separate_signature``; tests/test_docs_site.py builds the site)."""
+HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+"""Processes Python starts beside a single one (its multiprocessing bookkeeping): not a launch."""
 
 
 def is_launcher(cmdline: Sequence[str]) -> bool:
@@ -180,12 +179,17 @@ class LaunchWatch:
     A launch is what the tests' ``distributed`` marker declares: a launcher (:func:`is_launcher`),
     or two or more processes alive at once that were not there when the watch opened, however
     they were started (subprocess, multiprocessing, ``ud.launch``, or a child that launches in turn).
-    One process at a time (``python -c ...``, ``unified-dist env``) is not a launch. A launch
-    shorter than ``interval`` can go unseen; real ones import torch and last seconds.
+    One process at a time (``python -c ...``, ``unified-dist env``) is not a launch, nor are the
+    short helpers it runs beside itself: a process seen for less than ``min_age`` seconds is not counted
+    (``mkdocs build`` runs ``git`` and ``ruff format`` for a few milliseconds each; real launches
+    import torch and last seconds). A launcher counts at any age. A launch shorter than ``min_age``
+    goes unseen.
     """
 
-    def __init__(self, interval: float = 0.1):
+    def __init__(self, interval: float = 0.1, min_age: float = 1.0):
         self.interval = interval
+        self.min_age = min_age
+        self._first_seen: Dict[tuple, float] = {}  # (pid, create time) -> when a look first saw it
         self.launched: Optional[str] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -213,7 +217,8 @@ class LaunchWatch:
     def _look(self) -> None:
         import psutil
 
-        running = []
+        running, launchers = [], []
+        now = time.monotonic()
         for child in self._me.children(recursive=True):
             if child.pid in self._before:
                 continue
@@ -221,13 +226,15 @@ class LaunchWatch:
                 if child.status() == psutil.STATUS_ZOMBIE:
                     continue
                 cmdline = child.cmdline()
+                age = now - self._first_seen.setdefault((child.pid, child.create_time()), now)
             except psutil.Error:
                 continue
-            if not cmdline:  # it exited between the two reads (a zombie's command line is empty)
-                continue
-            if not any(helper in " ".join(cmdline) for helper in HELPERS):
+            if not cmdline or any(helper in " ".join(cmdline) for helper in HELPERS):
+                continue  # an empty command line: it exited between the two reads
+            if is_launcher(cmdline):
+                launchers.append(cmdline)
+            if age >= self.min_age:
                 running.append(cmdline)
-        launchers = [cmdline for cmdline in running if is_launcher(cmdline)]
         if launchers:
             self.launched = f"a launcher ({' '.join(launchers[0])[:200]})"
         elif len(running) >= 2:
