@@ -30,7 +30,7 @@ def test_the_list_has_at_least_twelve_named_promises():
 @pytest.mark.parametrize("mutant", MUTANTS, ids=[m["name"] for m in MUTANTS])
 def test_each_mutant_applies_exactly_once(mutant, tmp_path):
     target = tmp_path / mutant["file"]
-    target.parent.mkdir(parents=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text((ROOT / mutant["file"]).read_text())
     mutants.apply(tmp_path, mutant)  # raises unless `old` occurs exactly once
     assert target.read_text() != (ROOT / mutant["file"]).read_text()
