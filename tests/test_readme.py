@@ -105,6 +105,19 @@ def uninterrupted(script, tmp_path_factory) -> Callable[[int], tuple]:
     return of
 
 
+def test_the_readme_is_a_first_screen_that_links_the_site():
+    """Issue #30: README.md stays at most 15,000 bytes, and every page it links is a page of the site
+    (a file under docs/ that mkdocs.yml's nav lists), so the links work on GitHub and in the site."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= 15_000, len(text.encode())
+    links = re.findall(r"\]\((docs/[^)#]+)", text)
+    assert len(links) >= 15, links
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for link in links:
+        assert (ROOT / link).is_file(), link
+        assert link.removeprefix("docs/") in nav, f"{link} is not in mkdocs.yml's nav"
+
+
 def test_the_snippet_is_the_readme_loop():
     snippet = readme_snippet()
     for line in ('ud.load("ckpt.pt", state)', "ud.save(state, \"ckpt.pt\")", '"rng": ud.RNG',
