@@ -14,7 +14,8 @@ from unified_dist.settings import SETTINGS, TABLE, in_effect, unknown_variables,
 from unified_dist.testing.launchers import ROOT
 
 SCANNED = ("unified_dist", "examples", "tools", "bench", "Makefile")
-"""Where the variables are read: the library, its examples, tools and benchmarks, the Makefile."""
+"""Where the variables are read: the library, its examples, tools and benchmarks, the Makefile (not
+bench/results/: recorded output, which may quote a misspelled name a test ran)."""
 LITERAL = re.compile(r"UNIFIED_DIST_[A-Z_]+")
 
 
@@ -24,7 +25,8 @@ def literals(root: Path):
     for top in SCANNED:
         path = root / top
         files = ([path] if path.is_file()
-                 else [p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts])
+                 else [p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                       and not p.relative_to(root).as_posix().startswith("bench/results/")])
         for file in files:
             found.update(LITERAL.findall(file.read_text(errors="ignore")))
     return found
@@ -39,7 +41,11 @@ def test_the_scan_would_catch_a_new_variable(tmp_path):
     (tmp_path / "tools").mkdir()
     (tmp_path / "tools" / "new.sh").write_text('echo "${UNIFIED_DIST_BRAND_NEW:-0}" "$UNIFIED_DIST_DEBUG"\n')
     (tmp_path / "Makefile").write_text("x:\n\tUNIFIED_DIST_OTHER=1 true\n")
-    assert literals(tmp_path) - set(SETTINGS) == {"UNIFIED_DIST_BRAND_NEW", "UNIFIED_DIST_OTHER"}
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "run.json").write_text('{"tail": "UNIFIED_DIST_QUOTED=1"}')
+    (tmp_path / "bench" / "new.py").write_text('os.environ.get("UNIFIED_DIST_BENCH_NEW")\n')
+    expected = {"UNIFIED_DIST_BRAND_NEW", "UNIFIED_DIST_OTHER", "UNIFIED_DIST_BENCH_NEW"}
+    assert literals(tmp_path) - set(SETTINGS) == expected
 
 
 def test_a_misspelling_gets_the_closest_name():
