@@ -1,6 +1,7 @@
 """Atomic writes, portable state, and loads that never run code."""
 import os
 import pickle
+import shutil
 
 import pytest
 import torch
@@ -94,6 +95,28 @@ def test_failed_write_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint.torch, "save", broken_save)
     with pytest.raises(ud.UnifiedDistError, match="saving .* failed on the main process: OSError: disk full"):
+        ud.save({"v": torch.tensor([2.0])}, path)
+    monkeypatch.undo()
+    assert ud.load(path)["v"].item() == 1.0
+    assert os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_a_write_that_fills_the_disk_says_so_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """torch's zip writer reports a full disk as ``unexpected pos``; the error names the cause."""
+    path = str(tmp_path / "c.pt")
+    ud.save({"v": torch.tensor([1.0])}, path)
+    usage = shutil.disk_usage(tmp_path)
+
+    def filling_save(obj, handle):
+        handle.write(b"x" * 3 * 2**20)
+        handle.flush()
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 137792448 vs 137792336")
+
+    monkeypatch.setattr(checkpoint.torch, "save", filling_save)
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda d: usage._replace(free=5 * 2**20))
+    with pytest.raises(ud.UnifiedDistError, match=(
+            r"saving .*c\.pt failed on the main process: CheckpointError: the filesystem of .*c\.pt is full "
+            r"\(5 MiB free after writing 3 MiB of it\); free space there or save to another filesystem")):
         ud.save({"v": torch.tensor([2.0])}, path)
     monkeypatch.undo()
     assert ud.load(path)["v"].item() == 1.0

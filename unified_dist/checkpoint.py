@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 import zipfile
 from collections import OrderedDict
 from typing import Any, Callable, List, Optional, Tuple
@@ -64,9 +65,15 @@ def _create_temporary(directory: str, name: str) -> Tuple[int, str]:
             continue
 
 
+FULL_BYTES = 16 * 2**20
+"""A failed write that leaves less than this free on the checkpoint's filesystem is reported as a full disk."""
+
+
 def write_atomic(state: Any, path: str) -> None:
     """Write ``state`` to ``path`` so that readers see the old file or the whole new one; the file's
-    mode follows the umask (0644 under the usual 022), like any file the user creates."""
+    mode follows the umask (0644 under the usual 022), like any file the user creates. A write that
+    fails on a full filesystem raises :class:`CheckpointError` saying so (torch's own message is an
+    ``unexpected pos`` from its zip writer)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = _create_temporary(directory, os.path.basename(path))
@@ -76,15 +83,32 @@ def write_atomic(state: Any, path: str) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
+        full = _disk_full(path, tmp) if isinstance(exc, Exception) else None
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if full:
+            raise CheckpointError(full) from exc
         raise
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _disk_full(path: str, tmp: str) -> Optional[str]:
+    """The one-line reason when the failed write of ``path`` (so far in ``tmp``) filled its filesystem."""
+    try:
+        free = shutil.disk_usage(os.path.dirname(tmp)).free
+        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+    except OSError:
+        return None
+    if free >= FULL_BYTES:
+        return None
+    return (f"the filesystem of {path} is full ({free / 2**20:.0f} MiB free after writing "
+            f"{written / 2**20:.0f} MiB of it); free space there or save to another filesystem "
+            "(any previous file there is intact)")
 
 
 def read_safe(path: str, map_location: Optional[Any] = None) -> Any:
