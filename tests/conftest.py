@@ -51,6 +51,32 @@ def _no_session_left_open():
         pytest.fail("this test left a unified_dist session open: call ud.shutdown() in its teardown", pytrace=False)
 
 
+class ModuleDirs:
+    """Folders for one test module's shared launches (``mktemp`` as on ``tmp_path_factory``)."""
+
+    def __init__(self, factory: pytest.TempPathFactory):
+        self._factory = factory
+        self.made: list = []
+
+    def mktemp(self, name: str):
+        folder = self._factory.mktemp(name)
+        self.made.append(folder)
+        return folder
+
+
+@pytest.fixture(scope="module")
+def module_dirs(request, tmp_path_factory):
+    """Folders deleted when their module ends without a failed test, as ``tmp_path_retention_policy =
+    "failed"`` deletes a passing test's ``tmp_path``: the example modules' launches write GBs of BERT
+    checkpoints (270 MB each) that ``tmp_path_factory`` would keep until the whole run ends."""
+    dirs = ModuleDirs(tmp_path_factory)
+    failed = request.session.testsfailed
+    yield dirs
+    if request.session.testsfailed == failed:
+        for folder in dirs.made:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A real one-node SLURM (tools/slurm_cluster.sh): yields the environment srun needs; stopped afterwards."""

@@ -96,8 +96,8 @@ class Ring:
     launch. ``uninterrupted(launcher, env)``: 5 steps in one launch (srun, mpirun, the legacy launch).
     """
 
-    def __init__(self, factory: pytest.TempPathFactory):
-        self._factory = factory
+    def __init__(self, factory):
+        self._factory = factory  # tests/conftest.py's module_dirs: deleted when the module passes
         self._stopped: Dict[str, Launch] = {}
         self._continued: Dict[str, Launch] = {}
         self._uninterrupted: Dict[str, Launch] = {}
@@ -166,8 +166,8 @@ class Ring:
 
 
 @pytest.fixture(scope="module")
-def ring(tmp_path_factory: pytest.TempPathFactory) -> Ring:
-    return Ring(tmp_path_factory)
+def ring(module_dirs) -> Ring:
+    return Ring(module_dirs)
 
 
 def _identity(rows: List[dict]) -> set:

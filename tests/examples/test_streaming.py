@@ -62,9 +62,9 @@ def _max_weight_difference(a: Path, b: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Run]:
-    """The three launches, each once for the whole module."""
-    base = tmp_path_factory.mktemp("bert-streaming")
+def runs(module_dirs) -> Dict[str, Run]:
+    """The three launches, each once for the whole module (deleted when it passes)."""
+    base = module_dirs.mktemp("bert-streaming")
     done: Dict[str, Run] = {}
     for name, launcher, nproc, args in (
             ("map", "torchrun", 2, ["--batch-size", "8", "--no-progress"]),
