@@ -53,7 +53,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from unified_dist.testing.launchers import ROOT, child_env, command, kill_session, run
+from unified_dist.testing.launchers import ROOT, child_env, command, run, run_apart
 
 PYTHON_TIMEOUT = 90
 TORCHRUN_TIMEOUT = 180
@@ -461,15 +461,7 @@ def test_multi_process_snippet_runs_under_torchrun(block: Block, tmp_path):
 
 def _shell(cmd: str, env: Dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
     """``bash -c cmd`` in its own session, stdout and stderr apart; on timeout the session is killed."""
-    proc = subprocess.Popen(["bash", "-c", cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=SHELL_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"`{cmd}` timed out after {SHELL_TIMEOUT} s\n{out[-2000:]}{err[-2000:]}", pytrace=False)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_apart(["bash", "-c", cmd], SHELL_TIMEOUT, env, cwd, what=f"`{cmd}`")
 
 
 def _from(text: str, lines: List[str], where: str) -> List[str]:

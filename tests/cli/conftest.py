@@ -17,7 +17,7 @@ from unified_dist.testing.launchers import (
     ROOT,
     TORCH_VARIABLES,
     child_env,
-    kill_session,
+    run_apart,
 )
 
 
@@ -28,15 +28,7 @@ def unified_dist(*args: str, cwd: Optional[Path] = None, env: Optional[Dict[str,
     On timeout its whole process tree (the launcher and its workers) is killed and the test fails.
     """
     cmd = [sys.executable, *(["-c", code] if code else ["-m", "unified_dist"]), *args]
-    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=child_env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_session(proc.pid)
-        out, err = proc.communicate()
-        pytest.fail(f"unified-dist {' '.join(args)} did not finish in {timeout}s\n{out[-2000:]}\n{err[-2000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return run_apart(cmd, timeout, child_env(env), cwd, what=f"unified-dist {' '.join(args)}")
 
 
 @pytest.fixture

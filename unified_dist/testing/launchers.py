@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from unified_dist.detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
 from unified_dist.net import free_port  # noqa: F401  (tests import it from here)
@@ -111,21 +111,42 @@ class Result:
         return self
 
 
-def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
-        cwd: Optional[Path] = None) -> Result:
-    """Run ``cmd`` in its own session; on timeout kill the whole process group."""
+def _communicate(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]], cwd: Optional[Path],
+                 stderr: int) -> Tuple[subprocess.Popen, str, str, bool]:
+    """Run ``cmd`` in its own session: the process, its stdout and stderr (``""`` when merged into
+    stdout), and whether it timed out (its whole session is then killed)."""
     proc = subprocess.Popen(list(cmd), cwd=cwd or ROOT, env=env or child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=stderr, text=True, start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-        return Result(list(cmd), proc.returncode, out, False)
+        out, err = proc.communicate(timeout=timeout)
+        return proc, out, err or "", False
     except subprocess.TimeoutExpired:
         kill_session(proc.pid)
-        out, _ = proc.communicate()
-        return Result(list(cmd), -9, out, True)
+        out, err = proc.communicate()
+        return proc, out, err or "", True
     finally:
         if proc.poll() is None:
             kill_session(proc.pid)
+
+
+def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
+        cwd: Optional[Path] = None) -> Result:
+    """Run ``cmd`` in its own session, stderr merged into stdout; on timeout kill the whole process group."""
+    proc, out, _, timed_out = _communicate(cmd, timeout, env, cwd, subprocess.STDOUT)
+    return Result(list(cmd), -9 if timed_out else proc.returncode, out, timed_out)
+
+
+def run_apart(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
+              cwd: Optional[Path] = None, what: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session with stdout and stderr apart; on timeout kill the whole process
+    group and fail the test, naming ``what`` (default: the command) and both outputs' tails."""
+    proc, out, err, timed_out = _communicate(cmd, timeout, env, cwd, subprocess.PIPE)
+    if timed_out:
+        import pytest  # only tests call this
+
+        pytest.fail(f"{what or ' '.join(cmd)} did not finish in {timeout:g} s\n{out[-2000:]}\n{err[-2000:]}",
+                    pytrace=False)
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
 
 
 def kill_session(sid: int) -> None:
