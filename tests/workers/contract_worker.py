@@ -1230,8 +1230,9 @@ LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "HOROVOD_LOCAL_RANK", "SLURM_LOCALID", "OM
 srun, mpirun): the worker records what it saw before the facade started, and the test compares."""
 
 
-def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=None):
-    """Run ``suite``'s checks; with ``adopt``, inside a stack this process started before the facade."""
+def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=None, every_backend=False):
+    """Run ``suite``'s checks; with ``adopt``, inside a stack this process started before the facade;
+    with ``every_backend``, then ``ud.init(backend=...)`` with each other backend (:data:`BACKEND_CHOICES`)."""
     launcher_saw = {name: os.environ[name] for name in LOCAL_RANK_VARIABLES if name in os.environ}
     # the accum suite sizes DDP's buckets (Horovod's fusion buffer) through the variable, whichever
     # launch runs it (tests/test_contract_under_launchers.py also passes it; tests/multinode does not)
@@ -1261,6 +1262,8 @@ def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=N
     if adopt:  # the facade used the running stack and must leave it running
         results["native_stack_survives_shutdown"] = ("ok" if _native_stack_alive()
                                                      else "FAIL: torn down by ud.shutdown()")
+    if every_backend:  # issue #46 item 5: the launcher's own backend ran the suite; now each other one
+        _try_the_other_backends(identity["backend"])
     with open(os.path.join(out, f"{suite}_rank{identity['rank']}.json"), "w") as f:
         json.dump({"identity": identity, "local_rank_variables": launcher_saw, "results": results,
                    "measured": MEASURED}, f)
@@ -1282,6 +1285,8 @@ def main():
                              "PartialState, hvd.init) before the facade, which must use it")
     parser.add_argument("--spawn", type=int, default=0, metavar="N",
                         help="plain python: mp.spawn N workers that each init_process_group(tcp://...)")
+    parser.add_argument("--every-backend", action="store_true",
+                        help="after the suite, ud.init(backend=B) with each other backend B, one at a time")
     parser.add_argument("--then", choices=sorted(CHECKS), metavar="SUITE",
                         help="after the suite's ud.shutdown(), ud.init() again in the same processes and run SUITE")
     args = parser.parse_args()
@@ -1291,9 +1296,52 @@ def main():
         torch.multiprocessing.spawn(_spawned, args=(args.spawn, free_port(), args.suite, args.out, args.then),
                                     nprocs=args.spawn)
     else:
-        run_suite(args.suite, args.out, adopt=args.adopt)
+        run_suite(args.suite, args.out, adopt=args.adopt, every_backend=args.every_backend)
         if args.then:
             run_suite(args.then, args.out)
+
+
+# ----------------------------------------------------------------- issue #46 item 5: a chosen backend joins or refuses
+# ud.init(backend=B) where another stack's launcher started the processes must join them with the true world
+# size, or raise a one-line LaunchError: never each process alone. The launcher's own backend is recorded by
+# the check below while the suite runs; run_suite(every_backend=True) then tries each other backend in turn
+# (ud.shutdown() between them). tests/test_contract_under_launchers.py compares each cell with its table.
+BACKEND_CHOICES = ("torch", "accelerate", "horovod")
+MEASURED["backends"] = {}
+
+
+def _backend_cell():
+    """What this rank's session is: its backend, launcher and world, and an all_reduce of rank + 1."""
+    total = ud.all_reduce(torch.tensor([ud.rank() + 1.0]), "sum").item()
+    return {"backend": ud.backend_name(), "launcher": ud.launcher(), "world_size": ud.world_size(),
+            "rank": ud.rank(), "sum": total}
+
+
+@check("core")
+def the_launchers_own_backend_is_recorded_for_the_backend_table():
+    MEASURED["backends"][ud.backend_name()] = _backend_cell()
+
+
+def _try_the_other_backends(own):
+    """Each backend of :data:`BACKEND_CHOICES` but ``own``: ``ud.init(backend=...)``, the cell, ``ud.shutdown()``;
+    an error from init is recorded as its type and message (every rank detects alike, so none waits)."""
+    from unified_dist.net import free_port
+
+    for backend in BACKEND_CHOICES:
+        if backend == own:
+            continue
+        # one plain process binds torch's store on MASTER_PORT (29500 by default): another test's may hold it
+        port = {"MASTER_PORT": str(free_port())} if own == "single" and "MASTER_PORT" not in os.environ else {}
+        os.environ.update(port)
+        try:
+            ud.init(backend=backend, timeout=30)
+        except Exception as exc:  # noqa: BLE001 (the test asserts the type)
+            MEASURED["backends"][backend] = {"error": type(exc).__name__, "message": str(exc)}
+        else:
+            MEASURED["backends"][backend] = _backend_cell()
+            ud.shutdown()
+        for key in port:
+            del os.environ[key]
 
 
 if __name__ == "__main__":

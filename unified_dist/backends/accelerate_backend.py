@@ -23,6 +23,7 @@ from .process_group import (
     export_rendezvous,
     gather_stacked,
     join_default_group,
+    note_group_joined_elsewhere,
     withdraw_rendezvous,
 )
 
@@ -75,11 +76,12 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
         self._owns_group = not torch.distributed.is_initialized()
         self._owns_state = not PartialState._shared_state
         self._exported: Dict[str, str] = {}
+        joined = False
         if self._owns_group:
             if detection.master_addr is not None:  # srun/mpirun: Accelerate reads torch's env:// variables
                 self._exported = export_rendezvous(detection)
             # A torchrun restart needs a per-attempt store; Accelerate then reuses the joined group.
-            join_default_group(config.timeout, always=False)
+            joined = join_default_group(config.timeout, always=False)
         self.config = config = _running_precision(config)
         with _without_parallelism_config():  # the facade builds the mesh itself, on every device
             self.accelerator = Accelerator(
@@ -96,6 +98,8 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
                                  DistributedDataParallelKwargs(**BUFFER_KWARGS,
                                                               **ddp_kwargs(config.bucket_mb, config.bucket_view))],
             )
+        if self._owns_group and not joined:
+            note_group_joined_elsewhere()  # Accelerate joined it: a re-init must not meet its store keys
         # Accelerate's own FSDP (accelerate launch --use_fsdp) only runs on GPUs: on a CPU it keeps
         # DistributedType.MULTI_CPU and would wrap the model in DDP. The facade shards with torch's
         # fully_shard itself on every device, so the meaning is the same everywhere.

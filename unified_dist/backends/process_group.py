@@ -130,6 +130,13 @@ def attempt_store(timeout: datetime.timedelta, environ=os.environ) -> dist.Store
     return dist.PrefixStore(f"unified_dist/attempt_{restart_count(environ)}/group_{_joins}", store)
 
 
+def note_group_joined_elsewhere() -> None:
+    """Count a default group that Accelerate joined itself (through torch's ``env://``): a later group
+    of this process must then also keep out of the keys it left in torchrun's agent store."""
+    global _joins
+    _joins += 1
+
+
 def join_default_group(timeout: datetime.timedelta, *, always: bool) -> bool:
     """Initialise the default process group (nccl on GPU, gloo on CPU) from the launcher's env.
 

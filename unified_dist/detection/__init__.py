@@ -43,7 +43,7 @@ from typing import Mapping, Optional
 
 from ..registry import NAMES, SPECS
 from ..settings import BACKEND_ENV as ENV_BACKEND, LAUNCHER_ENV as ENV_LAUNCHER, PREFIX
-from . import jobs
+from . import jobs, stacks
 from .jobs import DERIVED_PORTS, derived_port
 from .result import Detection, DetectionError, Live
 
@@ -93,9 +93,24 @@ def _choose(name: str, env: Mapping[str, str], live: Optional[Live], why: str) -
         return Detection("single", "python", f"{why}: one plain process", warnings=issues)
     if found.backend == name or (name in _TORCH_STYLE and found.backend in _TORCH_STYLE):
         return replace(found, backend=name, reason=f"{why} ({found.reason})", problems=(), warnings=issues)
-    # horovod asked for where another launcher runs, a torch-style backend where horovod runs,
-    # or any of them in a plain process
-    return Detection(name, "python", why, warnings=issues)
+    if found.world_size <= 1:  # one process, whatever started it: the chosen backend runs it alone
+        return Detection(name, "python", why, warnings=issues)
+    # another stack's launcher started several processes: join them, or refuse (never a world of one)
+    return (stacks.torch_style_under_horovodrun(env, name, why) if name in _TORCH_STYLE else None) \
+        or _cannot_join(name, found, why)
+
+
+def _cannot_join(name: str, found: Detection, why: str) -> Detection:
+    """``name`` was chosen where another stack's launcher started ``found.world_size`` processes that
+    it cannot join: a problem (``init`` refuses), never a silent world of one."""
+    n = found.world_size
+    fix = (f"launch with `horovodrun -np {n} --gloo python script.py` (add -H host1:slots,... for several hosts)"
+           if name == SPECS["horovod"].name else
+           f"launch with `torchrun --nproc_per_node {n} script.py`")
+    origin = f"{found.backend} already runs them" if found.adopt else f"started by {found.launcher}"
+    return Detection(name, found.launcher, why, world_size=n, rank=found.rank, problems=(
+        f"{why}: {SPECS[name].library} cannot join the {n} processes of this job ({origin}) and would run each "
+        f"one alone; {fix}, or leave the backend unset ({found.backend} joins them)",))
 
 
 def _found(env: Mapping[str, str], live: Optional[Live]) -> Detection:

@@ -42,7 +42,7 @@ def rendezvous(env: Mapping[str, str], launcher: str, one_host: bool, first_host
     if addr and port:
         return addr, port, ()
     hint = ("mpirun -x MASTER_ADDR=<first host> -x MASTER_PORT=29500 ..." if launcher == "mpirun"
-            else "export MASTER_ADDR=<first host> MASTER_PORT=29500 before srun")
+            else f"export MASTER_ADDR=<first host> MASTER_PORT=29500 before {launcher}")
     return None, None, (f"{launcher} started {size} processes on several hosts and the rendezvous is unknown "
                         f"(MASTER_ADDR/MASTER_PORT unset); set them: {hint}",)
 

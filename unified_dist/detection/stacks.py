@@ -4,10 +4,12 @@ horovodrun, accelerate launch, torchrun (each named by its record in :data:`unif
 launcher did not start this process."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Optional, Tuple
 
 from ..registry import SPECS
 from ..settings import LAUNCHER_ENV as ENV_LAUNCHER
+from .jobs import rendezvous
 from .result import Detection, read_int as _int
 
 _TORCH, _ACCELERATE, _HOROVOD = SPECS["torch"], SPECS["accelerate"], SPECS["horovod"]
@@ -31,6 +33,25 @@ def horovodrun(env: Mapping[str, str]) -> Optional[Detection]:
         world_size=_int(env, "HOROVOD_SIZE", 1), rank=_int(env, "HOROVOD_RANK", 0),
         local_rank=_int(env, "HOROVOD_LOCAL_RANK", 0),
     )
+
+
+def torch_style_under_horovodrun(env: Mapping[str, str], backend: str, why: str) -> Optional[Detection]:
+    """``backend`` ("torch" or "accelerate") chosen in processes horovodrun started: they join one
+    torch.distributed group of horovodrun's ranks, with a rendezvous of their own (horovodrun's is
+    Horovod's HTTP store, not torch's): loopback on one host (``HOROVOD_LOCAL_SIZE`` equals
+    ``HOROVOD_SIZE``), else ``MASTER_ADDR``; the port ``MASTER_PORT`` or one derived from horovodrun's
+    rendezvous address and port, the same on every rank and different for each horovodrun job
+    (see :func:`unified_dist.detection.jobs.rendezvous`). ``None`` when horovodrun did not start us."""
+    found = horovodrun(env)
+    if found is None:
+        return None
+    size = found.world_size
+    one_host = _int(env, "HOROVOD_LOCAL_SIZE", 0) == size or _int(env, "HOROVOD_CROSS_SIZE", 0) == 1
+    server = [env.get(k) for k in ("HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_PORT")]
+    job = f"horovodrun:{server[0]}:{server[1]}" if all(server) else None
+    addr, port, problems = rendezvous(env, _HOROVOD.launcher, one_host, None, job, size)
+    return replace(found, backend=backend, reason=f"{why} ({found.reason}; joined through torch.distributed)",
+                   master_addr=addr, master_port=port, problems=problems)
 
 
 def accelerate(env: Mapping[str, str]) -> Optional[Detection]:
