@@ -110,7 +110,8 @@ def start_torch(payload: bytes, nproc: int, backend: str, workdir: str) -> None:
     """torch's and Accelerate's starter: torch.multiprocessing, each worker with torchrun-like variables."""
     import torch.multiprocessing as mp
 
-    env = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
     mp.start_processes(_torch_worker, args=(payload, backend, workdir, env), nprocs=nproc, join=True,
                        start_method="spawn")
 

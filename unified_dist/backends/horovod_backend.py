@@ -21,6 +21,7 @@ from ..errors import (
     first_line,
     peer_lost_message,
 )
+from . import horovod_rendezvous
 from .base import Backend, Config
 
 
@@ -128,6 +129,9 @@ class HorovodBackend(Backend):
                 f"it read its fusion buffer then; set {HOROVOD_VAR}={wanted[HOROVOD_VAR]} before hvd.init(), "
                 "or drop bucket_mb")
         os.environ.update(wanted)
+        self._exported: dict = {}
+        if detection.master_addr is not None:  # another launcher's processes: Horovod meets them by itself
+            self._exported = horovod_rendezvous.join(detection, config.timeout)
         self.hvd.init()
         if torch.cuda.is_available():
             torch.cuda.set_device(self.device)
@@ -147,6 +151,7 @@ class HorovodBackend(Backend):
     def shutdown(self) -> None:
         if self._owns_horovod:
             self.hvd.shutdown()
+        horovod_rendezvous.withdraw(self._exported)
 
     @property
     def elastic(self) -> bool:

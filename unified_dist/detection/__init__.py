@@ -96,8 +96,9 @@ def _choose(name: str, env: Mapping[str, str], live: Optional[Live], why: str) -
     if found.world_size <= 1:  # one process, whatever started it: the chosen backend runs it alone
         return Detection(name, "python", why, warnings=issues)
     # another stack's launcher started several processes: join them, or refuse (never a world of one)
-    return (stacks.torch_style_under_horovodrun(env, name, why) if name in _TORCH_STYLE else None) \
-        or _cannot_join(name, found, why)
+    joined = (stacks.torch_style_under_horovodrun(env, name, why) if name in _TORCH_STYLE
+              else stacks.horovod_over(env, found, why))
+    return joined or _cannot_join(name, found, why)
 
 
 def _cannot_join(name: str, found: Detection, why: str) -> Detection:

@@ -9,7 +9,7 @@ from typing import Mapping, Optional, Tuple
 
 from ..registry import SPECS
 from ..settings import LAUNCHER_ENV as ENV_LAUNCHER
-from .jobs import rendezvous
+from .jobs import derived_port, rendezvous
 from .result import Detection, read_int as _int
 
 _TORCH, _ACCELERATE, _HOROVOD = SPECS["torch"], SPECS["accelerate"], SPECS["horovod"]
@@ -52,6 +52,29 @@ def torch_style_under_horovodrun(env: Mapping[str, str], backend: str, why: str)
     addr, port, problems = rendezvous(env, _HOROVOD.launcher, one_host, None, job, size)
     return replace(found, backend=backend, reason=f"{why} ({found.reason}; joined through torch.distributed)",
                    master_addr=addr, master_port=port, problems=problems)
+
+
+def horovod_over(env: Mapping[str, str], found: Detection, why: str) -> Optional[Detection]:
+    """``horovod`` chosen where a torch-style launcher (torchrun, accelerate launch, srun, mpirun,
+    ``ud.launch``) started ``found``'s processes: on one host they join, rank 0 running Horovod's
+    rendezvous server (:mod:`unified_dist.backends.horovod_rendezvous`); ``master_addr``/``master_port``
+    name the torch store that tells the others its port: torchrun's agent store where there is one,
+    else one rank 0 holds on a port derived from the launcher's rendezvous. ``None`` (``init`` refuses)
+    for a running group, or processes on several hosts."""
+    if found.backend not in (_TORCH.name, _ACCELERATE.name) or found.adopt:
+        return None
+    size = found.world_size
+    local_sizes = [_int(env, k, 0) for k in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                             "MV2_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")]
+    if size not in local_sizes and env.get("SLURM_STEP_NUM_NODES") != "1":
+        return None
+    addr, port = env.get("MASTER_ADDR") or found.master_addr, _int(env, "MASTER_PORT", 0) or found.master_port
+    if not (addr and port):
+        return None
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        port = derived_port(f"horovod:{addr}:{port}")  # a store of our own, away from torch's group's port
+    return replace(found, backend=_HOROVOD.name, reason=f"{why} ({found.reason}; joined through Horovod's rendezvous)",
+                   master_addr=addr, master_port=port, problems=())
 
 
 def accelerate(env: Mapping[str, str]) -> Optional[Detection]:
