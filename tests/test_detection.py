@@ -203,3 +203,83 @@ def test_derived_port_is_the_documented_formula_below_the_ephemeral_range():
     port = detect(SRUN).master_port
     assert port == 15000 + zlib.crc32(b"slurm:4242.0") % 10000
     assert 15000 <= port < 25000 < 32768
+
+
+# Issue #46 item 5: a backend chosen where another stack's launcher started several processes joins them
+# (docs/launchers.md, "Choosing a backend the launcher did not start"), or is a one-line problem: never a
+# world of one. Real launches of every pair: tests/test_contract_under_launchers.py (BACKEND_TABLE).
+HOROVODRUN_ONE_HOST = dict(HOROVODRUN, HOROVOD_LOCAL_SIZE="4", HOROVOD_CROSS_SIZE="1",
+                           HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1", HOROVOD_GLOO_RENDEZVOUS_PORT="4916")
+HOROVODRUN_TWO_HOSTS = dict(HOROVODRUN_ONE_HOST, HOROVOD_LOCAL_SIZE="2", HOROVOD_CROSS_SIZE="2")
+TORCHRUN_ONE_HOST = dict(TORCHRUN, LOCAL_WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True")
+MULTI_PROCESS = {"torchrun": TORCHRUN_ONE_HOST, "torchrun on 2 hosts": dict(TORCHRUN, LOCAL_WORLD_SIZE="1"),
+                 "accelerate": dict(ACCELERATE, LOCAL_WORLD_SIZE="2"), "horovodrun": HOROVODRUN_ONE_HOST,
+                 "horovodrun on 2 hosts": HOROVODRUN_TWO_HOSTS, "srun": SRUN_ONE_NODE, "srun on 2 nodes": SRUN,
+                 "mpirun": OPENMPI, "mpiexec": MPICH, "mvapich": MVAPICH}
+
+
+@pytest.mark.parametrize("launch", sorted(MULTI_PROCESS))
+@pytest.mark.parametrize("backend", ["torch", "accelerate", "horovod"])
+@pytest.mark.parametrize("how", ["init", "variable"])
+def test_a_chosen_backend_joins_every_launched_process_or_is_a_problem(launch, backend, how):
+    env = MULTI_PROCESS[launch]
+    launched = detect(env)
+    got = detect(env, backend) if how == "init" else detect(dict(env, UNIFIED_DIST_BACKEND=backend))
+    assert got.backend == backend
+    if not got.problems:
+        assert (got.world_size, got.rank, got.launcher) == (launched.world_size, launched.rank, launched.launcher)
+    else:
+        assert len(got.problems) == 1 and "\n" not in got.problems[0], got.problems
+
+
+@pytest.mark.parametrize("backend", ["torch", "accelerate"])
+def test_torch_style_backends_under_horovodrun_join_its_ranks_through_a_torch_group(backend):
+    got = detect(HOROVODRUN_ONE_HOST, backend)
+    assert (got.backend, got.launcher, got.world_size, got.rank, got.local_rank, got.problems) == \
+        (backend, "horovodrun", 4, 1, 1, ())
+    assert (got.master_addr, got.master_port) == ("127.0.0.1", derived_port("horovodrun:127.0.0.1:4916"))
+    assert detect(dict(HOROVODRUN_ONE_HOST, HOROVOD_RANK="0"), backend).master_port == got.master_port  # every rank
+    other_job = dict(HOROVODRUN_ONE_HOST, HOROVOD_GLOO_RENDEZVOUS_PORT="4917")
+    assert detect(other_job, backend).master_port != got.master_port
+    assert detect(HOROVODRUN_TWO_HOSTS, backend).problems == (
+        "horovodrun started 4 processes on several hosts and the rendezvous is unknown (MASTER_ADDR/MASTER_PORT "
+        "unset); set them: export MASTER_ADDR=<first host> MASTER_PORT=29500 before horovodrun",)
+    ok = detect(dict(HOROVODRUN_TWO_HOSTS, MASTER_ADDR="192.0.2.1"), backend)
+    assert (ok.master_addr, ok.problems) == ("192.0.2.1", ())
+
+
+@pytest.mark.parametrize("env,launcher,port", [
+    (TORCHRUN_ONE_HOST, "torchrun", 29500),  # torchrun's agent store tells the others the server's port
+    (dict(ACCELERATE, LOCAL_WORLD_SIZE="2", TORCHELASTIC_USE_AGENT_STORE="True"), "accelerate", 29500),
+    (SRUN_ONE_NODE, "srun", derived_port(f"horovod:127.0.0.1:{derived_port('slurm:4242.0')}")),  # a store of its own
+    (OPENMPI, "mpirun", derived_port(f"horovod:127.0.0.1:{derived_port('mpi:1632960513')}")),
+])
+def test_horovod_under_a_torch_style_launcher_on_one_host_joins(env, launcher, port):
+    launched, got = detect(env), detect(env, "horovod")
+    assert (got.backend, got.launcher, got.world_size, got.rank, got.problems) == \
+        ("horovod", launcher, launched.world_size, launched.rank, ())
+    assert got.master_port == port and got.master_port != launched.master_port
+
+
+@pytest.mark.parametrize("env,live,origin", [
+    (dict(TORCHRUN, LOCAL_WORLD_SIZE="1"), None, "started by torchrun"),
+    (SRUN, None, "started by srun"),
+    (dict(OPENMPI, OMPI_COMM_WORLD_LOCAL_SIZE="1", MASTER_ADDR="192.0.2.1"), None, "started by mpirun"),
+    ({}, SPAWNED_TCP, "torch already runs them"),
+])
+def test_horovod_where_it_cannot_join_is_one_line_naming_horovodrun(env, live, origin):
+    got = detect(env, "horovod", live)
+    n = got.world_size
+    assert n > 1 and got.problems == (
+        f"init(backend='horovod'): horovod cannot join the {n} processes of this job ({origin}) and would run each "
+        "one alone; it joins another launcher's processes only on one host and before any group runs; launch with "
+        f"`horovodrun -np {n} -H host1:slots,host2:slots --gloo python script.py`, or leave the backend unset "
+        "(torch joins them)",)
+
+
+def test_a_torch_style_backend_beside_a_running_horovod_without_horovodrun_is_a_problem():
+    got = detect({}, "torch", Live("horovod", 2, 1, 1))
+    assert got.problems == (
+        "init(backend='torch'): torch cannot join the 2 processes of this job (horovod already runs them) and would "
+        "run each one alone; launch with `torchrun --nproc_per_node 2 script.py`, or leave the backend unset "
+        "(horovod joins them)",)

@@ -105,9 +105,9 @@ def _cannot_join(name: str, found: Detection, why: str) -> Detection:
     """``name`` was chosen where another stack's launcher started ``found.world_size`` processes that
     it cannot join: a problem (``init`` refuses), never a silent world of one."""
     n = found.world_size
-    fix = (f"launch with `horovodrun -np {n} --gloo python script.py` (add -H host1:slots,... for several hosts)"
-           if name == SPECS["horovod"].name else
-           f"launch with `torchrun --nproc_per_node {n} script.py`")
+    fix = (f"it joins another launcher's processes only on one host and before any group runs; launch with "
+           f"`horovodrun -np {n} -H host1:slots,host2:slots --gloo python script.py`"
+           if name == SPECS["horovod"].name else f"launch with `torchrun --nproc_per_node {n} script.py`")
     origin = f"{found.backend} already runs them" if found.adopt else f"started by {found.launcher}"
     return Detection(name, found.launcher, why, world_size=n, rank=found.rank, problems=(
         f"{why}: {SPECS[name].library} cannot join the {n} processes of this job ({origin}) and would run each "
