@@ -1,6 +1,7 @@
 """Checks of the facade's contract, run inside every rank under a real launcher.
 
     <launcher> tests/workers/contract_worker.py --suite core|accum|bf16|fsdp|syncbn --out DIR [--adopt] [--then SUITE]
+        [--every-backend]
     python tests/workers/contract_worker.py --suite core --out DIR --spawn 2 [--then SUITE]
 
 The ``core`` suite is the library's own contract list (:data:`unified_dist.cli.contract.CHECKS`,

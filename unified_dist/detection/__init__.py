@@ -31,6 +31,11 @@ Order (first match wins), and why:
     launch that this process cannot join (a SLURM batch script with several tasks but no
     ``srun``, half-set torchrun variables) are ``problems``: ``init`` refuses with the command.
 
+A backend chosen in 1-2 that is not the launcher's own joins the launcher's processes where it can
+(torch or Accelerate under horovodrun: a torch group of horovodrun's ranks; Horovod under a torch-style
+launcher on one host: rank 0 runs Horovod's rendezvous) and is otherwise a ``problem``: never a silent
+world of one (:func:`_cannot_join`).
+
 srun and mpirun give torch-style backends (``torch`` by default, ``accelerate`` when asked for)
 a rendezvous address and port (``master_addr``/``master_port``); see :mod:`unified_dist.detection.jobs`.
 The sources of 4-6 live in :mod:`unified_dist.detection.stacks`, each named by its stack's record
