@@ -283,3 +283,8 @@ def test_a_torch_style_backend_beside_a_running_horovod_without_horovodrun_is_a_
         "init(backend='torch'): torch cannot join the 2 processes of this job (horovod already runs them) and would "
         "run each one alone; launch with `torchrun --nproc_per_node 2 script.py`, or leave the backend unset "
         "(horovod joins them)",)
+
+
+def test_horovod_over_a_launch_with_a_problem_keeps_the_problem():
+    got = detect(dict(OPENMPI, OMPI_COMM_WORLD_LOCAL_RANK=""), "horovod")
+    assert len(got.problems) == 1 and "no local rank" in got.problems[0]

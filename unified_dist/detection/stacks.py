@@ -74,7 +74,7 @@ def horovod_over(env: Mapping[str, str], found: Detection, why: str) -> Optional
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         port = derived_port(f"horovod:{addr}:{port}")  # a store of our own, away from torch's group's port
     return replace(found, backend=_HOROVOD.name, reason=f"{why} ({found.reason}; joined through Horovod's rendezvous)",
-                   master_addr=addr, master_port=port, problems=())
+                   master_addr=addr, master_port=port)  # the launcher's problems stay problems
 
 
 def accelerate(env: Mapping[str, str]) -> Optional[Detection]:
