@@ -114,6 +114,7 @@ def test_a_peek_does_not_move_the_epoch_order():
     assert loader.state_dict() == before and loader.epoch == 0
     kept = iter(loader)
     next(kept)
+    assert loader.state_dict() == before  # also while the peek's iterator is still open
     epochs = [sum((b[0].tolist() for b in loader), []) for _ in range(2)]
     next(iter(loader))  # a peek between epochs
     epochs.append(sum((b[0].tolist() for b in loader), []))

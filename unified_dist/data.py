@@ -260,6 +260,14 @@ class Epochs:
         self._in_pass, self._open, self._peeks = False, None, 0
         self._next_epoch, self._resume = epoch, resume
 
+    def _position(self) -> Tuple[bool, int, Any]:
+        """For ``state_dict``: whether the open pass counts (it is no peek), and else the epoch and the resume
+        point the next pass starts from -- an open peek reads as if it never happened."""
+        record = self._open
+        if self._in_pass and record is not None and record.peek:
+            return False, record.epoch, record.resume
+        return self._in_pass, self._next_epoch, self._resume
+
     @property
     def epoch(self) -> int:
         """The epoch being iterated, or the one the next iteration starts."""
@@ -358,10 +366,11 @@ class PreparedDataLoader(Epochs):
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, int]:
         """Where the data stream stands: the epoch and the global samples consumed in it."""
-        if self._in_pass:
+        counted, epoch, resume = self._position()
+        if counted:
             epoch, consumed = self._epoch, self._consumed
         else:  # between passes: where the next one starts (mid-epoch after a load_state_dict)
-            epoch, consumed = self._next_epoch, self._resume or 0
+            consumed = resume or 0
         return {"epoch": epoch, "samples_consumed": consumed, "num_samples": self._num_samples,
                 "seed": self.seed}
 

@@ -453,11 +453,12 @@ class PreparedStreamLoader(Epochs):
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, Any]:
         """Where the stream stands: the epoch and the examples consumed in it (per rank when split)."""
-        if self._in_pass:
+        counted, epoch, resume = self._position()
+        if counted:
             return {"epoch": self._epoch, "seed": self.seed, "stream": dict(self._state)}
-        if self._resume is not None:
-            return {"epoch": self._next_epoch, "seed": self.seed, "stream": dict(self._resume)}
-        return {"epoch": self._next_epoch, "seed": self.seed, "stream": {"mode": "whole", "consumed": 0}}
+        if resume is not None:
+            return {"epoch": epoch, "seed": self.seed, "stream": dict(resume)}
+        return {"epoch": epoch, "seed": self.seed, "stream": {"mode": "whole", "consumed": 0}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Make the next iteration continue where ``state`` was taken."""
