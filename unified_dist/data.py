@@ -212,8 +212,8 @@ class Epochs:
         return record.resume
 
     def _pass(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """``batches`` moved to the device, with this loader current meanwhile; the pass ends (``epoch``
-        moves on) only when all are out, so a pass left midway is resumed by ``state_dict``."""
+        """``batches`` moved to the device, with this loader current meanwhile, counted in the pass's record;
+        a pass left midway is settled by the epoch rule (the class doc)."""
         record = self._open
         self._stack.push(self)  # type: ignore[arg-type]
         completed = False
