@@ -90,3 +90,120 @@ def test_state_taken_after_the_last_batch_resumes_at_the_next_epoch():
     assert state == {"epoch": 0, "samples_consumed": 8, "num_samples": 8, "seed": 0}
     loader.load_state_dict(state)
     assert loader.epoch == 1 and len(list(loader)) == 2
+
+
+# ---------------------------------------------------------------------- peeks and abandoned passes (issue #46 item 6)
+def shuffled(n=10, batch_size=4, seed=5):
+    stack = LoaderStack()
+    ds = torch.utils.data.TensorDataset(torch.arange(n))
+    return PreparedDataLoader(torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True), lambda: (0, 1),
+                              torch.device("cpu"), seed, stack), stack
+
+
+def permutation(n, seed):
+    """One process's order of an epoch seeded ``seed``: torch's permutation, computed without the loader."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_peek_does_not_move_the_epoch_order():
+    """docs/data-order.md: `next(iter(loader))` (also with the iterator kept, as torch's CIFAR tutorial does) gives
+    its epoch back: every later epoch has the order it has without the peek, and state_dict is unchanged."""
+    loader, _ = shuffled()
+    before = loader.state_dict()
+    assert next(iter(loader))[0].tolist() == permutation(10, 5)[:4]
+    assert loader.state_dict() == before and loader.epoch == 0
+    kept = iter(loader)
+    next(kept)
+    assert loader.state_dict() == before  # also while the peek's iterator is still open
+    epochs = [sum((b[0].tolist() for b in loader), []) for _ in range(2)]
+    next(iter(loader))  # a peek between epochs
+    epochs.append(sum((b[0].tolist() for b in loader), []))
+    assert epochs == [permutation(10, 5 + e) for e in range(3)]
+    del kept  # the forgotten peek, closed late, must not disturb the loader
+    assert loader.state_dict()["epoch"] == 3 and loader.batch_info is None
+
+
+def test_a_peek_after_a_mid_epoch_load_keeps_the_resume_point():
+    loader, _ = shuffled(n=12, batch_size=2)
+    loader.load_state_dict({"epoch": 1, "samples_consumed": 4, "num_samples": 12, "seed": 5})
+    next(iter(loader))
+    assert loader.state_dict()["samples_consumed"] == 4
+    assert sum((b[0].tolist() for b in loader), []) == permutation(12, 6)[4:]
+
+
+def test_a_pass_left_after_a_training_step_or_a_second_batch_uses_its_epoch():
+    """`for epoch ...: for batch in loader: train; break` sees a new shuffle every epoch (no batch repeated
+    forever), and state_dict keeps where the left pass stopped (a mid-epoch checkpoint resumes there)."""
+    loader, stack = shuffled()
+    firsts = []
+    for _ in range(3):
+        for (idx,) in loader:
+            stack.note_training()  # what ud.backward and a prepared optimizer's step do
+            firsts.append(idx.tolist())
+            break
+        assert loader.state_dict()["samples_consumed"] == 4
+    assert firsts == [permutation(10, 5 + e)[:4] for e in range(3)]
+    for k, _ in enumerate(loader):  # two batches out, nothing trained: no peek either
+        if k == 1:
+            break
+    assert loader.state_dict() == {"epoch": 3, "samples_consumed": 8, "num_samples": 10, "seed": 5}
+    assert [b[0].tolist() for b in loader] == [permutation(10, 9)[i:i + 4] for i in (0, 4, 8)]
+
+
+def test_passes_that_all_look_like_peeks_warn_once():
+    loader, _ = shuffled()
+    with pytest.warns(UserWarning, match="started epoch 0 again 3 times in a row"):
+        for _ in range(5):
+            for _ in loader:
+                break
+    assert loader.epoch == 0
+
+
+def test_an_early_break_after_ud_backward_or_optimizer_step_reshuffles():
+    """The real training calls mark the pass: ud.backward, and a prepared optimizer's step after loss.backward()."""
+    import unified_dist as ud
+    ud.shutdown()
+    ud.init(backend="single")
+    try:
+        model = torch.nn.Linear(1, 1)
+        model, opt, loader = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(torch.arange(12.0)), batch_size=4, shuffle=True))
+        firsts = []
+        for epoch in range(4):
+            for (x,) in loader:
+                loss = model(x.reshape(-1, 1)).mean()
+                ud.backward(loss) if epoch % 2 else loss.backward()
+                opt.step()
+                opt.zero_grad()
+                firsts.append(x.long().tolist())
+                break
+        assert firsts == [permutation(12, loader.seed + e)[:4] for e in range(4)]
+    finally:
+        ud.shutdown()
+
+
+def test_a_stream_peek_does_not_move_the_epoch_order():
+    """The same rule for a prepared stream: a peek's epoch is given back, a trained-on break is not."""
+    from unified_dist.streams import PreparedStreamLoader, stream
+
+    class Rows(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(20))
+
+    def prepared():
+        stack = LoaderStack()
+        return PreparedStreamLoader(torch.utils.data.DataLoader(stream(Rows(), shuffle_buffer=6), batch_size=4),
+                                    lambda: (0, 1), torch.device("cpu"), 3, stack, lambda v: [v], 1), stack
+
+    plain, _ = prepared()
+    expected = [sum((b.tolist() for b in plain), []) for _ in range(4)]
+    assert expected[0] != expected[1] and sorted(expected[0]) == list(range(20))
+    peeked, stack = prepared()
+    assert next(iter(peeked)).tolist() == expected[0][:4]
+    assert [sum((b.tolist() for b in peeked), []) for _ in range(2)] == expected[:2]
+    for batch in peeked:
+        stack.note_training()
+        assert batch.tolist() == expected[2][:4]
+        break
+    assert peeked.state_dict()["stream"]["consumed"] == 4 and peeked.epoch == 2
+    assert sum((b.tolist() for b in peeked), []) == expected[3]

@@ -25,6 +25,7 @@ another world size as long as the global batch is the same.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -128,6 +129,12 @@ class LoaderStack:
     def current(self) -> Optional["PreparedDataLoader"]:
         return self._active[-1] if self._active else None
 
+    def note_training(self) -> None:
+        """A training step ran (``ud.backward``, a prepared optimizer's step): the current loader's pass has
+        been trained on, so it is no peek (see :class:`Epochs`)."""
+        if self._active:
+            self._active[-1].note_training()
+
 
 def _move(batch: Any, device: torch.device) -> Any:
     """``batch`` with every tensor, and every leaf with a ``.to`` (``BatchEncoding``), on ``device``."""
@@ -151,32 +158,115 @@ def worker_options(loader: DataLoader, seed: int) -> Dict[str, Any]:
     return options
 
 
+PEEKS_BEFORE_WARNING = 3
+"""Peeks given back in a row, of the same epoch, after which a loader warns (once) that its passes look
+like peeks: a loop that trains on one batch per pass without ``ud.backward`` would repeat that batch."""
+
+
+@dataclass
+class PassRecord:
+    """One pass over a prepared loader: what it started from and what it used (see :class:`Epochs`)."""
+
+    epoch: int
+    resume: Any  # where in its epoch it started (the loader's resume point; None: the epoch's start)
+    handed: int = 0  # batches handed out
+    trained: bool = False  # a training step ran while this loader was the current one
+
+    @property
+    def peek(self) -> bool:
+        """Whether, abandoned now, the pass is a peek: at most one batch out and nothing trained on it."""
+        return self.handed <= 1 and not self.trained
+
+
 class Epochs:
-    """What every prepared loader does around a pass: counting epochs (each pass starts the next one unless
-    told otherwise) and being the current loader of its :class:`LoaderStack` while the pass runs."""
+    """What every prepared loader does around a pass: counting epochs and being the current loader of its
+    :class:`LoaderStack` while the pass runs.
+
+    The epoch rule (docs/data-order.md, "Peeks and abandoned passes"). Each pass starts the next epoch,
+    except after a *peek*: a pass abandoned after handing out at most one batch, with no training step
+    (``ud.backward``, a prepared optimizer's ``step``) while this loader was the current one --
+    ``next(iter(loader))``. A peek gives its epoch back: the next pass starts that epoch again, at the
+    point the peek started from, and ``state_dict`` reads as if the peek never happened. Any other pass
+    abandoned midway (a ``break`` after a training step or a second batch) used its epoch: the next pass
+    starts the next epoch, with its own order, and ``state_dict`` holds where the abandoned pass stopped
+    (a mid-epoch checkpoint resumes there). ``set_epoch`` and ``load_state_dict`` override both.
+    """
 
     _epoch = 0  # the epoch being iterated (while _in_pass)
     _next_epoch = 0  # the epoch the next pass starts
+    _resume: Any = None  # where the next pass starts within its epoch (the subclass's form; None: its start)
     _in_pass = False
+    _open: Optional[PassRecord] = None  # the latest pass, until it ends or the epoch is set
+    _peeks = 0  # peeks given back in a row
     _stack: LoaderStack
     device: torch.device
     batch_info: Optional[BatchInfo]
 
+    def _begin_pass(self) -> Any:
+        """Start a pass (a previous one still open is settled first: an iterator kept after a peek); returns
+        the resume point it starts from, and the next pass then starts the next epoch."""
+        self._give_back_a_peek()
+        record = PassRecord(self._next_epoch, self._resume)
+        self._open, self._in_pass = record, True
+        self._epoch, self._next_epoch, self._resume = record.epoch, record.epoch + 1, None
+        return record.resume
+
     def _pass(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """``batches`` moved to the device, with this loader current meanwhile; the pass ends (``epoch``
-        moves on) only when all are out, so a pass left midway is resumed by ``state_dict``."""
-        self._in_pass = True
+        """``batches`` moved to the device, with this loader current meanwhile, counted in the pass's record;
+        a pass left midway is settled by the epoch rule (the class doc)."""
+        record = self._open
         self._stack.push(self)  # type: ignore[arg-type]
         completed = False
         try:
             for batch in batches:
+                record.handed += 1
                 yield _move(batch, self.device)
             completed = True
         finally:
             self._stack.remove(self)  # type: ignore[arg-type]
-            self.batch_info = None
-            if completed:
-                self._in_pass = False
+            if record is self._open:  # not overtaken by a later pass, set_epoch or load_state_dict
+                self.batch_info = None
+                if completed:
+                    self._in_pass, self._open, self._peeks = False, None, 0
+                else:
+                    self._give_back_a_peek()
+
+    def _give_back_a_peek(self) -> None:
+        """If the open pass was abandoned as a peek, make the next pass start where it started."""
+        record = self._open
+        if record is None:
+            return
+        if not record.peek:
+            self._peeks = 0
+            return
+        self._open, self._in_pass = None, False
+        self._next_epoch, self._resume = record.epoch, record.resume
+        self._peeks += 1
+        if self._peeks == PEEKS_BEFORE_WARNING:
+            warnings.warn(
+                f"unified_dist: a prepared loader started epoch {record.epoch} again {self._peeks} times in a row: "
+                "each pass stopped after its first batch with no ud.backward() or prepared optimizer.step() on it, "
+                "which makes it a peek (like next(iter(loader))) that does not use up the epoch; if you train on one "
+                "batch per pass, call ud.backward(loss), or loader.set_epoch(epoch) before each pass", UserWarning,
+                stacklevel=4)
+
+    def note_training(self) -> None:
+        """A training step ran on this loader's batch: its open pass is no peek (see the class doc)."""
+        if self._open is not None:
+            self._open.trained = True
+
+    def _restart_at(self, epoch: int, resume: Any) -> None:
+        """Make the next pass start ``epoch`` at ``resume`` (None: its start), whatever pass is open."""
+        self._in_pass, self._open, self._peeks = False, None, 0
+        self._next_epoch, self._resume = epoch, resume
+
+    def _position(self) -> Tuple[bool, int, Any]:
+        """For ``state_dict``: whether the open pass counts (it is no peek), and else the epoch and the resume
+        point the next pass starts from -- an open peek reads as if it never happened."""
+        record = self._open
+        if self._in_pass and record is not None and record.peek:
+            return False, record.epoch, record.resume
+        return self._in_pass, self._next_epoch, self._resume
 
     @property
     def epoch(self) -> int:
@@ -184,15 +274,17 @@ class Epochs:
         return self._epoch if self._in_pass else self._next_epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration epoch ``epoch`` (only needed to jump; iterating advances it)."""
-        self._next_epoch = epoch
+        """Make the next iteration epoch ``epoch`` (only needed to jump; iterating advances it). A resume
+        point loaded by ``load_state_dict`` is kept."""
+        self._next_epoch, self._open, self._peeks = epoch, None, 0
 
 
 class PreparedDataLoader(Epochs):
     """A ``DataLoader`` sharded across ranks (see the module docstring for the layout).
 
     Iterating it again starts the next epoch (with a new order when shuffling); no
-    ``set_epoch`` call is needed. Batches arrive on the backend's device.
+    ``set_epoch`` call is needed, and a peek (``next(iter(loader))``) does not use up an epoch (see
+    :class:`Epochs`). Batches arrive on the backend's device.
     ``state_dict``/``load_state_dict`` resume mid-epoch, counted in global samples.
     """
 
@@ -224,7 +316,7 @@ class PreparedDataLoader(Epochs):
         self._loader = DataLoader(self.dataset, batch_sampler=self.batch_sampler, collate_fn=loader.collate_fn,
                                   persistent_workers=loader.persistent_workers, **worker_options(loader, seed))
         self._next_epoch = 0
-        self._resume_from = 0
+        self._resume: Optional[int] = None
         self._epoch = 0
         self._consumed = 0
         self._in_pass = False
@@ -254,8 +346,7 @@ class PreparedDataLoader(Epochs):
     def __iter__(self) -> Iterator[Any]:
         # read at every pass: an elastic job (horovodrun --min-np) may have changed size
         self.batch_sampler.rank, self.batch_sampler.world_size = self._topology()
-        self._epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
-        start, self._resume_from = self._resume_from, 0
+        start = self._begin_pass() or 0
         self.batch_sampler.epoch, self.batch_sampler.start = self._epoch, start
         sizes = plan_global_batches(self._num_samples, self.batch_sampler.global_batch, start,
                                     self.batch_sampler.drop_last)
@@ -275,10 +366,11 @@ class PreparedDataLoader(Epochs):
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, int]:
         """Where the data stream stands: the epoch and the global samples consumed in it."""
-        if self._in_pass:
+        counted, epoch, resume = self._position()
+        if counted:
             epoch, consumed = self._epoch, self._consumed
         else:  # between passes: where the next one starts (mid-epoch after a load_state_dict)
-            epoch, consumed = self._next_epoch, self._resume_from
+            consumed = resume or 0
         return {"epoch": epoch, "samples_consumed": consumed, "num_samples": self._num_samples,
                 "seed": self.seed}
 
@@ -293,9 +385,8 @@ class PreparedDataLoader(Epochs):
                 f"loader state is for a dataset of {state['num_samples']} samples, this one has "
                 f"{self._num_samples}; resume with the same data")
         self.seed = int(state.get("seed", self.seed))
-        self._in_pass = False
-        self._next_epoch = int(state["epoch"])
-        self._resume_from = int(state["samples_consumed"])
-        if not plan_global_batches(self._num_samples, self.batch_sampler.global_batch,
-                                   self._resume_from, self.batch_sampler.drop_last):
-            self._next_epoch, self._resume_from = self._next_epoch + 1, 0  # that epoch was finished
+        epoch, consumed = int(state["epoch"]), int(state["samples_consumed"])
+        if not plan_global_batches(self._num_samples, self.batch_sampler.global_batch, consumed,
+                                   self.batch_sampler.drop_last):
+            epoch, consumed = epoch + 1, 0  # that epoch was finished
+        self._restart_at(epoch, consumed)

@@ -157,6 +157,7 @@ class Session:
             raise UnifiedDistError(f"backward() expects the loss tensor, got {type(loss).__name__}")
         self.sync.check_backward_context()
         self.sync.backward_calls += 1
+        self.loaders.note_training()  # the current loader's pass is no peek (unified_dist.data.Epochs)
         self._backward_seen = True
         if self.backend.config.check_finite:
             finite = torch.isfinite(loss.detach()).all()

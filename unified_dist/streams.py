@@ -354,8 +354,7 @@ class PreparedStreamLoader(Epochs):
     def __iter__(self) -> Iterator[Any]:
         rank, world = self._topology()
         split = choose_split(self.dataset, self.options.split, world)
-        self._epoch, self._next_epoch = self._next_epoch, self._next_epoch + 1
-        resume, self._resume = self._resume, None
+        resume = self._begin_pass()
         plan = _Pass(epoch=self._epoch, seed=self.seed, rank=rank, world_size=world, split=split)
         if split:
             consumed = self._resumed_split(resume, world)
@@ -454,11 +453,12 @@ class PreparedStreamLoader(Epochs):
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, Any]:
         """Where the stream stands: the epoch and the examples consumed in it (per rank when split)."""
-        if self._in_pass:
+        counted, epoch, resume = self._position()
+        if counted:
             return {"epoch": self._epoch, "seed": self.seed, "stream": dict(self._state)}
-        if self._resume is not None:
-            return {"epoch": self._next_epoch, "seed": self.seed, "stream": dict(self._resume)}
-        return {"epoch": self._next_epoch, "seed": self.seed, "stream": {"mode": "whole", "consumed": 0}}
+        if resume is not None:
+            return {"epoch": epoch, "seed": self.seed, "stream": dict(resume)}
+        return {"epoch": epoch, "seed": self.seed, "stream": {"mode": "whole", "consumed": 0}}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Make the next iteration continue where ``state`` was taken."""
@@ -467,9 +467,7 @@ class PreparedStreamLoader(Epochs):
                 "this loader state was saved by a map-style loader; a prepared stream resumes only from a stream "
                 "loader's state_dict()")
         self.seed = int(state.get("seed", self.seed))
-        self._in_pass = False
-        self._next_epoch = int(state["epoch"])
-        self._resume = dict(state["stream"])
+        self._restart_at(int(state["epoch"]), dict(state["stream"]))
 
     def _resumed_whole(self, resume: Optional[Dict[str, Any]]) -> int:
         if resume is None:

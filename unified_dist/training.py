@@ -170,6 +170,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Step only if this micro-step synchronised gradients; returns ``None`` otherwise."""
+        self._sync.loaders.note_training()  # the current loader's pass is no peek (unified_dist.data.Epochs)
         if not self._sync.sync_gradients:
             return None
         if closure is None:

@@ -1345,5 +1345,67 @@ def _try_the_other_backends(own):
             del os.environ[key]
 
 
+# ------------------------------------------------------- issue #46 item 6: a peek does not move the data order
+class _Rows(torch.utils.data.IterableDataset):
+    """The rows 0..n-1 as a stream, the same on every rank."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def _global_pass(loader, rows=lambda batch: batch[0]):
+    """One pass's global order: each step's rows of every rank, in rank order (padding dropped)."""
+    return [i for batch in loader for i in ud.gather_for_metrics(rows(batch)).tolist()]
+
+
+@check("core")
+def a_peek_keeps_the_epoch_order_and_a_break_after_training_reshuffles():
+    n, b, w = 14, 2, ud.data_parallel_world_size()
+    ds = torch.utils.data.TensorDataset(torch.arange(n))
+
+    def shuffled(prepare=True):
+        loader = torch.utils.data.DataLoader(ds, batch_size=b, shuffle=True)
+        return ud.prepare(loader) if prepare else loader
+
+    plain = [_global_pass(loader) for loader in [shuffled()] for _ in range(2)]
+    peeked = shuffled()
+    peek = next(iter(peeked))[0].tolist()
+    kept = iter(peeked)  # an iterator kept after a peek (torch's CIFAR tutorial does this)
+    next(kept)
+    after_peeks = peeked.state_dict()
+    with_peeks = [_global_pass(peeked) for _ in range(2)]
+    del kept
+    model = torch.nn.Linear(1, 1)
+    model, opt, breaking = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), shuffled(False))
+    firsts = []
+    for _ in range(3):  # one training step per epoch, then break: a new shuffle every epoch
+        for (idx,) in breaking:
+            ud.backward(model(idx.float().reshape(-1, 1)).mean())
+            opt.step()
+            opt.zero_grad()
+            firsts.append(ud.gather_for_metrics(idx).tolist())
+            break
+    after_break = breaking.state_dict()
+    streams = [ud.prepare(torch.utils.data.DataLoader(ud.stream(_Rows(n), shuffle_buffer=5), batch_size=b))
+               for _ in range(2)]
+    stream_plain = [_global_pass(streams[0], rows=lambda batch: batch) for _ in range(2)]
+    next(iter(streams[1]))
+    stream_peeked = [_global_pass(streams[1], rows=lambda batch: batch) for _ in range(2)]
+    # physics: the global order is one process's permutation of seed + epoch (seed 0) at any world size
+    one_process = [torch.randperm(n, generator=torch.Generator().manual_seed(e)).tolist() for e in range(3)]
+    r = ud.data_parallel_rank()
+    assert peek == one_process[0][r * b:(r + 1) * b], (peek, one_process[0])
+    assert after_peeks["epoch"] == 0 and after_peeks["samples_consumed"] == 0, after_peeks
+    assert plain == one_process[:2], (plain, one_process)
+    assert with_peeks == plain, f"a peek moved the order: {with_peeks} != {plain}"
+    assert firsts == [order[:b * w] for order in one_process], (firsts, one_process)
+    assert after_break["epoch"] == 2 and after_break["samples_consumed"] == b * w, after_break
+    assert sorted(stream_plain[0]) == list(range(n)) and stream_plain[0] != stream_plain[1], stream_plain
+    assert stream_peeked == stream_plain, f"a peek moved the stream's order: {stream_peeked} != {stream_plain}"
+
+
 if __name__ == "__main__":
     main()
