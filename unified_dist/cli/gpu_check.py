@@ -185,11 +185,12 @@ def default_results_path(device: str, results: Optional[str]) -> Optional[Path]:
     return (folder if folder.is_dir() else Path.cwd()) / f"gpu_check_{datetime.date.today():%Y%m%d}.json"
 
 
-def _figure(value: Any) -> str:
+def figure_text(value: Any) -> str:
+    """A check's figure in a few words (a number in 3 digits; a mapping's numbers with their names)."""
     if isinstance(value, float):
         return f"{value:.3g}"
     if isinstance(value, dict):
-        return ", ".join(f"{k} {_figure(v)}" for k, v in value.items() if not isinstance(v, list))
+        return ", ".join(f"{k} {figure_text(v)}" for k, v in value.items() if not isinstance(v, list))
     return "-" if value is None else str(value)
 
 
@@ -197,7 +198,7 @@ def table(checks: Sequence[Dict[str, Any]]) -> str:
     lines = [f"{'check':<28}{'result':<9}{'seconds':>8}  figure / detail"]
     for c in checks:
         seconds = f"{c['seconds']:.1f}" if isinstance(c.get("seconds"), (int, float)) else "-"
-        text = _figure(c.get("figure")) if c["status"] in ("pass", "FAIL") and c.get("figure") is not None else ""
+        text = figure_text(c.get("figure")) if c["status"] in ("pass", "FAIL") and c.get("figure") is not None else ""
         text = "; ".join(filter(None, [text, c.get("detail", "")]))
         lines.append(f"{c['name']:<28}{c['status']:<9}{seconds:>8}  {text[:200]}".rstrip())
     return "\n".join(lines)
