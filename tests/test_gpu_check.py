@@ -159,6 +159,18 @@ def test_host_syncs_are_counted_from_the_sync_debug_mode_warnings(monkeypatch):
     assert modes == ["warn", "default"] and gpu_checks.syncs(seen) == 0
 
 
+def test_the_fp16_check_compares_only_the_steps_the_grad_scaler_applied(monkeypatch):
+    """fp16 on the CPU with the facade's GPU-only refusal faked away: GradScaler("cpu") starts at 2**16,
+    so the first steps overflow and are skipped, as on a GPU; the reference leaves out the same steps."""
+    monkeypatch.setattr("unified_dist.session.check_device", lambda *args, **kwargs: None)
+    monkeypatch.setattr(gpu_checks, "precision_for", lambda device: "fp16")
+    record = gpu_checks.run_one("fp16_grad_scaling", torch.device("cpu"))
+    assert record["status"] == "pass", record
+    skipped = record["extra"]["skipped"]
+    assert set(skipped) == {"SGD", "Adam", "AdamW"} and all(1 <= n <= 4 for n in skipped.values()), skipped
+    assert all(0 < v <= 0.1 for v in record["figure"].values())
+
+
 def test_gpu_options_without_gpu_and_unknown_checks_are_one_line_usage_errors(capsys):
     assert cli(["test", "--only", "fsdp2"]) == 2
     assert cli(["test", "--gpu", "--only", "fsdp3"]) == 2
