@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
@@ -126,8 +127,10 @@ def test_a_check_that_hangs_is_killed_one_that_crashes_fails_and_the_others_stil
     fake = tmp_path / "fake_worker.py"
     fake.write_text(FAKE_WORKER)
     names = ["first", "hangs", "crashes", "last"]
+    start = time.monotonic()
     records = gpu_check.run_checks(names, "cpu", total_s=60, budget=dict.fromkeys(names, 1.5),
                                    worker=(sys.executable, str(fake)))
+    assert time.monotonic() - start < 40  # the hung worker (asleep for 60 s) was killed, not waited for
     by_name = {r["name"]: r for r in records}
     assert [r["name"] for r in records] == names
     assert by_name["first"]["status"] == by_name["last"]["status"] == "pass"
