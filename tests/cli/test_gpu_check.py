@@ -24,7 +24,7 @@ import torch
 from unified_dist.cli import gpu_check, gpu_checks
 from unified_dist.cli.main import main as cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SINGLE_PROCESS = [name for name in gpu_check.NAMES if not name.endswith("sync_batchnorm")]
 
 
