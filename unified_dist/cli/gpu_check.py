@@ -130,9 +130,8 @@ def run_checks(names: Sequence[str], device: str, total_s: float, budget: Dict[s
                                         start_new_session=True)
                 try:
                     _watch(proc, pending, out, deadline, results, budget)
-                finally:
-                    if proc.poll() is None:
-                        kill_tree(proc.pid)
+                finally:  # the worker of a hung check, or what a finished one left (inductor's compile workers)
+                    kill_tree(proc.pid)
                     proc.wait()
             if not results.keys() & set(pending):
                 break  # the worker started nothing: another would not either
