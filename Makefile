@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: setup system-deps test docs demo bench mutants clean
+.PHONY: setup system-deps test docs demo bench mutants gpu-check clean
 
 setup: system-deps $(STAMP)
 
@@ -52,6 +52,11 @@ demo: setup
 # promise on a copy of the code; its guarding tests must fail. Not in `make test` (it reruns launches).
 mutants: setup
 	$(PY) bench/mutants.py
+
+# Every CUDA path in a few minutes on one GPU (unified_dist/cli/gpu_check.py), written to
+# bench/results/gpu_check_<date>.json for docs/gpus.md; without a GPU one line, exit status 0.
+gpu-check: setup
+	$(PY) -m unified_dist test --gpu
 
 bench: setup
 	$(PY) bench/run.py --short

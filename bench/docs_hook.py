@@ -17,6 +17,7 @@ Two kinds of marker, on any page:
     ratio of two values of the same file.
 
 ``<!-- results: - summary -->``: the five summary lines of bench/summary.py (README.md holds them too).
+``<!-- results: - gpu-checks -->``: the newest ``make gpu-check`` results file, or the checks not yet run.
 
 The plots (``PLOTS``) are drawn into the site as benchmarks/plots/*.png. A missing results file, key
 or renderer fails the build with one line naming it (:class:`ResultsError`), never a blank cell.
@@ -344,11 +345,37 @@ RENDERERS = {
 }
 
 
+def gpu_checks(results: Path = RESULTS) -> list:
+    """docs/gpus.md's table of ``make gpu-check``: the newest bench/results/gpu_check_<date>.json (each
+    check, what it checks, its result and figure, then the file's provenance); before any is recorded,
+    every check of unified_dist/cli/gpu_check.py listed as not yet run on a GPU."""
+    from unified_dist.cli.gpu_check import CHECKS, figure_text
+
+    what = {name: text for name, _, text in CHECKS}
+    files = sorted(Path(results).glob("gpu_check_*.json"))
+    if not files:
+        return ["No run of `make gpu-check` on a GPU is recorded yet: these paths are **not yet run** on a GPU.",
+                "", *(f"- `{name}`: {text}" for name, text in what.items())]
+    d, name = json.loads(files[-1].read_text()), files[-1].name
+    lines = [f"`make gpu-check` on {_need(d, 'device', name)}, {_need(d, 'date', name)} (torch {d['torch']}, "
+             f"CUDA {d['cuda']}): {d['passed']} of {d['total']} checks passed in {d['wall_s']:.0f} s.", "",
+             "| check | what it checks | result | figure | seconds |", "|---|---|---|---|---|"]
+    for c in _need(d, "checks", name):
+        figure = figure_text(c.get("figure")) if c.get("figure") is not None else c.get("detail", "")
+        seconds = f"{c['seconds']:.1f}" if isinstance(c.get("seconds"), (int, float)) else "–"
+        cells = [f"`{c['name']}`", what.get(c["name"], ""), c["status"], figure, seconds]
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return [*lines, "", *provenance([d], [name])]
+
+
+LATEST = {"summary": lambda results: _mod("summary").lines(results), "gpu-checks": gpu_checks}
+"""Renderers of ``<!-- results: - NAME -->``: they find their own files in bench/results/."""
+
+
 def block(files: str, renderer: str, args: str = "", results: Path = RESULTS) -> str:
     names = files.split(",")
-    if renderer == "summary":
-        summary = _mod("summary")
-        return "\n".join(summary.lines(results))
+    if files == "-" and renderer in LATEST:
+        return "\n".join(LATEST[renderer](results))
     if renderer not in RENDERERS:
         raise ResultsError(f"<!-- results: {files} {renderer} -->: no renderer {renderer!r}")
     datas = [load(n, results) for n in names]

@@ -25,7 +25,7 @@ from ..detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
 from ..net import free_port
 from ..registry import SPECS
 from ..settings import TIMEOUT_ENV
-from . import launch
+from . import gpu_check, launch
 from .errors import UsageError
 
 WORKER = Path(__file__).with_name("selftest_worker.py")
@@ -194,12 +194,31 @@ def add_arguments(parser) -> None:
     parser.add_argument("--backend", action="append", metavar="NAME",
                         help=f"{', '.join(launch.BACKENDS)}; repeat or comma-separate (default: every installed one)")
     parser.add_argument("--nproc", type=int, default=2, metavar="N", help="processes per launch (default 2)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S",
-                        help=f"seconds per launch before its processes are killed (default {DEFAULT_TIMEOUT_S:g})")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help=f"seconds per launch before its processes are killed (default {DEFAULT_TIMEOUT_S:g}); "
+                             f"with --gpu, the whole run's (default {gpu_check.DEFAULT_TOTAL_S:g})")
+    gpu = parser.add_argument_group("GPU checks (make gpu-check)")
+    gpu.add_argument("--gpu", action="store_true",
+                     help="instead: check every CUDA path on this machine's GPU (FSDP2, HSDP, TP, pinned offload, "
+                          "host syncs, compile, fp16, CUDA RNG, SyncBatchNorm) and write a results file; "
+                          "without a GPU say so and exit 0")
+    gpu.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                     help="with --gpu: cpu runs every check's code on the CPU (a dry run; default cuda)")
+    gpu.add_argument("--only", metavar="NAMES",
+                     help=f"with --gpu: these checks (comma list of {', '.join(gpu_check.NAMES)})")
+    gpu.add_argument("--results", metavar="FILE",
+                     help="with --gpu: the results file (default bench/results/gpu_check_<date>.json on a GPU)")
 
 
 def main(args) -> int:
-    """Run the self-test under every chosen backend; 0 if every row passed, else 1."""
+    """Run the self-test under every chosen backend (or the GPU checks, ``--gpu``); 0 if every row passed, else 1."""
+    if args.gpu:
+        return gpu_check.main(args)
+    given = [flag for flag, value in (("--device", args.device != "cuda"), ("--only", args.only),
+                                      ("--results", args.results)) if value]
+    if given:
+        raise UsageError(f"{', '.join(given)} go with --gpu (unified-dist test --gpu {given[0]} ...)")
+    args.timeout = DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout
     if args.nproc < 1:
         raise UsageError(f"--nproc must be at least 1, got {args.nproc}")
     if args.timeout <= 0:
