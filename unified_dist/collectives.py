@@ -173,7 +173,8 @@ def _packed(t: torch.Tensor) -> bool:
 
 
 def _gather_one(backend: Backend, t: torch.Tensor) -> torch.Tensor:
-    work = t.detach().to(backend.device).resolve_conj().resolve_neg()  # a lazy conj()/neg view: its values
+    # the values of a lazy conj()/neg view travel, not its memory; gathering copies, the input stays untouched
+    work = t.detach().to(backend.device).resolve_conj().resolve_neg()
     if not _packed(work):
         work = work.clone(memory_format=torch.contiguous_format)
     if work.dim() == 0:
