@@ -4,6 +4,9 @@
   (gloo has no AVG, Horovod averages by default, Accelerate's defaults differ: none leaks through).
 - ``all_gather(x)``: concatenation along dim 0 in rank order; dim 0 may differ between ranks.
 - Inputs are never modified; nested list/tuple/dict structures are kept (:mod:`unified_dist.nested`).
+- Any layout (transposed, sliced, expanded, 0-d, empty) and every dtype of :data:`DTYPES` is taken on
+  every backend: what a library refuses travels in a form it takes and comes back exactly
+  (:func:`to_wire`); any other dtype is the same one-line :class:`CollectiveError` everywhere.
 
 This layer owns each group's :class:`~unified_dist.uneven_gather.UnevenGather` (its capacity is
 state shared by every gather of the group), used where the backend has no native uneven gather.
@@ -23,6 +26,30 @@ from .uneven_gather import UnevenGather, shape_mismatch_error
 
 _GATHERERS: "weakref.WeakKeyDictionary[Backend, UnevenGather]" = weakref.WeakKeyDictionary()
 
+DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64,
+          torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+"""The dtypes every collective takes on every backend."""
+_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+"""Integers that gloo and NCCL refuse to reduce or broadcast (Horovod refuses the unsigned ones): they
+travel in a type that holds every value and are narrowed back, exactly; a sum past the range wraps
+modulo 2**bits, as gloo's own uint8/int8 sums do."""
+
+
+def to_wire(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) in a dtype every backend moves: complex as (real, imaginary) pairs on a new last
+    dim, the integers of :data:`_WIDER` widened; anything else as it is. :func:`from_wire` undoes it."""
+    if t.is_complex():
+        return torch.view_as_real(t)
+    wide = _WIDER.get(t.dtype)
+    return t if wide is None else t.to(wide)
+
+
+def from_wire(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a backend returned for a :func:`to_wire` tensor of ``dtype``, in ``dtype`` again."""
+    if dtype.is_complex:
+        return torch.view_as_complex(out.contiguous())
+    return out if out.dtype == dtype else out.to(dtype)
+
 
 def map_each(x: Any, fn: Callable[[torch.Tensor], Any], what: str) -> Any:
     """Apply ``fn`` to every tensor in a nested list/tuple/dict; any other leaf is a :class:`CollectiveError`."""
@@ -30,14 +57,23 @@ def map_each(x: Any, fn: Callable[[torch.Tensor], Any], what: str) -> Any:
     return nested.map_tensors(fn, x)
 
 
-def validate(x: Any, what: str) -> None:
-    """Raise the one-line :class:`CollectiveError` when ``x`` holds anything but tensors."""
+def validate(x: Any, what: str, op: str = "") -> None:
+    """Raise the one-line :class:`CollectiveError` when ``x`` holds anything but tensors of :data:`DTYPES`
+    (or, for ``op`` max/min, a complex tensor: complex numbers have no order)."""
     bad = nested.first_non_tensor(x)
     if bad is not None:
         path, leaf = bad
         raise CollectiveError(
             f"{what} expects a tensor or a nested list/tuple/dict of tensors, but {path} is "
             f"{type(leaf).__name__}; wrap numbers with torch.tensor(...)")
+    for path, leaf in nested.leaves(x):
+        name = str(leaf.dtype).replace("torch.", "")
+        if leaf.dtype not in DTYPES:
+            raise CollectiveError(f"{what} does not take {name} tensors ({path}); cast first, e.g. "
+                                  f"{path}.to(torch.float32) or .to(torch.int64)")
+        if op in ("max", "min") and leaf.is_complex():
+            raise CollectiveError(f"{what} {op} has no order for {name} tensors ({path}); reduce "
+                                  f"{path}.abs() or {path}.real instead")
 
 
 def _private_copy(backend: Backend, t: torch.Tensor) -> torch.Tensor:
@@ -80,19 +116,18 @@ def all_reduce(backend: Backend, x: Any, op: str = "mean") -> Any:
     """
     if op not in REDUCE_OPS:
         raise CollectiveError(f"unknown all_reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
-    validate(x, "all_reduce")  # before any rank communicates
+    validate(x, "all_reduce", op)  # before any rank communicates
 
     def reduce_one(t: torch.Tensor) -> torch.Tensor:
         work = _private_copy(backend, t)
-        was_bool = work.dtype == torch.bool
-        if was_bool:
+        if work.dtype == torch.bool:
             work = work.to(torch.int64)
-        if op == "mean" and not work.is_floating_point():
+        if op == "mean" and not (work.is_floating_point() or work.is_complex()):
             work = work.to(torch.float64)
-        out = backend.all_reduce_(work, "sum" if op == "mean" else op)
+        out = from_wire(backend.all_reduce_(to_wire(work), "sum" if op == "mean" else op), work.dtype)
         if op == "mean":
             return out / backend.world_size
-        return out.to(torch.bool) if was_bool and op != "sum" else out
+        return out.to(torch.bool) if t.dtype == torch.bool and op != "sum" else out
 
     with guarded(backend, "all_reduce", x, op=op):
         return nested.map_tensors(reduce_one, x)
@@ -104,7 +139,7 @@ def all_gather(backend: Backend, x: Any, what: str = "all_gather") -> Any:
     Dim 0 may differ between ranks; the other dims and the dtype must match, else every rank
     raises a :class:`CollectiveError` naming each rank's shape.
     """
-    validate(x, "all_gather")
+    validate(x, what)
     with guarded(backend, what, x):
         return nested.map_tensors(lambda t: _gather_one(backend, t), x)
 
@@ -126,13 +161,29 @@ def _native_uneven(backend: Backend, tensor: torch.Tensor) -> torch.Tensor:
     raise shape_mismatch_error(backend.all_gather_equal, tensor)  # every rank failed: all exchange headers
 
 
+def _packed(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides are exactly row-major (``is_contiguous`` forgives any stride on a dim of
+    size 1, which a byte view of the memory does not)."""
+    step = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride())):
+        if stride != step:
+            return False
+        step *= size
+    return True
+
+
 def _gather_one(backend: Backend, t: torch.Tensor) -> torch.Tensor:
-    work = t.detach().to(backend.device).contiguous()  # gathering copies it; the input stays untouched
+    # the values of a lazy conj()/neg view travel, not its memory; gathering copies, the input stays untouched
+    work = t.detach().to(backend.device).resolve_conj().resolve_neg()
+    if not _packed(work):
+        work = work.clone(memory_format=torch.contiguous_format)
     if work.dim() == 0:
         work = work.reshape(1)
     if backend.world_size == 1:
         return work.clone()
-    return _native_uneven(backend, work) if backend.gathers_uneven else _uneven(backend)(work)
+    wire = to_wire(work)
+    out = _native_uneven(backend, wire) if backend.gathers_uneven else _uneven(backend)(wire)
+    return from_wire(out, work.dtype)
 
 
 def _gather_parts(backend: Backend, tensor: torch.Tensor) -> List[torch.Tensor]:
@@ -148,9 +199,11 @@ def broadcast(backend: Backend, obj: Any, src: int = 0, what: str = "broadcast")
     if not 0 <= src < backend.world_size:
         raise CollectiveError(f"{what} src={src} is not a rank; use 0 .. {backend.world_size - 1}")
     is_tensor = isinstance(obj, torch.Tensor)
+    if is_tensor:
+        validate(obj, what)
     with guarded(backend, what, obj if is_tensor else None, src=src, tensor=is_tensor):
         if is_tensor:
-            return backend.broadcast_(_private_copy(backend, obj), src)
+            return from_wire(backend.broadcast_(to_wire(_private_copy(backend, obj)), src), obj.dtype)
         return backend.broadcast_object(obj, src)
 
 

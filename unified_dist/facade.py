@@ -227,6 +227,12 @@ def all_reduce(x: Any, op: str = "mean") -> Any:
     """Reduce ``x`` (a tensor or nested list/tuple/dict of tensors) across ranks with op sum/mean/max/min.
 
     Returns new tensors; the input is never modified. ``mean`` is sum / world size on every backend.
+    Every collective here takes any layout (transposed, sliced, expanded, 0-d, empty) and the same
+    dtypes on every backend: bool, (u)int8, int16, uint16, int32, uint32, int64, float16, bfloat16,
+    float32, float64, complex64, complex128; any other is a ``CollectiveError``. A result keeps the
+    input's dtype, except that a bool sum counts Trues (int64) and an integer or bool mean is float64;
+    a bool max is "any", its min "all"; an integer sum past its dtype's range wraps modulo 2**bits;
+    complex max/min is refused (no order).
     """
     return collectives.all_reduce(current_backend(), x, op)
 
@@ -240,8 +246,11 @@ def gather_for_metrics(x: Any) -> Any:
     """``all_gather`` inside a prepared loader's loop, minus the rows its last batch padded in.
 
     Gathering every batch of a prepared evaluation loader yields exactly ``len(dataset)`` rows,
-    each sample once, in dataset order (unshuffled loader). Outside such a loop it is
-    ``all_gather`` and warns once (it cannot know which rows are padding there).
+    each sample once, in dataset order (unshuffled loader). Outside such a loop there is no padding
+    to drop: it returns exactly what ``all_gather`` returns, and warns once, since there it is
+    usually a mistake: an evaluation loader not given to :func:`prepare` runs every rank over the
+    whole set, so each example comes back ``world_size`` times; rows kept from a prepared loop and
+    gathered after it keep the padded ones.
     """
     return session.current().gather_for_metrics(x)
 

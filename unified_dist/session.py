@@ -262,17 +262,22 @@ class Session:
         gathered = collectives.all_gather(self.backend, x, what="gather_for_metrics")
         loader = self.loaders.current
         if loader is None:
-            warn_once("gather_for_metrics() ran outside the loop of a prepared DataLoader, so it cannot drop the "
-                      "rows a padded last batch repeats and acts as ud.all_gather; prepare the evaluation loader "
-                      "with ud.prepare(...) and call it inside that loop (or call ud.all_gather)")
+            warn_once("gather_for_metrics() ran outside the loop of a prepared DataLoader: no padding to drop "
+                      "there, so it returns every rank's rows, as ud.all_gather does. If every rank ran over the "
+                      "whole evaluation set (a loader not given to ud.prepare), each example comes back "
+                      "world_size times, and rows kept from a prepared loop keep its padding: prepare the "
+                      "evaluation loader with ud.prepare(...) and call gather_for_metrics inside its loop")
         info = loader.batch_info if loader is not None else None
         rows = info.kept_rows() if info is not None else None
         if rows is None:
             return gathered
         index = torch.tensor(rows, dtype=torch.long)
-        return collectives.map_each(
-            gathered, lambda t: t.index_select(0, index.to(t.device)) if t.shape[0] == info.padded else t,
-            "gather_for_metrics")
+
+        def real_rows(t: torch.Tensor) -> torch.Tensor:  # torch indexes no uint16/uint32: select in the wire dtype
+            if t.shape[0] != info.padded:
+                return t
+            return collectives.from_wire(collectives.to_wire(t).index_select(0, index.to(t.device)), t.dtype)
+        return collectives.map_each(gathered, real_rows, "gather_for_metrics")
 
 
 def is_scheduler(obj: Any) -> bool:

@@ -736,6 +736,8 @@ def porting_mistakes_are_refused_or_warned():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         gathered = ud.gather_for_metrics(torch.tensor([r]))
+        # an unprepared loader: every rank runs over the whole set, and gets each example world-size times
+        unsharded = [ud.gather_for_metrics(xb) for xb, _ in torch.utils.data.DataLoader(data, batch_size=3)]
     assert sampler_error is not None and "already a DistributedSampler" in sampler_error \
         and "\n" not in sampler_error, sampler_error
     if last % w:
@@ -743,9 +745,12 @@ def porting_mistakes_are_refused_or_warned():
         assert "call ud.backward(loss)" in refused[0][1] and "ragged last batch" in refused[0][1], refused
     else:
         assert refused == [], refused
-    assert any("outside the loop of a prepared DataLoader" in str(c.message) for c in caught), \
-        [str(c.message) for c in caught]
+    said = [str(c.message) for c in caught if "gather_for_metrics" in str(c.message)]
+    assert len(said) == 1 and "outside the loop of a prepared DataLoader" in said[0] \
+        and "world_size times" in said[0] and "ud.prepare" in said[0], said  # once, and honest
     contract.equal(gathered, torch.arange(w))
+    x = data.tensors[0]
+    contract.equal(torch.cat(unsharded), torch.cat([x[i:i + 3].repeat(w, 1) for i in range(0, 7, 3)]))
 
 
 @check("accum")
@@ -1200,6 +1205,183 @@ def compressed_sgd_step_is_the_rounded_average_of_float32_rank_gradients():
     off = max(float((g - f).abs().max()) for g, f in zip(got, float32_step))
     _same(got, expected, 1e-7, f"{mode}: not the compressed average's step ({off:.3g} from float32's, which "
                                f"is {apart:.3g} from the compressed one)")
+
+
+# ----------------------------------------------------------------- issue 46 items 4 and 9: every tensor
+# collective against plain torch, on random shapes, layouts (transposed, sliced, expanded, 0-d, empty),
+# dtypes and uneven sizes. Every rank draws the same examples (hypothesis derandomized, no database, no
+# shrinking, no timing health checks), builds every rank's input from the example's seed, and records
+# mismatches instead of raising, so the ranks' collectives stay in step; the end compares across ranks.
+PROPERTY_EXAMPLES = 28
+"""Examples per launch, two per dtype (each: 4 all_reduce, 2 all_gather, 1 broadcast and the
+gather_for_metrics of a prepared loader's every batch)."""
+_PT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32,
+              torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+              torch.complex128)
+_PT_RANGE = {torch.uint8: (0, 2**8), torch.int8: (-2**7, 2**7), torch.int16: (-2**15, 2**15),
+             torch.uint16: (0, 2**16), torch.int32: (-2**31, 2**31), torch.uint32: (0, 2**32),
+             torch.int64: (-2**62, 2**62)}
+"""Integer dtypes' full ranges (int64: half of it), drawn in 'wide' examples: sums wrap modulo 2**bits."""
+_PT_LAYOUTS = ("contiguous", "transposed", "sliced", "expanded")
+
+
+def _pt_values(shape, dtype, seed, wide):
+    """Values exact in ``dtype`` (small integers; an integer dtype's whole range when ``wide``), contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = _PT_RANGE.get(dtype, (-3, 4)) if wide else ((0, 7) if dtype in _PT_RANGE and
+                                                          not dtype.is_signed else (-3, 4))
+    draw = torch.randint(lo, hi, shape, generator=g, dtype=torch.int64)
+    if dtype == torch.bool:
+        return draw % 2 == 1
+    if dtype.is_complex:
+        return torch.complex(draw.double(), torch.randint(-3, 4, shape, generator=g).double()).to(dtype)
+    return draw.to(dtype)
+
+
+def _pt_lay_out(values, layout):
+    """The same values (for 'expanded': those of ``values``' first index broadcast) in another memory layout."""
+    if layout == "transposed" and values.dim() >= 2:
+        order = tuple(reversed(range(values.dim())))
+        return values.permute(order).contiguous().permute(order)
+    if layout == "sliced":  # every stride 3, and dims of size 1 with a stride that is not 1 (the issue's case)
+        big = torch.zeros(tuple(values.shape) + (3,), dtype=values.dtype)
+        big[..., 1] = values
+        return big[..., 1]
+    if layout == "expanded":
+        return values[tuple(slice(0, 1) for _ in values.shape)].expand(values.shape)
+    return values
+
+
+def _pt_lazy(x):
+    """The same values as a view with torch's conjugate bit (complex) or negative bit (float32/64) set."""
+    if x.is_complex():
+        return x.conj_physical().conj()
+    if x.dtype in (torch.float32, torch.float64):
+        return torch.complex(torch.zeros_like(x), -x).conj().imag
+    return x
+
+
+def _pt_wide(t):
+    """``t`` in a dtype in which plain torch compares and reduces everything exactly."""
+    t = t.detach().cpu()
+    if t.is_complex():
+        return t.to(torch.complex128)
+    return t.double() if t.is_floating_point() else t.to(torch.int64)
+
+
+def _pt_expected(parts, op, dtype, w):
+    """Plain torch's all_reduce of ``parts`` (every rank's input): see ud.all_reduce's contract."""
+    stacked = torch.stack([_pt_wide(p) for p in parts])
+    if op == "mean":
+        mean = stacked.sum(0) / w if dtype.is_complex else stacked.double().sum(0) / w
+        return mean.to(dtype) if (dtype.is_floating_point or dtype.is_complex) else mean
+    if op == "sum":
+        return stacked.sum(0) if dtype == torch.bool else stacked.sum(0).to(dtype)
+    return (stacked.amax(0) if op == "max" else stacked.amin(0)).to(dtype)
+
+
+def _pt_differs(got, expected):
+    if not isinstance(got, torch.Tensor):
+        return f"got {type(got).__name__}"
+    if got.dtype != expected.dtype or tuple(got.shape) != tuple(expected.shape):
+        return f"got {got.dtype} {tuple(got.shape)}, expected {expected.dtype} {tuple(expected.shape)}"
+    if not torch.equal(_pt_wide(got), _pt_wide(expected)):
+        return f"got {_pt_wide(got).flatten()[:6].tolist()}, expected {_pt_wide(expected).flatten()[:6].tolist()}"
+    return None
+
+
+def _pt_example(case, r, w, record):
+    """One drawn example through every tensor collective; each mismatch goes to ``record``."""
+    dtype, shape, layout, seed, wide = case["dtype"], case["shape"], case["layout"], case["seed"], case["wide"]
+
+    def mine(k, shp=shape):  # rank k's input, as every rank can build it
+        laid_out = _pt_lay_out(_pt_values(shp, dtype, seed + 7919 * k, wide), layout)
+        return _pt_lazy(laid_out) if case["lazy"] else laid_out
+
+    parts = [mine(k) for k in range(w)]
+    before = parts[r].clone()
+    for op in ("sum", "mean", "max", "min"):
+        if dtype.is_complex and op in ("max", "min"):  # complex numbers have no order: the same refusal everywhere
+            record(op, _pt_refused(lambda: ud.all_reduce(parts[r], op), "has no order"))  # noqa: B023
+            continue
+        record(op, _pt_try(lambda: ud.all_reduce(parts[r], op), _pt_expected(parts, op, dtype, w)))  # noqa: B023
+    rows = [case["rows"][k % len(case["rows"])] for k in range(w)]
+    uneven = [mine(k, (rows[k],) + tuple(shape[1:])) for k in range(w)]
+    record("all_gather", _pt_try(lambda: ud.all_gather(parts[r]),
+                                 torch.cat([p.reshape(1) if p.dim() == 0 else p for p in parts])))
+    record("all_gather uneven", _pt_try(lambda: ud.all_gather(uneven[r]), torch.cat(uneven)))
+    src = case["src"] % w
+    record("broadcast", _pt_try(lambda: ud.broadcast(parts[r], src), parts[src].clone()))
+    record("input untouched", None if torch.equal(_pt_wide(parts[r]), _pt_wide(before)) else "modified")
+    samples = _pt_values((case["n"],) + tuple(shape[1:]), dtype, seed, wide)
+    record("gather_for_metrics", _pt_try(lambda: _pt_metrics(samples, case["batch"], layout, case["lazy"]), samples))
+
+
+def _pt_metrics(samples, batch, layout, lazy):
+    """gather_for_metrics of every batch of a prepared loader (each batch in ``layout``), concatenated."""
+    loader = ud.prepare(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(samples), batch_size=batch))
+    layout = "contiguous" if layout == "expanded" else layout  # an expanded batch would repeat its first row
+    batches = (_pt_lay_out(b, layout) for (b,) in loader)
+    return torch.cat([ud.gather_for_metrics(_pt_lazy(b) if lazy else b).cpu() for b in batches])
+
+
+def _pt_try(run, expected):
+    try:
+        got = run()
+    except (ud.CollectiveTimeout, ud.PeerLost):
+        raise  # the ranks no longer line up
+    except Exception as exc:  # every rank raises alike (same example), so the next collectives line up
+        return f"raised {type(exc).__name__}: {str(exc)[:160]}"
+    return None if expected is None else _pt_differs(got, expected)
+
+
+def _pt_refused(run, words):
+    try:
+        run()
+    except (ud.CollectiveTimeout, ud.PeerLost):
+        raise
+    except ud.CollectiveError as exc:
+        return None if words in str(exc) and "\n" not in str(exc) else f"unclear refusal: {exc}"
+    except Exception as exc:
+        return f"raised {type(exc).__name__} instead of a CollectiveError: {str(exc)[:160]}"
+    return "accepted"
+
+
+@check("core")
+def collectives_match_plain_torch_on_random_layouts_dtypes_and_sizes():
+    from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+
+    r, w = ud.rank(), ud.world_size()
+    failures, drawn = [], []
+    cases = st.fixed_dictionaries({
+        "shape": st.lists(st.integers(0, 3), max_size=3).map(tuple), "seed": st.integers(0, 2**30),
+        "wide": st.booleans(), "rows": st.lists(st.integers(0, 3), min_size=1, max_size=4),
+        "src": st.integers(0, 63), "n": st.integers(1, 9), "batch": st.integers(1, 3)})
+
+    @settings(max_examples=PROPERTY_EXAMPLES, derandomize=True, database=None, deadline=None,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(cases)
+    def run(case):
+        i = len(drawn)  # dtype and layout cycle, so that every dtype meets several layouts within the budget
+        dtype, layout = _PT_DTYPES[i % len(_PT_DTYPES)], _PT_LAYOUTS[(i + i // len(_PT_DTYPES)) % len(_PT_LAYOUTS)]
+        case = {**case, "dtype": dtype, "layout": layout, "wide": case["wide"] and dtype in _PT_RANGE}
+        if i < len(_PT_DTYPES):  # the first round's loaders end on one sample: the other ranks pad a row
+            case["n"] = case["n"] // (case["batch"] * w) * case["batch"] * w + 1
+        case["lazy"] = i >= len(_PT_DTYPES)  # the second round's inputs are lazy conj/neg views where torch has them
+        drawn.append(repr(sorted((k, str(v)) for k, v in case.items())))
+
+        def record(what, problem):
+            if problem is not None and len(failures) < 8:
+                failures.append(f"{what} of {case['dtype']} {case['layout']} {case['shape']}: {problem}")
+        _pt_example(case, r, w, record)
+
+    run()
+    issue = _pt_try(lambda: ud.all_gather(torch.arange(128).reshape(1, 128)[:, 0]), torch.zeros(w, dtype=torch.int64))
+    every = ud.all_gather_object(drawn)
+    assert len(drawn) == PROPERTY_EXAMPLES, f"hypothesis ran {len(drawn)} examples, not {PROPERTY_EXAMPLES}"
+    assert all(d == drawn for d in every), "the ranks drew different examples"
+    assert not failures, "; ".join(failures)
+    assert issue is None, f"the issue's all_gather(torch.arange(128).reshape(1, 128)[:, 0]): {issue}"
 
 
 def _start_native_stack(init_method=None, rank=None, world_size=None):

@@ -183,8 +183,8 @@ def training_step(ctx: Context) -> None:
     assert all(torch.equal(row.cpu(), mine) for row in every), "ranks hold different parameters"
 
 
-DTYPES: Tuple[torch.dtype, ...] = (torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
-                                   torch.bfloat16, torch.float32, torch.float64)
+DTYPES: Tuple[torch.dtype, ...] = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                                   torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """The dtypes :func:`dtype_matrix` sends through every collective."""
 
 
@@ -232,8 +232,8 @@ def dtype_matrix(ctx: Context) -> None:
     """Every dtype of :data:`DTYPES` through ``all_reduce`` (sum/mean/max/min), ``all_gather`` (even and
     uneven), ``gather_for_metrics`` (ragged last batch) and ``broadcast``, on small integers (exact in
     every dtype). A result keeps its dtype, except that a bool sum counts Trues (an integer) and an
-    integer or bool mean is floating; a bool max is any, its min all; a uint8/int8 sum past the
-    dtype's range wraps modulo 256. Each case that fails is named (dtype, op, what differed)."""
+    integer or bool mean is floating; a bool max is any, its min all; a uint8/int8/int16 sum past the
+    dtype's range wraps modulo 2**bits. Each case that fails is named (dtype, op, what differed)."""
     r, w = ud.rank(), ud.world_size()
     src = w - 1
     failures: List[str] = []
@@ -271,9 +271,10 @@ def dtype_matrix(ctx: Context) -> None:
                 mean.to(dtype) if is_float else mean, "same" if is_float else "floating")
         attempt(dtype, "all_reduce max", lambda: ud.all_reduce(mine, "max"), every.max(0).values.to(dtype))  # noqa: B023 - called within this iteration
         attempt(dtype, "all_reduce min", lambda: ud.all_reduce(mine, "min"), every.min(0).values.to(dtype))  # noqa: B023 - called within this iteration
-        if dtype in (torch.uint8, torch.int8):  # a sum past the range wraps modulo 256, as gloo's does
-            big = 200 if dtype == torch.uint8 else 100
-            wrapped = (big * w) % 256 if dtype == torch.uint8 else (big * w + 128) % 256 - 128
+        if dtype in (torch.uint8, torch.int8, torch.int16):  # a sum past the range wraps, as gloo's own does
+            span = 2 ** (8 * dtype.itemsize)
+            big = {torch.uint8: 200, torch.int8: 100, torch.int16: 30000}[dtype]
+            wrapped = (big * w) % span if dtype == torch.uint8 else (big * w + span // 2) % span - span // 2
             large = torch.tensor([big], dtype=dtype)
             attempt(dtype, "all_reduce sum past its range", lambda: ud.all_reduce(large, "sum"),  # noqa: B023 - called within this iteration
                     torch.tensor([wrapped], dtype=dtype))
