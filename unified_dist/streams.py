@@ -13,8 +13,11 @@ Two ways to read, chosen per pass (see :func:`choose_split`):
   slice. Every rank then knows every global batch's size and where the stream ends without
   communicating, the order is one process's at any world size, and a resume works at any world
   size. The price: each rank reads (and the dataset decodes) the whole stream. The stream must be
-  the same on every rank: the first global batch's fingerprint is compared across ranks once per
-  pass (one tiny ``all_gather``), and a stream that differs is refused.
+  the same on every rank: every :data:`EXCHANGE_STEPS` steps the fingerprints of the next
+  ``EXCHANGE_STEPS`` + lookahead global batches are compared across ranks (one tiny ``all_gather``)
+  before any of them is taken, so a stream that differs, late or by ending earlier on one rank, is
+  refused on every rank at the same step. A ``datasets`` stream already split by
+  ``split_dataset_by_node`` is refused (it would be split again).
 * **split**: when the dataset splits itself -- a ``datasets.IterableDataset`` whose ``n_shards`` is a
   multiple of the data-parallel world size (``datasets.distributed.split_dataset_by_node``), or any
   dataset with ``n_shards`` and ``shard(num_shards, index)`` -- rank ``r`` reads only its shards. Step
@@ -58,8 +61,9 @@ from .data import BatchInfo, Epochs, LoaderStack, shard, worker_options
 from .errors import UnifiedDistError
 
 EXCHANGE_STEPS = 8
-"""Split mode: steps whose per-rank counts one ``all_gather`` exchanges (more when accumulating). Each rank
-holds that many of its batches read ahead: more steps per exchange would cost memory for large batches."""
+"""Split mode: steps whose per-rank counts one ``all_gather`` exchanges (more when accumulating); whole stream:
+steps between two comparisons of the global batches' fingerprints. Each rank holds that many of its batches
+read ahead (plus the accumulation's lookahead): more steps per exchange would cost memory for large batches."""
 
 SPLIT_CHOICES = ("auto", True, False)
 
