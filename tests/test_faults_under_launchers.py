@@ -58,6 +58,10 @@ def test_timeout_names_the_collective_and_suggests_check_mode(launcher, tmp_path
     msg = ranks[0]["message"]
     assert "all_reduce timed out after 4s on rank 0" in msg and "UNIFIED_DIST_DEBUG=1" in msg, msg
     assert ranks[0]["elapsed"] < 30
+    # issue 46: a barrier, and a shutdown's barrier, time out as the documented CollectiveTimeout too, not a raw
+    # RuntimeError of gloo's (not Horovod's shutdown: it aborts the process in its own gloo store)
+    shutdown = [] if launcher == "horovodrun" else ["CollectiveTimeout: shutdown timed out after 4s on rank 0"]
+    assert ranks[0]["then"] == ["CollectiveTimeout: barrier timed out after 4s on rank 0", *shutdown], ranks[0]
     assert wall < 60, f"job took {wall:.0f}s to end after the timeout"
 
 

@@ -157,6 +157,42 @@ def test_an_empty_stream_on_one_rank_only_is_refused_on_both():
     assert all(isinstance(e, ud.UnifiedDistError) for e in results), results
 
 
+def steps_until_refused(loader):
+    """(batches this rank got, the error that ended the pass or None)."""
+    got = []
+    try:
+        for batch in loader:
+            got.append(batch.tolist())
+    except ud.UnifiedDistError as exc:
+        return len(got), str(exc)
+    return len(got), None
+
+
+def test_a_stream_that_diverges_late_is_refused_before_a_diverged_batch():
+    """Issue 46: rank 1 drops row 90 (global batch 11 of 8 rows): the comparison of batches 8-16, made before
+    step 8, refuses it on both ranks; nothing past step 7 was trained on."""
+    rows = {0: list(range(100)), 1: [i for i in range(100) if i != 90]}
+    results = run_ranks(2, lambda r, ex: steps_until_refused(loader_for(Rows(rows[r]), r, 2, ex)))
+    for steps, error in results:
+        assert steps == EXCHANGE_STEPS and error is not None and "\n" not in error, results
+        assert error.startswith("the stream differs between ranks (global batches 8-16 have fingerprints ["), error
+
+
+def test_a_stream_that_ends_earlier_on_one_rank_is_refused_not_a_hang():
+    rows = {0: list(range(100)), 1: list(range(72))}  # rank 1's stream: 9 global batches of 8, rank 0's: 13
+    results = run_ranks(2, lambda r, ex: steps_until_refused(loader_for(Rows(rows[r]), r, 2, ex)))
+    for steps, error in results:
+        assert steps == EXCHANGE_STEPS and error is not None, results
+        assert error.startswith("the stream differs between ranks (it ends after 9 global batches on rank 1 "
+                                "and goes on on rank 0): "), error
+
+
+def test_whole_stream_compares_once_per_exchange_steps():
+    results = run_ranks(2, lambda r, ex: (epoch_of(loader_for(Rows(200), r, 2, ex, batch_size=2)), ex))
+    steps, exchange = results[0]
+    assert len(steps) == 50 and exchange.calls == -(-50 // EXCHANGE_STEPS)  # 7 tiny all_gathers, not 50
+
+
 def test_workers_split_batches_without_duplicates_in_the_stream_order():
     """The reader in worker w of W keeps every W-th global batch; interleaved they are the stream."""
     reader = _Reader(Rows(37), 0, lambda rows: rows, 2, False)
@@ -279,6 +315,28 @@ def test_split_false_reads_the_whole_stream_and_split_true_insists():
     three = run_ranks(3, lambda r, ex: epoch_of(loader_for(ud.stream(Shards(parts), split=True), r, 3, ex)))
     assert all(isinstance(e, ud.UnifiedDistError) and "2 shards, which 3 data-parallel ranks" in str(e)
                for e in three), three
+
+
+def test_split_true_in_one_process_reads_every_shard():
+    parts = [list(range(0, 6)), list(range(100, 104)), list(range(200, 203))]
+    steps = epoch_of(loader_for(ud.stream(Shards(parts), split=True), 0, 1, Exchange(1), batch_size=4))
+    assert [row for s in steps for row in s["rows"]] == [i for p in parts for i in p]
+
+
+def test_a_datasets_stream_split_by_node_already_is_refused_in_one_line():
+    datasets = pytest.importorskip("datasets")
+    from datasets.distributed import split_dataset_by_node
+
+    stream = datasets.Dataset.from_dict({"x": list(range(16))}).to_iterable_dataset(num_shards=8)
+    for rank, world in ((1, 2), (0, 1)):
+        with pytest.raises(ud.UnifiedDistError) as info:
+            loader_for(ud.stream(split_dataset_by_node(stream, rank, world)), rank, world, Exchange(world))
+        assert str(info.value) == (
+            f"prepare() got a datasets stream already split by split_dataset_by_node (rank {rank} of {world}), "
+            "which prepare() would split again, losing data; drop the split_dataset_by_node call and pass the "
+            "whole stream: prepare() gives each rank its part")
+    unsplit = loader_for(stream.map(lambda e: e), 0, 1, Exchange(1), collate_fn=lambda b: [e["x"] for e in b])
+    assert [row for batch in unsplit for row in batch] == list(range(16))  # not split: read
 
 
 def test_datasets_streaming_csv_splits_by_file_and_reads_whole_with_one_file(tmp_path):

@@ -6,7 +6,9 @@ is one test item here, asserted per rank. Checks: a 101-row IterableDataset in g
 4 x world (each row once per epoch; a model trained two epochs equals one process), an iterable eval
 set of 37 rows gathered in order, a ``datasets`` streaming CSV (one file, and two files that split by
 rank), ``num_workers=2``, streams of 0 and 1 rows, a seeded shuffle buffer, a generic dataset split by
-its shards (uneven), a stream that differs between ranks (refused), and mid-epoch resume across world
+its shards (uneven), a stream that differs between ranks (refused), issue 46's (a ``datasets`` stream split by
+node refused in one line; a stream that diverges late, or ends earlier on one rank, refused at step 8 on every
+rank; ``split=True`` in one process reads every shard), and mid-epoch resume across world
 sizes: the python launch saves a state mid-epoch that every 2-process launch resumes (1 -> 2), and a
 second python launch resumes the torchrun launch's (2 -> 1); the torchrun launch's split-mode states
 resume in the other 2-process launches and are refused in the 1-process one. The shuffled order is compared across

@@ -88,6 +88,14 @@ def guarded(backend: Backend, what: str, checked: Any = None, **args: Any) -> It
     (:meth:`Backend.translate_error`); a timeout the backend raised itself gets ``what``'s name."""
     if backend.config.debug:
         checkmode.verify(backend, checkmode.signature(what, checked, **args))
+    with translated(backend, what):
+        yield
+
+
+@contextlib.contextmanager
+def translated(backend: Backend, what: str) -> Iterator[None]:
+    """The library's errors for hangs and lost peers during ``what`` (a collective, or a step that waits for
+    the other ranks, such as a shutdown's barrier) as :class:`CollectiveTimeout` and :class:`PeerLost`."""
     try:
         yield
     except CollectiveTimeout as exc:
@@ -97,10 +105,10 @@ def guarded(backend: Backend, what: str, checked: Any = None, **args: Any) -> It
     except UnifiedDistError:
         raise
     except Exception as exc:
-        translated = backend.translate_error(exc, what)
-        if translated is None:
+        meaning = backend.translate_error(exc, what)
+        if meaning is None:
             raise
-        raise translated from exc
+        raise meaning from exc
 
 
 def barrier(backend: Backend) -> None:

@@ -383,7 +383,8 @@ def shutdown() -> None:
         session, _session = _session, None
         if session.stops is not None:
             session.stops.uninstall()
-        session.backend.shutdown()
+        with collectives.translated(session.backend, "shutdown"):  # its barrier: a rank still training times out
+            session.backend.shutdown()
 
 
 def _install_exit_hooks() -> None:

@@ -13,8 +13,11 @@ Two ways to read, chosen per pass (see :func:`choose_split`):
   slice. Every rank then knows every global batch's size and where the stream ends without
   communicating, the order is one process's at any world size, and a resume works at any world
   size. The price: each rank reads (and the dataset decodes) the whole stream. The stream must be
-  the same on every rank: the first global batch's fingerprint is compared across ranks once per
-  pass (one tiny ``all_gather``), and a stream that differs is refused.
+  the same on every rank: every :data:`EXCHANGE_STEPS` steps the fingerprints of the next
+  ``EXCHANGE_STEPS`` + lookahead global batches are compared across ranks (one tiny ``all_gather``)
+  before any of them is taken, so a stream that differs, late or by ending earlier on one rank, is
+  refused on every rank at the same step. A ``datasets`` stream already split by
+  ``split_dataset_by_node`` is refused (it would be split again).
 * **split**: when the dataset splits itself -- a ``datasets.IterableDataset`` whose ``n_shards`` is a
   multiple of the data-parallel world size (``datasets.distributed.split_dataset_by_node``), or any
   dataset with ``n_shards`` and ``shard(num_shards, index)`` -- rank ``r`` reads only its shards. Step
@@ -58,8 +61,9 @@ from .data import BatchInfo, Epochs, LoaderStack, shard, worker_options
 from .errors import UnifiedDistError
 
 EXCHANGE_STEPS = 8
-"""Split mode: steps whose per-rank counts one ``all_gather`` exchanges (more when accumulating). Each rank
-holds that many of its batches read ahead: more steps per exchange would cost memory for large batches."""
+"""Split mode: steps whose per-rank counts one ``all_gather`` exchanges (more when accumulating); whole stream:
+steps between two comparisons of the global batches' fingerprints. Each rank holds that many of its batches
+read ahead (plus the accumulation's lookahead): more steps per exchange would cost memory for large batches."""
 
 SPLIT_CHOICES = ("auto", True, False)
 
@@ -125,11 +129,22 @@ def _splittable(dataset: Any) -> bool:
     return isinstance(getattr(dataset, "n_shards", None), int) and callable(getattr(dataset, "shard", None))
 
 
+def refuse_split_by_node(dataset: Any) -> None:
+    """Refuse a ``datasets`` stream that ``split_dataset_by_node`` already split: prepare() would split it
+    again, and each rank would silently read only a part of its part."""
+    node = getattr(dataset, "_distributed", None) if _hf_iterable(dataset) else None
+    if node is not None:
+        raise UnifiedDistError(
+            f"prepare() got a datasets stream already split by split_dataset_by_node (rank {node.rank} of "
+            f"{node.world_size}), which prepare() would split again, losing data; drop the split_dataset_by_node "
+            "call and pass the whole stream: prepare() gives each rank its part")
+
+
 def choose_split(dataset: Any, split: Any, world_size: int) -> bool:
     """Whether a pass reads only this rank's shards (see the module docstring)."""
-    if split is False or not _splittable(dataset):
-        return False
-    if dataset.n_shards % world_size == 0 and world_size > 1:
+    if split is False or not _splittable(dataset) or world_size == 1:
+        return False  # one process reads every shard: the whole stream
+    if dataset.n_shards % world_size == 0:
         return True
     if split is True:
         raise UnifiedDistError(
@@ -276,7 +291,7 @@ class _Reader(IterableDataset):
                 mine = current[offset:offset + count] if count else current[:1]
                 meta = {"index": i, "real": m, "mine": count,
                         "last": not following or (self.drop_last and len(following) < size),
-                        "fingerprint": fingerprint(current) if i == 0 else None}
+                        "fingerprint": fingerprint(current)}
                 yield self.collate_fn(mine), meta
             current, i = following, i + 1
 
@@ -311,6 +326,7 @@ class PreparedStreamLoader(Epochs):
                 "prepare() needs a DataLoader built with batch_size=...; a stream batched by the dataset itself "
                 "cannot be cut into global batches (yield single examples and give the DataLoader a batch_size)")
         options = loader.dataset if isinstance(loader.dataset, Stream) else Stream(loader.dataset)
+        refuse_split_by_node(options.dataset)
         self.dataset = options.dataset
         self.options = options
         self.batch_size = loader.batch_size
@@ -369,6 +385,8 @@ class PreparedStreamLoader(Epochs):
     def _whole_pass(self, rank: int, world: int) -> Iterator[Any]:
         source = iter(self._loader)
         ahead: Deque[Tuple[Any, Dict[str, Any]]] = collections.deque()
+        span = EXCHANGE_STEPS + self._lookahead  # what a rank decides the next EXCHANGE_STEPS steps by
+        ends = False  # the last comparison saw where the stream ends
 
         def fill(n: int) -> None:
             while len(ahead) < n:
@@ -377,16 +395,14 @@ class PreparedStreamLoader(Epochs):
                     return
                 ahead.append(item)
 
-        fill(self._lookahead)
-        if world > 1:  # every rank must read the same stream: compare the first global batch once a pass
-            prints = self._gather_ints([ahead[0][1]["fingerprint"] if ahead else 0])
-            if len({p[0] for p in prints}) > 1:
-                raise UnifiedDistError(
-                    f"the stream differs between ranks (first global batch fingerprints {[p[0] for p in prints]}): "
-                    "prepare() reads the whole stream on every rank and keeps each rank's slice, so the dataset must "
-                    "yield the same examples in the same order on every rank; don't shard it by rank yourself, seed "
-                    "its randomness alike on every rank (or use ud.stream(..., shuffle_buffer=N))")
-        while ahead:
+        for s in itertools.count():
+            if s % EXCHANGE_STEPS == 0 and not ends:
+                fill(span)
+                ends = len(ahead) < span
+                if world > 1:  # every rank must read the same stream: compare the next global batches
+                    self._compare(s, span, [meta["fingerprint"] for _, meta in ahead])
+            if not ahead:
+                return
             batch, meta = ahead.popleft()
             fill(self._lookahead)
             m = meta["real"]
@@ -396,6 +412,22 @@ class PreparedStreamLoader(Epochs):
                                         counts=counts)
             self._state["consumed"] += m
             yield batch
+
+    def _compare(self, s: int, span: int, prints: List[int]) -> None:
+        """Refuse, on every rank at once, a stream whose global batches ``s .. s+span-1`` differ between ranks
+        (``prints``: this rank's fingerprints of those it has; fewer than ``span`` where its stream ends)."""
+        table = self._gather_ints([len(prints), fingerprint(prints)])
+        if len({tuple(row) for row in table}) == 1:
+            return
+        held = [row[0] for row in table]
+        where = (f"it ends after {s + min(held)} global batches on rank {held.index(min(held))} and goes on on rank "
+                 f"{held.index(max(held))}" if len(set(held)) > 1 else
+                 f"global batches {s}-{s + span - 1} have fingerprints {[row[1] for row in table]}")
+        raise UnifiedDistError(
+            f"the stream differs between ranks ({where}): prepare() reads the whole stream on every rank and keeps "
+            "each rank's slice, so the dataset must yield the same examples in the same order on every rank; don't "
+            "shard or filter it by rank yourself, seed its randomness alike on every rank (or use "
+            "ud.stream(..., shuffle_buffer=N))")
 
     def _split_pass(self, rank: int, world: int) -> Iterator[Any]:
         source = iter(self._loader)

@@ -571,9 +571,78 @@ class Checks:
             return check
         return dict(zip(CHECKS["resume_split"], [resumes(k) for k in SPLIT_RESUME_STEPS]))
 
+    # issue 46 (items 2, 3, 9) ---------------------------------------------
+    @reports("a_datasets_stream_split_by_node_already_is_refused_in_one_line",
+             "a_stream_that_diverges_late_is_refused_on_every_rank_before_a_diverged_step",
+             "a_stream_that_ends_earlier_on_one_rank_is_refused_not_a_hang",
+             "split_true_in_one_process_reads_every_shard")
+    def issue46(self):
+        import datasets
+        from datasets.distributed import split_dataset_by_node
+
+        rank, world = self.rank, self.world
+        odd = world > 1 and rank == world - 1  # the rank whose stream differs (none in one process)
+        data = datasets.load_dataset("csv", data_files=self.csv_two, streaming=True, split="train")
+        try:  # the DDP habit: split by node, then prepare (which splits again)
+            ud.prepare(DataLoader(split_dataset_by_node(data, rank, world), batch_size=PER_RANK))
+            by_node = "not refused"
+        except ud.UnifiedDistError as exc:
+            by_node = str(exc)
+        # the odd rank drops row 90 (global batch 11 of 8 rows under 2 ranks), trained on until refused
+        model = net()
+        model, opt, loader = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=LR), DataLoader(
+            Rows(i for i in range(ROWS) if not (odd and i == LATE_ROW)), batch_size=PER_RANK))
+        late = until_refused(loader, model, opt)
+        # the odd rank's stream ends after row 71 (9 global batches), the others' goes on: read, not trained
+        ends = until_refused(ud.prepare(DataLoader(Rows(range(72 if odd else ROWS)), batch_size=PER_RANK)))
+        parts = shards(list(range(sum(SPLIT_SHARDS))), SPLIT_SHARDS)
+        split = ud.prepare(DataLoader(ud.stream(Sharded(parts), split=True), batch_size=PER_RANK))
+        split_steps = [ud.gather_for_metrics(b[2]).tolist() for b in split]
+        steps = -(-ROWS // (PER_RANK * world))
+
+        def split_by_node():
+            assert by_node == (
+                f"prepare() got a datasets stream already split by split_dataset_by_node (rank {rank} of {world}), "
+                "which prepare() would split again, losing data; drop the split_dataset_by_node call and pass the "
+                "whole stream: prepare() gives each rank its part"), by_node
+
+        def refused(outcome, start):
+            if world == 1:
+                assert outcome == (steps, None), outcome
+                return
+            assert outcome[0] == 8 and outcome[1] is not None and "\n" not in outcome[1], outcome
+            assert outcome[1].startswith(start), outcome[1]
+
+        def split_true():
+            assert split_steps == step_rows(parts, PER_RANK, world), (split_steps, step_rows(parts, PER_RANK, world))
+        return dict(zip(CHECKS["issue46"], (
+            split_by_node,
+            lambda: refused(late, "the stream differs between ranks (global batches 8-16 have fingerprints ["),
+            lambda: refused(ends, "the stream differs between ranks (it ends after 9 global batches on rank 1 and "
+                                  "goes on on rank 0): "),
+            split_true)))
+
+
+LATE_ROW = 90  # issue 46: a row one rank drops, past the first comparison of global batches (0-8)
+
+
+def until_refused(loader, model=None, opt=None):
+    """(steps taken, the error that ended the pass or None); a training step each when a model is given."""
+    taken = 0
+    try:
+        for batch in loader:
+            if model is not None:
+                ud.backward(mse(model, batch[0], batch[1]))
+                opt.step()
+                opt.zero_grad()
+            taken += 1
+    except ud.UnifiedDistError as exc:
+        return taken, str(exc)
+    return taken, None
+
 
 SUITE = ("rows_and_training", "eval_gather", "csv", "workers", "tiny", "shuffle", "split", "differing",
-         "resume_save")
+         "resume_save", "issue46")
 
 
 def run_all(out, tag, csv_one, csv_two, resume_from, resume_split_from, only):
