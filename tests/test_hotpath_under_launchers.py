@@ -1,7 +1,9 @@
 """The hot path (issue 28) under real launchers: torchrun, accelerate launch and horovodrun, 2 processes
 each, ``gradient_accumulation_steps=4``, compilation asked for the launcher's way (UNIFIED_DIST_COMPILE=1
 under torchrun and horovodrun, ``accelerate launch --dynamo_backend inductor`` under Accelerate), plus one
-plain ``python`` process with compilation off.
+plain ``python`` process with compilation off, which then turns it on in code (``init(compile=True)`` after
+a shutdown) for the graph counts of issue 46 (``GRAPH_CHECKS``: every launch counts dynamo's graphs for
+``nn.Sequential``, a user-defined class and a tiny transformers BERT).
 
 One launch per launcher runs every check of tests/workers/hotpath_worker.py on every rank; each check is
 one test item here, asserted per rank. The expected numbers are literals (from the issue's promise, not

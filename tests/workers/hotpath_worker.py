@@ -3,7 +3,8 @@ the facade's own calls per micro-step, ``torch.compile`` through ``ud.prepare``,
 compiled models, and the non-finite stop with gradient accumulation.
 
     <launcher> tests/workers/hotpath_worker.py --out DIR --tag NAME            (compile on, 2 ranks)
-    python tests/workers/hotpath_worker.py --out DIR --tag NAME --only off     (compile off, 1 process)
+    python tests/workers/hotpath_worker.py --out DIR --tag NAME --only off     (compile off, 1 process;
+                                                                               then on, for the graph counts)
 
 The launch asks for compilation the launcher's way (UNIFIED_DIST_COMPILE=1, or ``accelerate launch
 --dynamo_backend inductor``); the worker only calls ``ud.init(gradient_accumulation_steps=4)``.
@@ -66,8 +67,8 @@ def table(n):
 
 
 class Mlp(torch.nn.Module):
-    """A user-defined model (a forward of its own: torch 2.13's dynamo skips frames of torch.nn's own
-    modules, so an in-place compiled ``nn.Sequential`` would run eager)."""
+    """A user-defined model (a forward of its own; :data:`GRAPH_MODELS` checks torch's own
+    ``nn.Sequential`` and a transformers model too)."""
 
     def __init__(self, norm=False):
         super().__init__()
