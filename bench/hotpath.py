@@ -8,7 +8,7 @@ through ``ud.prepare``, and the facade's step against each backend's native step
 classifier on its Rotten Tomatoes batches, padded to --max-length so that every step has the same
 shapes; AdamW, clipping, one thread per process) launched once plain and once with
 ``UNIFIED_DIST_COMPILE=1`` (what ``--compile``, ``unified-dist launch --compile inductor`` and
-``accelerate launch --dynamo_backend inductor`` set: ``ud.prepare`` compiles the DDP wrapper in place),
+``accelerate launch --dynamo_backend inductor`` set: ``ud.prepare`` compiles the module DDP wraps in place),
 alternately, ``--repeats`` times (the order swaps every repeat). Steady state: the median step after
 ``--warmup`` steps; compile time, reported apart: the warm-up steps' seconds minus as many steady
 steps. The ratio compiled / eager is paired within a repeat (adjacent launches), median over repeats.

@@ -1,7 +1,9 @@
 """The hot path (issue 28) under real launchers: torchrun, accelerate launch and horovodrun, 2 processes
 each, ``gradient_accumulation_steps=4``, compilation asked for the launcher's way (UNIFIED_DIST_COMPILE=1
 under torchrun and horovodrun, ``accelerate launch --dynamo_backend inductor`` under Accelerate), plus one
-plain ``python`` process with compilation off.
+plain ``python`` process with compilation off, which then turns it on in code (``init(compile="eager")``
+after a shutdown) for the graph counts of issue 46 (``GRAPH_CHECKS``: every launch counts dynamo's graphs for
+``nn.Sequential``, a user-defined class and a tiny transformers BERT).
 
 One launch per launcher runs every check of tests/workers/hotpath_worker.py on every rank; each check is
 one test item here, asserted per rank. The expected numbers are literals (from the issue's promise, not
@@ -96,7 +98,7 @@ def _ranks(launcher: str, launches: Launches) -> Dict[int, dict]:
     return ranks
 
 
-CASES = [(launcher, check) for launcher in LAUNCHERS for check in hotpath_worker.CHECKS]
+CASES = [(launcher, check) for launcher in LAUNCHERS for check in hotpath_worker.CHECKS + hotpath_worker.GRAPH_CHECKS]
 
 
 @pytest.mark.parametrize("launcher,check", CASES, ids=["-".join(c) for c in CASES])
@@ -120,3 +122,23 @@ def test_the_stacks_own_gradient_reduction_runs_once_per_optimizer_step(launcher
     for r, data in _ranks(launcher, hotpath_launches).items():
         counts = [c["stack"] for c in data["measured"]["parity"]["counts"]]
         assert counts == [0, 0, 0, expected] * 3, f"rank {r}: {counts}"
+
+
+# ---------------------------------------------------------------------- issue 46, item 1 (and item 9's warning)
+@pytest.mark.parametrize("check", hotpath_worker.GRAPH_CHECKS)
+def test_compile_captures_graphs_under_plain_python(check, hotpath_launches):
+    """The python launch, after its compile-off check, asks for compilation in code (``init(compile="eager")``
+    after a shutdown) and counts dynamo's graphs for the same three models as the launches above. Dynamo's
+    ``eager`` backend captures the same graphs as inductor without its first compile in a fresh process
+    (~7 s on 2 cores); one process compiles ``model.forward`` as horovodrun's launch does, with inductor."""
+    data = _ranks(OFF, hotpath_launches)[0]
+    assert data["results"][check] == "ok", data["measured"].get("compiled_graphs")
+
+
+@pytest.mark.parametrize("launcher", ("torchrun", "accelerate"))
+def test_ddp_launches_print_no_broadcast_buffers_deprecation(launcher, hotpath_launches):
+    """torch 2.13 deprecates DDP's ``broadcast_buffers`` (a FutureWarning per DDP built with it): the
+    facade builds DDP with ``forward_sync_buffers=False``, so the launch's output (stderr merged) is clean."""
+    result, _ = hotpath_launches.get(launcher)
+    result.check()
+    assert "`broadcast_buffers` is deprecated" not in result.output, result.output[-3000:]

@@ -6,8 +6,9 @@ Contract: a prepared model is compiled **in place** (its ``forward`` replaced by
 its wrapper (DDP's ``no_sync``, FSDP2's methods), and its state-dict keys (no ``_orig_mod.``
 prefix): checkpoints of compiled and uncompiled models load into each other. What is compiled:
 
-- DDP (torch, Accelerate): the DDP wrapper's ``forward``, as ``torch.compile(ddp_model)`` does (dynamo
-  graph-breaks inside DDP's own bookkeeping and compiles the model's forward);
+- DDP (torch, Accelerate): the ``forward`` of the module DDP wraps (see :func:`compile_targets` for why
+  not DDP's own); it runs inside DDP's forward, so dynamo's DDP optimizer still splits its graph at
+  the gradient buckets;
 - FSDP2 / HSDP / tensor parallelism: each block :func:`unified_dist.sharding.blocks_to_shard` chose,
   one by one (regional compilation, as torchtitan does); the root's own layers stay eager;
 - Horovod and one process: the model itself (Horovod's hooks sit on the parameters, outside the graph).
@@ -17,7 +18,7 @@ original module). Importing this module imports nothing but torch.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -53,10 +54,26 @@ def is_compiled(model: torch.nn.Module) -> bool:
     return False
 
 
+def compile_targets(model: torch.nn.Module) -> List[torch.nn.Module]:
+    """The module whose ``forward`` compiling ``model`` whole compiles: ``model`` itself, or the module
+    a ``DistributedDataParallel`` wraps.
+
+    Why not DDP's own ``forward`` (what ``torch.compile(ddp_model)`` compiles): dynamo skips
+    ``DistributedDataParallel._inside_ddp_forward``, and the model's ``forward`` then starts a frame
+    of its own, which dynamo skips too when it is torch's (``nn.Sequential``, ``nn.TransformerEncoder``):
+    such a model got no graph at all, silently. A compiled ``forward`` of the inner module is traced
+    whoever wrote it, with no graph break in DDP's bookkeeping.
+    """
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    return [model]
+
+
 def compile_in_place(model: torch.nn.Module, backend: str, mode: str,
                      regions: Optional[Sequence[torch.nn.Module]] = None) -> torch.nn.Module:
-    """Compile the ``forward`` of each of ``regions`` when given (and not empty), else of ``model``; in
-    place. Returns ``model``. A model that is already compiled (:func:`is_compiled`) is left alone.
+    """Compile the ``forward`` of each of ``regions`` when given (and not empty), else of
+    :func:`compile_targets` of ``model``; in place. Returns ``model``. A model that is already compiled
+    (:func:`is_compiled`) is left alone.
 
     Why ``forward`` and not ``nn.Module.compile()``: in torch 2.13 dynamo skips the frames of torch's
     own modules, so ``module.compile()`` compiles nothing when ``forward`` is torch's (``nn.Sequential``,
@@ -64,7 +81,7 @@ def compile_in_place(model: torch.nn.Module, backend: str, mode: str,
     hooks (FSDP2's) still run around it, and the state dict is untouched.
     """
     options = {"backend": backend, **({"mode": mode} if mode != "default" else {})}
-    targets = list(regions) if regions else [model]
+    targets = list(regions) if regions else compile_targets(model)
     if any(is_compiled(t) for t in [model, *targets]):
         return model
     for target in targets:

@@ -432,7 +432,7 @@ TABLE: Dict[str, Setting] = _declare(
             "every rank stops at the same optimizer step when any rank's loss was NaN/inf (one tiny exchange "
             "per optimizer step, none on micro-steps that only accumulate)"),
     Setting("compile", "UNIFIED_DIST_COMPILE", Compiler(), None,
-            "ud.prepare compiles models with torch.compile (DDP's wrapper whole; FSDP2's blocks one by one)",
+            "ud.prepare compiles models with torch.compile (the module DDP wraps, whole; FSDP2's blocks one by one)",
             launcher=LauncherWord("ACCELERATE_DYNAMO_BACKEND", "accelerate launch --dynamo_backend", silent=("no",))),
     Setting("compile_mode", "UNIFIED_DIST_COMPILE_MODE",
             Choice(("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"), "compile mode"),

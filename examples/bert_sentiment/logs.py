@@ -65,10 +65,11 @@ def print_parameters_held(model: torch.nn.Module) -> None:
 def print_compiled(model: torch.nn.Module) -> None:
     """With --compile: which modules ``ud.prepare`` compiled in place (the whole model, or its blocks
     one by one under --sharding fsdp / --tp); nothing when none was."""
-    compiled = [name or type(module).__name__ for name, module in model.named_modules()  # forward = compiled forward
+    compiled = [(name, module) for name, module in model.named_modules()  # forward = compiled forward
                 if hasattr(vars(module).get("forward"), "_torchdynamo_orig_callable")]
     if compiled:
-        what = compiled[0] if len(compiled) == 1 else f"{len(compiled)} blocks ({compiled[0]}, ...)"
+        name, module = compiled[0]
+        what = type(module).__name__ if len(compiled) == 1 else f"{len(compiled)} blocks ({name}, ...)"
         ud.print(f"torch.compile: {what} compiled in place; the first steps include compiling")
 
 

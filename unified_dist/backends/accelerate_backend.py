@@ -13,7 +13,7 @@ from ..buckets import ddp_kwargs
 from ..compression import register_ddp_hook
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
-from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config, weighted
+from .base import Backend, Config, stop_ddp_buffer_sync, weighted
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels, OnMesh
 from .process_group import (
@@ -94,9 +94,9 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
                 # the facade compiles (unified_dist.compiling), in place: Accelerate's own compile would wrap
                 # the model in an OptimizedModule (with _orig_mod. in its state dict) before the facade's hooks
                 dynamo_backend="no",
+                # buffers: stop_ddp_buffer_sync in prepare_model (the handler cannot say forward_sync_buffers)
                 kwargs_handlers=[InitProcessGroupKwargs(timeout=config.timeout),
-                                 DistributedDataParallelKwargs(**BUFFER_KWARGS,
-                                                              **ddp_kwargs(config.bucket_mb, config.bucket_view))],
+                                 DistributedDataParallelKwargs(**ddp_kwargs(config.bucket_mb, config.bucket_view))],
             )
         if self._owns_group and not joined:
             note_group_joined_elsewhere()  # Accelerate joined it: a re-init must not meet its store keys
@@ -140,8 +140,8 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if self._fsdp.enabled and any(p.requires_grad for p in model.parameters()):
             return self._fsdp.prepare(model.to(self.device))
-        return self._ddp.track(self.apply_compression(_only_autocast_when_asked(self.accelerator.prepare_model(model),
-                                                                                  model)))
+        prepared = stop_ddp_buffer_sync(_only_autocast_when_asked(self.accelerator.prepare_model(model), model))
+        return self._ddp.track(self.apply_compression(prepared))
 
     def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
         """The hook on the DDP wrapper Accelerate made (its own ``comm_hook=BF16`` kwarg hands DDP

@@ -33,9 +33,31 @@ REDUCE_OPS = ("sum", "mean", "max", "min")
 """What ``all_reduce`` accepts."""
 PRIMITIVE_OPS = tuple(op for op in REDUCE_OPS if op != "mean")
 """Reductions every backend implements; ``mean`` is ``sum`` divided by world size."""
-DDP_BUFFER_KWARGS = {"broadcast_buffers": False}
-"""What DistributedDataParallel is built with (directly, or through Accelerate's kwargs handler): the
-facade gives every rank rank 0's buffers after each optimizer step instead (:mod:`unified_dist.buffers`)."""
+
+
+def _ddp_buffer_kwargs() -> dict:
+    import inspect
+
+    takes = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in takes else {"broadcast_buffers": False}
+
+
+DDP_BUFFER_KWARGS = _ddp_buffer_kwargs()
+"""What DistributedDataParallel is built with (or, under Accelerate, set to on the wrapper it made:
+:func:`stop_ddp_buffer_sync`): no broadcast of buffers before each synchronising forward; the facade
+gives every rank rank 0's buffers after each optimizer step instead (:mod:`unified_dist.buffers`).
+``forward_sync_buffers=False`` where torch has it (2.13 deprecates ``broadcast_buffers``, with a
+FutureWarning for each DDP built with it), ``broadcast_buffers=False`` before."""
+
+
+def stop_ddp_buffer_sync(model: torch.nn.Module) -> torch.nn.Module:
+    """Turn off a ``DistributedDataParallel``'s broadcast of buffers before each forward, as
+    :data:`DDP_BUFFER_KWARGS` does at construction (Accelerate's ``DistributedDataParallelKwargs`` has
+    no ``forward_sync_buffers``). Returns ``model``; anything but DDP is returned untouched."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        for name, value in DDP_BUFFER_KWARGS.items():
+            setattr(model, name, value)
+    return model
 DEFAULT_TIMEOUT_S = float(TABLE["timeout"].default)
 """Seconds a collective may take when neither ``init(timeout=...)`` nor ``UNIFIED_DIST_TIMEOUT`` says."""
 
