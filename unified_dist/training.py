@@ -1,9 +1,9 @@
 """Gradient accumulation, and the optimizer/scheduler wrappers that honour it on every backend.
 
 One meaning everywhere: with ``gradient_accumulation_steps=k``, inside ``ud.accumulate(model)``
-only every k-th backward pass (and the last batch of a prepared loader) synchronises
-gradients; the prepared optimizer steps and zeroes gradients only then, and the prepared
-scheduler steps once per optimizer step.
+(each argument list counting its own micro-steps) only every k-th backward pass (and the last
+batch of a prepared loader) synchronises gradients; the prepared optimizer steps and zeroes
+gradients only then, and the prepared scheduler steps once per optimizer step.
 
 Exactness. An optimizer step must apply the gradient of the mean loss over every real sample
 it saw, as one process would on the concatenated batch. Each rank's loss is the mean over its

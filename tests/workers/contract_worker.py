@@ -376,7 +376,7 @@ def _gradient_all_reduces(step):
 @check("accum")
 def micro_steps_that_accumulate_send_nothing():
     """A micro-step inside ``ud.accumulate`` that does not synchronise starts no all-reduce (DDP's
-    ``no_sync``, Horovod's ``backward_passes_per_step``); the synchronising one does (with > 1 rank).
+    ``no_sync``, Horovod's hooks, told before each backward); the synchronising one does (with > 1 rank).
     Averaging every micro-step would give the same numbers, so only counting the traffic can tell."""
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -188,7 +188,7 @@ class HorovodBackend(Backend):
                 hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         distributed = hvd.DistributedOptimizer(
             optimizer, named_parameters=self._tensor_names(optimizer, model), op=hvd.Average,
-            backward_passes_per_step=1,  # the facade says before each backward whether it averages (_settle)
+            backward_passes_per_step=1,  # the facade says before each backward whether it averages (backward)
             compression=self.apply_compression(model))
         self._distributed.append(distributed)
         return distributed
