@@ -204,3 +204,22 @@ def test_two_optimizers_share_one_loss_scale_and_held_gradients_follow_its_chang
         for model, ref in zip(got, expected):
             for p, q in zip(model.parameters(), ref.parameters()):
                 assert torch.allclose(p, q, atol=1e-6, rtol=0), (k, p, q)
+
+
+def test_an_accumulate_block_inside_another_is_refused_with_the_one_block_spelling():
+    """docs/several-models.md: a block inside another is refused, naming `ud.accumulate(generator, discriminator)`."""
+    import pytest
+
+    import unified_dist as ud
+    ud.init(gradient_accumulation_steps=2)
+    try:
+        gen, disc = ud.prepare(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        with pytest.raises(ud.UnifiedDistError, match=r"ud\.accumulate\(generator, discriminator\)") as info:
+            with ud.accumulate(gen):
+                with ud.accumulate(disc):
+                    pass
+        assert "\n" not in str(info.value)
+        with ud.accumulate(gen, disc):  # the spelling it names works
+            assert not ud.sync_gradients()
+    finally:
+        ud.shutdown()
