@@ -205,9 +205,14 @@ class HorovodBackend(Backend):
 
     def set_sync_gradients(self, sync: bool) -> None:
         self._syncing = sync
+        self._ready_hooks()  # also for a plain loss.backward() in the block (refused at the step, not before)
 
     def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None, weight: Fraction = Fraction(1)) -> None:
-        """Before the backward pass: every optimizer's averaging still in flight is finished (a new
+        self._ready_hooks()
+        super().backward(loss, scaler, weight)
+
+    def _ready_hooks(self) -> None:
+        """Before a backward pass: every optimizer's averaging still in flight is finished (a new
         gradient must not race it, nor reuse its name), and each optimizer's hooks are told whether
         this pass averages (the synchronising micro-step of the current ``ud.accumulate`` block) or
         only accumulates. Horovod's own count (``backward_passes_per_step``) counts backward passes
@@ -217,7 +222,6 @@ class HorovodBackend(Backend):
             delay = 1 if self._syncing else _NEVER
             for p in optimizer._allreduce_delay:
                 optimizer._allreduce_delay[p] = delay
-        super().backward(loss, scaler, weight)
 
     def release_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Before zeroing: finish the averaging in flight and forget the passes that only accumulated,
