@@ -154,3 +154,72 @@ def test_clip_waits_for_every_prepared_optimizer_first(monkeypatch):
     finally:
         ud.shutdown()
     assert norm is not None and float(norm) > 1e-3
+
+
+# ----------------------------------------------------------------- issue #46 item 9: one loss scale, several optimizers
+def _two_model_run(k, scaler_factory=None, monkeypatch=None):
+    """A discriminator/generator pair, two SGD optimizers, 4 batches, k micro-batches a step: through the
+    facade (its backend's scaler from ``scaler_factory``), or in plain torch without any scaling (``None``)."""
+    import unified_dist as ud
+    torch.manual_seed(0)
+    gen, disc = torch.nn.Linear(2, 2), torch.nn.Linear(2, 1)
+    opt_g, opt_d = torch.optim.SGD(gen.parameters(), lr=0.1), torch.optim.SGD(disc.parameters(), lr=0.1)
+    batches = [torch.randn(4, 2, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    if scaler_factory is None:
+        for i, z in enumerate(batches):
+            last = (i + 1) % k == 0
+            (disc(z).pow(2).mean() / k).backward()
+            if last:
+                opt_d.step(), opt_d.zero_grad()
+            (-disc(gen(z)).mean() / k).backward()  # reaches the discriminator too, as a GAN's does
+            if last:
+                opt_g.step(), opt_g.zero_grad()
+        return gen, disc
+    monkeypatch.setattr(SingleProcessBackend, "make_grad_scaler", lambda self: scaler_factory())
+    ud.init(gradient_accumulation_steps=k)
+    try:
+        gen, disc, opt_g, opt_d = ud.prepare(gen, disc, opt_g, opt_d)
+        for z in batches:
+            with ud.accumulate(disc):
+                ud.backward(disc(z).pow(2).mean())
+                opt_d.step(), opt_d.zero_grad()
+            with ud.accumulate(gen):
+                ud.backward(-disc(gen(z)).mean())
+                opt_g.step(), opt_g.zero_grad()
+        assert opt_g.scaler is opt_d.scaler  # one scaler, as Accelerate's
+        return gen, disc
+    finally:
+        ud.shutdown()
+
+
+def test_two_optimizers_share_one_loss_scale_and_held_gradients_follow_its_changes(monkeypatch):
+    """fp16 with two optimizers (a GAN): every ud.backward is scaled by the scale each optimizer unscales
+    by, also when the scale grows after every update (growth_interval=1) and micro-batches accumulate:
+    the same weights as plain torch without scaling (powers of two scale exactly): gradients an optimizer
+    still holds when another one changes the scale are rescaled."""
+    for k in (1, 2):
+        expected = _two_model_run(k)
+        got = _two_model_run(k, lambda: torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1),
+                             monkeypatch)
+        for model, ref in zip(got, expected):
+            for p, q in zip(model.parameters(), ref.parameters()):
+                assert torch.allclose(p, q, atol=1e-6, rtol=0), (k, p, q)
+
+
+def test_an_accumulate_block_inside_another_is_refused_with_the_one_block_spelling():
+    """docs/several-models.md: a block inside another is refused, naming `ud.accumulate(generator, discriminator)`."""
+    import pytest
+
+    import unified_dist as ud
+    ud.init(gradient_accumulation_steps=2)
+    try:
+        gen, disc = ud.prepare(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        with pytest.raises(ud.UnifiedDistError, match=r"ud\.accumulate\(generator, discriminator\)") as info:
+            with ud.accumulate(gen):
+                with ud.accumulate(disc):
+                    pass
+        assert "\n" not in str(info.value)
+        with ud.accumulate(gen, disc):  # the spelling it names works
+            assert not ud.sync_gradients()
+    finally:
+        ud.shutdown()

@@ -181,14 +181,16 @@ def backward(loss: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def accumulate(model: torch.nn.Module) -> Iterator[None]:
-    """Wrap one micro-step (forward, backward, step): only every k-th one synchronises.
+def accumulate(*models: torch.nn.Module) -> Iterator[None]:
+    """Wrap one micro-step (forward, backward, step) of ``models``: only every k-th one synchronises.
 
     With ``gradient_accumulation_steps=k`` the prepared optimizer steps on every k-th
     micro-step and on the last batch of a prepared loader; in between, gradients
-    accumulate locally with no communication.
+    accumulate locally with no communication. Each argument list counts its own micro-steps:
+    ``accumulate(D)`` and ``accumulate(G)`` entered once per batch each step their optimizers every
+    k batches, and ``accumulate(G, D)`` is one micro-step of both (``docs/several-models.md``).
     """
-    with session.current().sync.accumulate(model):
+    with session.current().sync.accumulate(*models):
         yield
 
 

@@ -73,6 +73,7 @@ class Session:
     loaders: LoaderStack
     optimizers: List[PreparedOptimizer] = field(default_factory=list)
     prepared_from: dict = field(default_factory=dict)  # id(user's optimizer) -> PreparedOptimizer
+    scaler: Any = None  # the fp16 loss scaler every prepared optimizer shares (None: the backend's own, or none)
     seed: int = 0  # the loaders' shuffle seed (seed_everything)
     failed: bool = False  # an exception reached the top of the program (see _note_failure)
     _finite: Optional[torch.Tensor] = None  # on the device: every loss of this accumulation window was finite
@@ -99,7 +100,9 @@ class Session:
                 out[i] = obj
             elif isinstance(obj, torch.optim.Optimizer):
                 inner = backend.prepare_optimizer(obj, models[0] if len(models) == 1 else None)
-                prepared = PreparedOptimizer(inner, self.sync, backend.make_grad_scaler())
+                if self.sync.scaler is None:  # one loss scale for every optimizer, as Accelerate's one scaler
+                    self.sync.scaler = backend.make_grad_scaler()
+                prepared = PreparedOptimizer(inner, self.sync, self.sync.scaler)
                 self.optimizers.append(prepared)
                 self.prepared_from[id(obj)] = prepared
                 out[i] = prepared
@@ -165,8 +168,7 @@ class Session:
         if self.sync.sync_gradients and self.exchanges:
             window, self._finite = self._finite, None
             self._exchange(window)
-        scaler = self.optimizers[-1].scaler if self.optimizers else None
-        self.backend.backward(loss, scaler, self.sync.loss_weight())
+        self.backend.backward(loss, self.sync.scaler, self.sync.loss_weight())
 
     @property
     def exchanges(self) -> bool:

@@ -1,9 +1,9 @@
 """Gradient accumulation, and the optimizer/scheduler wrappers that honour it on every backend.
 
 One meaning everywhere: with ``gradient_accumulation_steps=k``, inside ``ud.accumulate(model)``
-only every k-th backward pass (and the last batch of a prepared loader) synchronises
-gradients; the prepared optimizer steps and zeroes gradients only then, and the prepared
-scheduler steps once per optimizer step.
+(each argument list counting its own micro-steps) only every k-th backward pass (and the last
+batch of a prepared loader) synchronises gradients; the prepared optimizer steps and zeroes
+gradients only then, and the prepared scheduler steps once per optimizer step.
 
 Exactness. An optimizer step must apply the gradient of the mean loss over every real sample
 it saw, as one process would on the concatenated batch. Each rank's loss is the mean over its
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from fractions import Fraction
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -29,40 +29,91 @@ from .data import LoaderStack
 from .errors import UnifiedDistError
 
 
+class _Window:
+    """One accumulation window: the micro-steps counted so far and the real samples it holds."""
+
+    __slots__ = ("micro_step", "samples")
+
+    def __init__(self) -> None:
+        self.micro_step = 0
+        self.samples: Optional[int] = None  # real samples of the whole window (a prepared loader's), once known
+
+
 class GradientSync:
-    """Counts micro-steps and decides which backward pass synchronises."""
+    """Counts micro-steps and decides which backward pass synchronises.
+
+    Each ``ud.accumulate(...)`` argument list counts its own micro-steps: a GAN that enters
+    ``accumulate(D)`` then ``accumulate(G)`` each batch gets two windows of ``k`` micro-batches
+    (not one window of ``k`` contexts shared by both models), and ``accumulate(G, D)`` is one
+    micro-step of both models together."""
 
     def __init__(self, backend: Backend, loaders: LoaderStack) -> None:
         self.backend = backend
         self.loaders = loaders
         self.buffers = ModelBuffers(backend)  # the prepared models' buffers, made rank 0's after each step
         self.steps = backend.config.gradient_accumulation_steps
-        self.micro_step = 0
         self.sync_gradients = True
         self.inside = False  # within a `with ud.accumulate(model):` block now
         self.ever_accumulated = False
         self.backward_calls = 0  # ud.backward calls so far (each optimizer remembers the count at its step)
-        self._window_samples: Optional[int] = None  # real samples of the current accumulation window
+        self._windows: Dict[Tuple[int, ...], _Window] = {}  # by the ids of the models accumulate() was given
+        self._window: Optional[_Window] = None  # the window of the current (or last) accumulate block
+        self.scaler: Any = None  # the fp16 loss scaler every prepared optimizer shares (None: the backend's, or none)
+        self.optimizers: List["PreparedOptimizer"] = []  # every optimizer prepared in this session
 
     @contextlib.contextmanager
-    def accumulate(self, model: torch.nn.Module) -> Iterator[None]:
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        if self.inside:
+            raise UnifiedDistError(
+                "ud.accumulate() inside another ud.accumulate() block; for one micro-step of several models "
+                "write one block with them all: `with ud.accumulate(generator, discriminator):`")
+        if not models:
+            raise UnifiedDistError("ud.accumulate() needs the model(s) of the micro-step: `with ud.accumulate(model):`")
+        window = self._windows.setdefault(tuple(id(m) for m in models), _Window())
         loader = self.loaders.current
         info = loader.batch_info if loader is not None else None
-        if self.micro_step == 0:  # a window starts: it ends after k micro-batches or with the epoch
-            self._window_samples = loader.window_samples(self.steps) if info is not None else None
-        self.micro_step += 1
-        self.sync_gradients = self.micro_step % self.steps == 0 or (info is not None and info.is_last)
+        if window.micro_step == 0:  # a window starts: it ends after k micro-batches or with the epoch
+            window.samples = loader.window_samples(self.steps) if info is not None else None
+        window.micro_step += 1
+        self.sync_gradients = window.micro_step % self.steps == 0 or (info is not None and info.is_last)
         if self.sync_gradients:
-            self.micro_step = 0
+            window.micro_step = 0
+        self._window = window
         self.backend.set_sync_gradients(self.sync_gradients)
         self.inside = self.ever_accumulated = True
         try:
-            with (contextlib.nullcontext() if self.sync_gradients else self.backend.no_sync(model)):
+            with contextlib.ExitStack() as stack:
+                if not self.sync_gradients:
+                    for model in models:
+                        stack.enter_context(self.backend.no_sync(model))
                 yield
         finally:
             self.inside = False
             if self.sync_gradients:
-                self._window_samples = None
+                window.samples = None
+
+    def loss_scale(self) -> Optional[torch.Tensor]:
+        """The fp16 loss scale every ``ud.backward`` multiplies by now (a copy, on the device; ``None`` without
+        loss scaling): the facade's shared scaler's, or the one the backend's library keeps (Accelerate's)."""
+        scaler = self.scaler if self.scaler is not None else self.backend.native_loss_scaler()
+        scale = getattr(scaler, "_scale", None)  # GradScaler keeps it as a tensor: reading it needs no host sync
+        return scale.clone() if isinstance(scale, torch.Tensor) else None
+
+    def rescale_others(self, stepped: "PreparedOptimizer", before: Optional[torch.Tensor]) -> None:
+        """After ``stepped`` stepped and the shared scale went from ``before`` to its new value (growth, or
+        backoff on an inf), the gradients that other optimizers still hold (a generator's micro-batches
+        of a window not yet complete, a discriminator's share of the generator's loss) are scaled by the
+        old one: multiply them by new/old, so that every optimizer unscales them by the scale they carry."""
+        after = self.loss_scale()
+        if before is None or after is None:
+            return
+        ratio = after / before
+        for other in self.optimizers:
+            if other is stepped or other._finalized:  # _finalized: already unscaled (clipped) this step
+                continue
+            grads = [p.grad for group in other.param_groups for p in group["params"] if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, ratio)
 
     def check_backward_context(self) -> None:
         """Refuse ``ud.backward`` outside ``ud.accumulate`` when micro-batches accumulate: nothing
@@ -94,7 +145,8 @@ class GradientSync:
         info = loader.batch_info if loader is not None else None
         if info is None:
             return Fraction(1, self.steps)
-        step_samples = self._window_samples or info.real * self.steps
+        window_samples = self._window.samples if self._window is not None else None
+        step_samples = window_samples or info.real * self.steps
         return Fraction(self.backend.data_parallel_world_size * info.mine, step_samples)
 
 
@@ -113,6 +165,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._finalized = False
         self.steps_taken = 0
         self._backward_calls_at_step = sync.backward_calls  # ud.backward calls counted before this step
+        sync.optimizers.append(self)
 
     # passthrough of what torch and schedulers read
     @property
@@ -179,12 +232,14 @@ class PreparedOptimizer(torch.optim.Optimizer):
         finalized, self._finalized = self._finalized, False
         self.steps_taken += 1
         self._backward_calls_at_step = self._sync.backward_calls
+        scale = self._sync.loss_scale()
         with self._sync.backend.step_context(self.optimizer, finalized):
             if self.scaler is None:
                 result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
             else:
                 result = self.scaler.step(self.optimizer)
                 self.scaler.update()
+        self._sync.rescale_others(self, scale)
         self._sync.buffers.after_step(self.optimizer)  # every rank takes rank 0's buffers (unified_dist.buffers)
         return result
 
@@ -212,6 +267,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if not self._sync.sync_gradients:
             return
         self._finalized = False  # a step the user skipped must not leave the next one unfinalized
+        self._sync.backend.release_gradients(self.optimizer)
         if set_to_none:
             self.optimizer.zero_grad()  # no argument: a wrapped optimizer's may take none; default is set_to_none
             return

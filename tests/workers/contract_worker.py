@@ -19,6 +19,7 @@ from the facade itself.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import glob
 import json
@@ -376,7 +377,7 @@ def _gradient_all_reduces(step):
 @check("accum")
 def micro_steps_that_accumulate_send_nothing():
     """A micro-step inside ``ud.accumulate`` that does not synchronise starts no all-reduce (DDP's
-    ``no_sync``, Horovod's ``backward_passes_per_step``); the synchronising one does (with > 1 rank).
+    ``no_sync``, Horovod's hooks, told before each backward); the synchronising one does (with > 1 rank).
     Averaging every micro-step would give the same numbers, so only counting the traffic can tell."""
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1587,6 +1588,109 @@ def a_peek_keeps_the_epoch_order_and_a_break_after_training_reshuffles():
     assert after_break["epoch"] == 2 and after_break["samples_consumed"] == b * w, after_break
     assert sorted(stream_plain[0]) == list(range(n)) and stream_plain[0] != stream_plain[1], stream_plain
     assert stream_peeked == stream_plain, f"a peek moved the stream's order: {stream_peeked} != {stream_plain}"
+
+# ----------------------------------------------------------------- issue #46 item 8: several models
+# A GAN (two Adam optimizers), an EMA copy of the generator and a frozen teacher, under every launcher,
+# against plain single-process torch on the world's micro-batches (core: k=1, accum: k=2), written both
+# with one ud.accumulate(model) per model and with one ud.accumulate(G, D) block.
+def _gan_models():
+    torch.manual_seed(3)
+    gen = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    disc = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    teacher = torch.nn.Linear(4, 3).requires_grad_(False)
+    return gen, disc, teacher
+
+
+def _gan_micro_step(gen, disc, teacher, ema, opt_g, opt_d, z, real, io):
+    """One batch of a GAN: the discriminator's step, then the generator's, whose loss reaches the
+    discriminator too (k=1: each optimizer zeroes first, the common habit; k>1: after its step)."""
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    with io.block(disc):
+        if io.zero_first:
+            io.zero(opt_d)
+        with torch.no_grad():
+            fake = gen(z)
+        target = torch.cat([torch.ones(len(real), 1), torch.zeros(len(fake), 1)])
+        io.backward(bce(disc(torch.cat([real, fake])), target))
+        io.step(opt_d)
+        if not io.zero_first:
+            io.zero(opt_d)
+    with io.block(gen):
+        if io.zero_first:
+            io.zero(opt_g)
+        fake = gen(z)
+        io.backward(bce(disc(fake), torch.ones(len(fake), 1)) + 0.5 * torch.nn.functional.mse_loss(fake, teacher(z)))
+        io.step(opt_g)
+        if io.synced():  # the EMA follows the generator's optimizer steps
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), gen.parameters()):
+                    e.mul_(0.9).add_(full(p.detach()).cpu(), alpha=0.1)
+        if not io.zero_first:
+            io.zero(opt_g)
+
+
+def _gan_data(n):
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(n, 4, generator=g), torch.randn(n, 3, generator=g) * 0.5 + 1.0
+
+
+def _gan_reference(z, real, k, micro_batch):
+    """Plain torch, one process: each micro-step on the world's micro-batch, losses divided by k."""
+    gen, disc, teacher = _gan_models()
+    ema = copy.deepcopy(gen)
+    opt_g, opt_d = torch.optim.Adam(gen.parameters(), lr=0.01), torch.optim.Adam(disc.parameters(), lr=0.01)
+    for i in range(len(z) // micro_batch):
+        last = (i + 1) % k == 0
+        io = types.SimpleNamespace(block=lambda m: contextlib.nullcontext(), zero_first=k == 1,
+                                   backward=lambda loss: (loss / k).backward(), synced=lambda last=last: last,
+                                   step=lambda o, last=last: o.step() if last else None,
+                                   zero=lambda o, last=last: o.zero_grad() if last else None)
+        rows = slice(i * micro_batch, (i + 1) * micro_batch)
+        _gan_micro_step(gen, disc, teacher, ema, opt_g, opt_d, z[rows], real[rows], io)
+    return gen, disc, ema
+
+
+def _gan_facade(z, real, k, per_rank, joint):
+    gen, disc, teacher = _gan_models()
+    opt_g, opt_d = torch.optim.Adam(gen.parameters(), lr=0.01), torch.optim.Adam(disc.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(z, real), batch_size=per_rank)
+    gen, disc, teacher, opt_g, opt_d, loader = ud.prepare(gen, disc, teacher, opt_g, opt_d, loader)
+    ema = copy.deepcopy(ud.unwrap(gen)).cpu()
+    io = types.SimpleNamespace(block=(lambda m: contextlib.nullcontext()) if joint else ud.accumulate,
+                               zero_first=k == 1, backward=ud.backward, synced=ud.sync_gradients,
+                               step=lambda o: o.step(), zero=lambda o: o.zero_grad())
+    for zb, rb in loader:
+        with (ud.accumulate(gen, disc) if joint else contextlib.nullcontext()):
+            _gan_micro_step(gen, disc, teacher, ema, opt_g, opt_d, zb, rb, io)
+    return ud.unwrap(gen), ud.unwrap(disc), ema, (opt_g.steps_taken, opt_d.steps_taken)
+
+
+@check("core", "accum")
+def gan_two_optimizers_ema_and_teacher_match_one_process(ctx):
+    """Every model's optimizer steps once per k of its micro-steps (not once per k contexts of any
+    model), and G, D and the EMA equal one process on the world's batches within 1e-6 (float32), in
+    both spellings; the EMA that ud.save writes is the one every rank holds."""
+    k, w, per_rank, micro_steps = ud.gradient_accumulation_steps(), ud.world_size(), 4, 4
+    z, real = _gan_data(per_rank * w * micro_steps)
+    ref = _gan_reference(z, real, k, per_rank * w)
+    problems = []
+    for joint in (False, True):
+        *got, steps = _gan_facade(z, real, k, per_rank, joint)
+        if steps != (micro_steps // k, micro_steps // k):
+            problems.append(f"joint={joint}: optimizer steps (G, D) {steps}, expected {micro_steps // k} each")
+        for name, model, expected in zip(("G", "D", "EMA"), got, ref):
+            for p, q in zip(model.parameters(), expected.parameters()):
+                off = (full(p.detach()).cpu().double() - q.detach().double()).abs().max().item()
+                if off > 1e-6:
+                    problems.append(f"joint={joint}: {name} is {off:.3g} from one process")
+    path = os.path.join(ctx.out, f"gan_ema_{ud.backend_name()}_{k}.pt")
+    ud.save({"ema": got[2]}, path)
+    ud.barrier()
+    saved = torch.load(path, weights_only=True)["ema"]
+    for name, p in got[2].state_dict().items():
+        if not torch.equal(saved[name], p):
+            problems.append(f"the saved EMA's {name} is not this rank's")
+    assert not problems, "; ".join(problems)
 
 
 if __name__ == "__main__":

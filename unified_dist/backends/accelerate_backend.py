@@ -138,7 +138,10 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
         destroy_at_exit(self._owns_group)
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if self._fsdp.enabled and any(p.requires_grad for p in model.parameters()):
+        if not any(p.requires_grad for p in model.parameters()):
+            # nothing to synchronise (a frozen teacher): Accelerate would wrap it in DDP, which refuses it
+            return model.to(self.device)
+        if self._fsdp.enabled:
             return self._fsdp.prepare(model.to(self.device))
         prepared = stop_ddp_buffer_sync(_only_autocast_when_asked(self.accelerator.prepare_model(model), model))
         return self._ddp.track(self.apply_compression(prepared))
@@ -173,6 +176,9 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
 
     def make_grad_scaler(self) -> Optional[Any]:
         return None  # AcceleratedOptimizer owns the scaler
+
+    def native_loss_scaler(self) -> Optional[Any]:
+        return self.accelerator.scaler  # one for every optimizer; each AcceleratedOptimizer.step() updates it
 
     def finalize_gradients(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
         # fp16: the gradients are still multiplied by Accelerate's loss scale (its own GradScaler);

@@ -254,6 +254,10 @@ class Backend(ABC):
         """Context around ``optimizer.step()``; ``finalized``: :meth:`finalize_gradients` ran this step."""
         return contextlib.nullcontext()
 
+    def release_gradients(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027 - optional hook
+        """Called before the facade zeroes ``optimizer``'s gradients (whether or not it stepped): a
+        stack that averages asynchronously finishes what is in flight here. This default does nothing."""
+
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
         """Context in which backward passes accumulate locally without communicating."""
         return contextlib.nullcontext()
@@ -267,6 +271,10 @@ class Backend(ABC):
         if dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def native_loss_scaler(self) -> Optional[Any]:
+        """The ``GradScaler`` the library keeps and applies itself (Accelerate's), else ``None``."""
+        return None
 
     def make_grad_scaler(self) -> Optional[Any]:
         """A gradient scaler when fp16 needs one, else ``None``."""

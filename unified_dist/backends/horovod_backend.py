@@ -5,7 +5,8 @@ import functools
 import os
 import pickle
 import time
-from typing import Any, Optional
+from fractions import Fraction
+from typing import Any, List, Optional
 
 import torch
 
@@ -23,6 +24,9 @@ from ..errors import (
 )
 from . import horovod_rendezvous
 from .base import Backend, Config
+
+_NEVER = 2**62
+"""A hook delay no run reaches: Horovod's hook counts it down and sends nothing (accumulating micro-steps)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -133,6 +137,8 @@ class HorovodBackend(Backend):
         if detection.master_addr is not None:  # another launcher's processes: Horovod meets them by itself
             self._exported = horovod_rendezvous.join(detection, config.timeout)
         self.hvd.init()
+        self._distributed: List[Any] = []  # the DistributedOptimizers made, in order (their names differ)
+        self._syncing = True  # whether the current micro-step's backward averages (set_sync_gradients)
         if torch.cuda.is_available():
             torch.cuda.set_device(self.device)
 
@@ -185,11 +191,59 @@ class HorovodBackend(Backend):
             has_state = torch.tensor([1.0 if optimizer.state_dict()["state"] else 0.0])
             if hvd.allreduce(has_state, op=hvd.Max, name="unified_dist.has_optimizer_state").item() > 0:
                 hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-        named = list(model.named_parameters()) if model is not None else None
-        return hvd.DistributedOptimizer(
-            optimizer, named_parameters=named, op=hvd.Average,
-            backward_passes_per_step=self.config.gradient_accumulation_steps,
+        distributed = hvd.DistributedOptimizer(
+            optimizer, named_parameters=self._tensor_names(optimizer, model), op=hvd.Average,
+            backward_passes_per_step=1,  # the facade says before each backward whether it averages (backward)
             compression=self.apply_compression(model))
+        self._distributed.append(distributed)
+        return distributed
+
+    def _tensor_names(self, optimizer: torch.optim.Optimizer, model: Optional[torch.nn.Module]) -> list:
+        """The names the averaging sends ``optimizer``'s gradients under: unique across the optimizers
+        of the job (Horovod refuses a name that another tensor in flight carries: two optimizers with
+        its default ``allreduce.noname.0.0`` each collide), the model's parameter names where known."""
+        prefix = f"ud.opt{len(self._distributed)}"
+        if model is not None:
+            return [(f"{prefix}.{name}", p) for name, p in model.named_parameters()]
+        return [(f"{prefix}.group{i}.param{j}", p) for i, group in enumerate(optimizer.param_groups)
+                for j, p in enumerate(group["params"])]
+
+    def set_sync_gradients(self, sync: bool) -> None:
+        self._syncing = sync
+        self._ready_hooks()  # also for a plain loss.backward() in the block (refused at the step, not before)
+
+    def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None, weight: Fraction = Fraction(1)) -> None:
+        self._ready_hooks()
+        super().backward(loss, scaler, weight)
+
+    def _ready_hooks(self) -> None:
+        """Before a backward pass: every optimizer's averaging still in flight is finished (a new
+        gradient must not race it, nor reuse its name), and each optimizer's hooks are told whether
+        this pass averages (the synchronising micro-step of the current ``ud.accumulate`` block) or
+        only accumulates. Horovod's own count (``backward_passes_per_step``) counts backward passes
+        per parameter, so a generator's loss reaching the discriminator would shift its window."""
+        for optimizer in self._distributed:
+            self._settle(optimizer)
+            delay = 1 if self._syncing else _NEVER
+            for p in optimizer._allreduce_delay:
+                optimizer._allreduce_delay[p] = delay
+
+    def release_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before zeroing: finish the averaging in flight and forget the passes that only accumulated,
+        so that zeroing the gradients of an optimizer that did not step (a discriminator after the
+        generator's loss reached it) is torch's ``zero_grad``, which Horovod's refuses."""
+        if isinstance(getattr(optimizer, "_handles", None), dict):  # a DistributedOptimizer
+            self._settle(optimizer)
+            optimizer._handles.clear()  # only (None, None) entries are left: passes that sent nothing
+
+    def _settle(self, optimizer: Any) -> None:
+        """Wait for ``optimizer``'s gradient averages in flight and put them in the gradients, as
+        Horovod's ``synchronize`` does, without sending the gradients that are not in flight."""
+        handles = optimizer._handles
+        for p, (handle, ctx) in list(handles.items()):
+            if handle is not None:
+                p.grad.set_(optimizer._compression.decompress(self._wait(handle), ctx))
+                del handles[p]
 
     def apply_compression(self, model: Optional[torch.nn.Module]) -> Any:
         """Horovod compresses in its ``DistributedOptimizer``: the ``compression=`` it takes."""
