@@ -148,18 +148,24 @@ def _provenance() -> Dict[str, Any]:
     """bench/provenance.py's fields (commit, command, load, CPU) in a checkout; the command alone elsewhere."""
     path = PACKAGE_ROOT / "bench" / "provenance.py"
     if path.exists():
-        from ..testing.launchers import bench_module
-
-        return bench_module("provenance").start()
+        return _bench_provenance().start()
     return {"commit": "unknown (not a checkout)", "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "load_before": list(os.getloadavg())}
 
 
+def _bench_provenance():
+    """The checkout's bench/provenance.py as a module (the library does not import its test helpers)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_provenance", PACKAGE_ROOT / "bench" / "provenance.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _finish(record: Dict[str, Any]) -> Dict[str, Any]:
     if (PACKAGE_ROOT / "bench" / "provenance.py").exists():
-        from ..testing.launchers import bench_module
-
-        return bench_module("provenance").finish(record)
+        return _bench_provenance().finish(record)
     record["load_after"] = list(os.getloadavg())
     return record
 
