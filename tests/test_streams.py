@@ -94,10 +94,11 @@ def run_ranks(world: int, body: Callable[[int, Exchange], Any]) -> List[Any]:
     return results
 
 
-def epoch_of(loader) -> List[dict]:
-    """Each step's batch and what the loader said about it."""
+def epoch_of(loader, limit=None) -> List[dict]:
+    """Each step's batch and what the loader said about it (an AssertionError past ``limit`` steps)."""
     steps = []
     for batch in loader:
+        assert limit is None or len(steps) < limit, f"the epoch goes on past {limit} steps"
         info = loader.batch_info
         steps.append({"rows": batch.tolist(), "real": info.real, "mine": info.mine, "counts": info.counts,
                       "last": info.is_last, "kept": info.kept_rows(), "window": loader.window_samples(2)})
@@ -412,7 +413,7 @@ def gathered_steps(world, global_batch, dataset, seed=0, epochs=1):
     """Every step's rows of all ranks (as sets, sorted), per epoch, and which shards each rank opened."""
     def body(rank, ex):
         loader = loader_for(dataset, rank, world, ex, batch_size=global_batch // world, seed=seed)
-        return [[(s["rows"][:s["mine"]]) for s in epoch_of(loader)] for _ in range(epochs)]
+        return [[(s["rows"][:s["mine"]]) for s in epoch_of(loader, limit=64)] for _ in range(epochs)]
     results = run_ranks(world, body)
     for r in results:
         assert not isinstance(r, BaseException), r
