@@ -9,7 +9,8 @@ rank), ``num_workers=2``, streams of 0 and 1 rows, a seeded shuffle buffer, a ge
 its shards (uneven), a stream that differs between ranks (refused), and mid-epoch resume across world
 sizes: the python launch saves a state mid-epoch that every 2-process launch resumes (1 -> 2), and a
 second python launch resumes the torchrun launch's (2 -> 1); the torchrun launch's split-mode states
-resume in the other 2-process launches and are refused in the 1-process one. The shuffled order is compared across
+resume in the other 2-process launches, and in the 1-process ones in the canonical order of the shards
+(a state read back whole is refused). The shuffled order is compared across
 launches here: it must not depend on the launcher or the world size. Issue 46 item 7: 8 JSON files read by
 shards, packed per file and shuffled, train on the same per-step losses under 1, 2 and 4 ranks (a third
 torchrun launch, 4 processes, runs only those checks), each rank opening only its files.

@@ -31,7 +31,7 @@ SEED, BUFFER = 1234, 16
 LR = 0.05
 RESUME_STEPS = 3  # the state is taken after this many steps of the second epoch
 SPLIT_RESUME_STEPS = (3, 5)  # split states: while every rank has rows left, and once rank 1's 13 rows ran out
-SPLIT_SHARDS = (30, 13)  # a generic dataset with 2 uneven shards (split mode under 2 ranks)
+SPLIT_SHARDS = (30, 13)  # a generic dataset with 2 uneven shards (read by shards under 1 and 2 ranks)
 LONG_SHARDS = (29, 70)  # batch 1: 70 steps, past two exchanges of counts (every 32); rank 0 pads from step 29
 WORKER_ROWS = 45
 WORKER_START = "forkserver"
@@ -481,7 +481,7 @@ class Checks:
     @reports("a_mid_epoch_state_dict_leaves_the_pass_going_on")
     def resume_save(self):
         """Epoch 0 whole, then epoch 1 with a state taken after RESUME_STEPS steps; the uninterrupted run's
-        order goes beside the state. A split-mode state (the 2-shard dataset) too, where this launch splits."""
+        order goes beside the state. A by-shards state (the 2-shard dataset) too."""
         world = self.world
         ud.seed_everything(SEED)
         loader = ud.prepare(DataLoader(ud.stream(Rows(range(ROWS)), shuffle_buffer=BUFFER), batch_size=PER_RANK))
@@ -493,7 +493,7 @@ class Checks:
             if s + 1 == RESUME_STEPS:
                 state = loader.state_dict()
         consumed = RESUME_STEPS * PER_RANK * world
-        # the 2-shard dataset: split under 2 ranks (under 1 it is read whole: then whole-stream states)
+        # the 2-shard dataset, read by shards (under 1 rank too): states of the canonical order
         split_loader = ud.prepare(DataLoader(Sharded(shards(list(range(43)), SPLIT_SHARDS)), batch_size=PER_RANK))
         split_states, split_rows = {}, []
         for s, batch in enumerate(split_loader):
