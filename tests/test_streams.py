@@ -397,13 +397,12 @@ class CountedShards(Shards):
         return Opened(part.parts)
 
 
-def canonical_steps(parts, global_batch):
+def canonical_steps(parts, global_batch, start=0):
     """Plain arithmetic: slot p is example p // n of shard p % n (empty past its end); a step is global_batch
-    slots, a step with none skipped."""
+    slots from slot ``start`` on, a step with none skipped."""
     n, steps = len(parts), []
-    for t in range(-(-n * max(map(len, parts)) // global_batch)):
-        rows = [parts[p % n][p // n] for p in range(t * global_batch, (t + 1) * global_batch)
-                if p // n < len(parts[p % n])]
+    for t in range(start, n * max(map(len, parts)), global_batch):
+        rows = [parts[p % n][p // n] for p in range(t, t + global_batch) if p // n < len(parts[p % n])]
         if rows:
             steps.append(rows)
     return steps
@@ -426,6 +425,27 @@ def test_shards_give_one_canonical_order_at_every_world_size_dividing_them(globa
     want = [sorted(step) for step in canonical_steps(EIGHT, global_batch)]
     for world in (w for w in (1, 2, 4) if global_batch % w == 0):
         assert gathered_steps(world, global_batch, Shards(EIGHT)) == [want], world
+
+
+def test_a_state_by_shards_resumes_at_another_world_size_at_the_next_slot():
+    def three_steps(rank, ex):  # 2 ranks, global batch 4: 12 slots, not a whole round of the 8 shards
+        loader = loader_for(Shards(EIGHT), rank, 2, ex, batch_size=2)
+        it = iter(loader)
+        [next(it) for _ in range(3)]
+        return loader.state_dict()
+
+    state = run_ranks(2, three_steps)[0]
+    assert state["stream"] == {"mode": "shards", "n_shards": 8, "slots": 12}
+
+    def resume(rank, ex, world):
+        loader = loader_for(Shards(EIGHT), rank, world, ex, batch_size=4 // world)
+        loader.load_state_dict(state)
+        return [s["rows"][:s["mine"]] for s in epoch_of(loader, limit=64)]
+
+    want = [sorted(step) for step in canonical_steps(EIGHT, 4, start=12)]
+    for world in (1, 4):
+        ranks = run_ranks(world, lambda r, ex, w=world: resume(r, ex, w))
+        assert [sorted(i for r in ranks for i in r[s]) for s in range(len(ranks[0]))] == want, world
 
 
 def test_each_rank_opens_only_its_shards():
