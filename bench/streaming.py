@@ -14,7 +14,7 @@ once per repeat and configuration, interleaved (repeat 1: every configuration, t
   is the data path: reading, tokenising on the fly, cutting the stream);
 - ``stream-shuffled``: ``--streaming`` with the default shuffle buffer (1000 rows);
 - ``stream-2-shards`` (2 processes): ``--streaming --no-shuffle --stream-shards 2``: each rank reads
-  only its own file (``datasets.distributed.split_dataset_by_node``).
+  only its own file (read by shards in their canonical order, docs/streaming.md).
 
 The first ``--rows`` training examples, ``--batch-size`` per process, ``--max-length`` tokens, one
 epoch; repeat k uses ``--seed k`` in every configuration. Samples per second come from the example's

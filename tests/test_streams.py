@@ -94,10 +94,11 @@ def run_ranks(world: int, body: Callable[[int, Exchange], Any]) -> List[Any]:
     return results
 
 
-def epoch_of(loader) -> List[dict]:
-    """Each step's batch and what the loader said about it."""
+def epoch_of(loader, limit=None) -> List[dict]:
+    """Each step's batch and what the loader said about it (an AssertionError past ``limit`` steps)."""
     steps = []
     for batch in loader:
+        assert limit is None or len(steps) < limit, f"the epoch goes on past {limit} steps"
         info = loader.batch_info
         steps.append({"rows": batch.tolist(), "real": info.real, "mine": info.mine, "counts": info.counts,
                       "last": info.is_last, "kept": info.kept_rows(), "window": loader.window_samples(2)})
@@ -320,7 +321,8 @@ def test_split_false_reads_the_whole_stream_and_split_true_insists():
 def test_split_true_in_one_process_reads_every_shard():
     parts = [list(range(0, 6)), list(range(100, 104)), list(range(200, 203))]
     steps = epoch_of(loader_for(ud.stream(Shards(parts), split=True), 0, 1, Exchange(1), batch_size=4))
-    assert [row for s in steps for row in s["rows"]] == [i for p in parts for i in p]
+    canonical = [p[i] for i in range(max(map(len, parts))) for p in parts if i < len(p)]  # slot p: shard p % n
+    assert [row for s in steps for row in s["rows"]] == canonical
 
 
 def test_a_datasets_stream_split_by_node_already_is_refused_in_one_line():
@@ -386,7 +388,7 @@ def test_whole_stream_resumes_mid_epoch_at_another_world_size():
     assert rows == expected and len(rows) == 21
 
 
-def test_split_stream_resumes_at_its_world_size_and_refuses_another():
+def test_split_stream_resumes_at_any_world_size_dividing_the_shards_and_refuses_a_whole_read():
     parts = [list(range(0, 9)), list(range(100, 105))]
 
     def first_steps(rank, ex):
@@ -396,16 +398,19 @@ def test_split_stream_resumes_at_its_world_size_and_refuses_another():
         return loader.state_dict()
 
     state = run_ranks(2, first_steps)[0]
-    assert state["stream"] == {"mode": "split", "world_size": 2, "consumed": [4, 4]}
+    assert state["stream"] == {"mode": "shards", "n_shards": 2, "slots": 8}
 
-    def resume(rank, ex):
-        loader = loader_for(Shards(parts), rank, 2, ex, batch_size=2)
+    def resume(rank, ex, world=2, batch_size=2):
+        loader = loader_for(Shards(parts), rank, world, ex, batch_size=batch_size)
         loader.load_state_dict(state)
         return epoch_of(loader)
 
     rank0, rank1 = run_ranks(2, resume)
     assert [s["rows"] for s in rank0] == [[4, 5], [6, 7], [8]]
     assert [s["rows"][:s["mine"]] for s in rank1] == [[104], [], []]
+    # one process, the same global batch (4): slots 8.. of the canonical order (shard p % 2, example p // 2)
+    (alone,) = run_ranks(1, lambda r, ex: resume(r, ex, world=1, batch_size=4))
+    assert [s["rows"] for s in alone] == [[4, 104, 5], [6, 7], [8]]
 
     def after_rank_1_ran_out(rank, ex):  # 4 steps: rank 1's 5 rows were used up in 3
         loader = loader_for(Shards(parts), rank, 2, ex, batch_size=2)
@@ -417,7 +422,7 @@ def test_split_stream_resumes_at_its_world_size_and_refuses_another():
         return state, [(batch.tolist(), again.batch_info.mine) for batch in again]
 
     (state0, rows0), (_, rows1) = run_ranks(2, after_rank_1_ran_out)
-    assert state0["stream"]["consumed"] == [8, 5]
+    assert state0["stream"]["slots"] == 16
     assert rows0 == [([8], 1)] and rows1 == [([100], 0)]  # rank 1: a padding row (its shards' first), weight 0
 
     def elsewhere(rank, ex):
@@ -426,7 +431,129 @@ def test_split_stream_resumes_at_its_world_size_and_refuses_another():
         return epoch_of(loader)
 
     for exc in run_ranks(2, elsewhere):
-        assert isinstance(exc, ud.UnifiedDistError) and "resume with that many ranks" in str(exc), exc
+        assert isinstance(exc, ud.UnifiedDistError) and "split=False" in str(exc) and "\n" not in str(exc), exc
+
+
+# ---------------------------------------------------------------------- issue 46 item 7: one order at any world size
+EIGHT = [list(range(100 * s, 100 * s + n)) for s, n in enumerate((7, 3, 9, 5, 6, 2, 8, 4))]
+
+
+class CountedShards(Shards):
+    """Shards that record which shard indices each rank opened (``shard(n_shards, i)`` then iterated)."""
+
+    def __init__(self, parts, opened):
+        super().__init__(parts)
+        self.opened = opened
+
+    def shard(self, num_shards, index):
+        part = Shards(self.parts[index::num_shards])
+        opened, key = self.opened, threading.current_thread().name
+
+        class Opened(Shards):
+            def __iter__(self):
+                opened.setdefault(key, []).append((num_shards, index))
+                return super().__iter__()
+        return Opened(part.parts)
+
+
+def canonical_steps(parts, global_batch, start=0):
+    """Plain arithmetic: slot p is example p // n of shard p % n (empty past its end); a step is global_batch
+    slots from slot ``start`` on, a step with none skipped."""
+    n, steps = len(parts), []
+    for t in range(start, n * max(map(len, parts)), global_batch):
+        rows = [parts[p % n][p // n] for p in range(t, t + global_batch) if p // n < len(parts[p % n])]
+        if rows:
+            steps.append(rows)
+    return steps
+
+
+def gathered_steps(world, global_batch, dataset, seed=0, epochs=1):
+    """Every step's rows of all ranks (as sets, sorted), per epoch, and which shards each rank opened."""
+    def body(rank, ex):
+        loader = loader_for(dataset, rank, world, ex, batch_size=global_batch // world, seed=seed)
+        return [[(s["rows"][:s["mine"]]) for s in epoch_of(loader, limit=64)] for _ in range(epochs)]
+    results = run_ranks(world, body)
+    for r in results:
+        assert not isinstance(r, BaseException), r
+    return [[sorted(i for r in range(world) for i in results[r][e][s]) for s in range(len(results[0][e]))]
+            for e in range(epochs)]
+
+
+@pytest.mark.parametrize("global_batch", [8, 4, 6])
+def test_shards_give_one_canonical_order_at_every_world_size_dividing_them(global_batch):
+    want = [sorted(step) for step in canonical_steps(EIGHT, global_batch)]
+    for world in (w for w in (1, 2, 4) if global_batch % w == 0):
+        assert gathered_steps(world, global_batch, Shards(EIGHT)) == [want], world
+
+
+def test_a_state_by_shards_resumes_at_another_world_size_at_the_next_slot():
+    def three_steps(rank, ex):  # 2 ranks, global batch 4: 12 slots, not a whole round of the 8 shards
+        loader = loader_for(Shards(EIGHT), rank, 2, ex, batch_size=2)
+        it = iter(loader)
+        [next(it) for _ in range(3)]
+        return loader.state_dict()
+
+    state = run_ranks(2, three_steps)[0]
+    assert state["stream"] == {"mode": "shards", "n_shards": 8, "slots": 12}
+
+    def resume(rank, ex, world):
+        loader = loader_for(Shards(EIGHT), rank, world, ex, batch_size=4 // world)
+        loader.load_state_dict(state)
+        return [s["rows"][:s["mine"]] for s in epoch_of(loader, limit=64)]
+
+    want = [sorted(step) for step in canonical_steps(EIGHT, 4, start=12)]
+    for world in (1, 4):
+        ranks = run_ranks(world, lambda r, ex, w=world: resume(r, ex, w))
+        assert [sorted(i for r in ranks for i in r[s]) for s in range(len(ranks[0]))] == want, world
+
+
+def test_each_rank_opens_only_its_shards():
+    for world in (1, 2, 4):
+        opened = {}
+        gathered_steps(world, 8, CountedShards(EIGHT, opened))
+        assert len(opened) == world, opened
+        for rank_opened in opened.values():  # each shard alone (shard(8, i)), 8 / world of them per rank
+            assert all(n == 8 for n, _ in rank_opened) and len(rank_opened) == 8 // world, rank_opened
+        assert sorted(i for o in opened.values() for _, i in o) == list(range(8)), opened
+
+
+def test_shuffled_shards_are_one_order_at_every_world_size_and_new_each_epoch():
+    runs = [gathered_steps(world, 8, ud.stream(Shards(EIGHT), shuffle_buffer=16), seed=5, epochs=2)
+            for world in (1, 2, 4)]
+    assert runs[0] == runs[1] == runs[2]
+    first, second = runs[0]
+    assert sorted(i for step in first for i in step) == sorted(i for p in EIGHT for i in p)
+    assert first != second and first != [sorted(s) for s in canonical_steps(EIGHT, 8)]
+
+
+class Packed(Shards):
+    """Packs consecutive rows of what it reads into blocks of 2 (the rest dropped), as a tokenising stream
+    packs tokens: read by shards, the blocks of one shard."""
+
+    def shard(self, num_shards, index):
+        return Packed(self.parts[index::num_shards])
+
+    def __iter__(self):
+        rows = [i for p in self.parts for i in p]
+        return iter(rows[k] * 1000 + rows[k + 1] for k in range(0, len(rows) - 1, 2))
+
+
+def test_packing_per_shard_gives_the_same_blocks_at_every_world_size():
+    blocks = [[p[k] * 1000 + p[k + 1] for k in range(0, len(p) - 1, 2)] for p in EIGHT]
+    want = [sorted(step) for step in canonical_steps(blocks, 4)]
+    for world in (1, 2, 4):
+        assert gathered_steps(world, 4, Packed(EIGHT)) == [want], world
+
+
+def test_a_world_size_not_dividing_the_shards_reads_whole_and_says_so_in_one_line():
+    from unified_dist import session
+
+    session._warned.clear()
+    with pytest.warns(UserWarning, match="8 shards do not split evenly over 3") as caught:
+        rows = gathered_steps(3, 6, Shards(EIGHT))
+    assert all("\n" not in str(w.message) for w in caught)
+    flat = [i for p in EIGHT for i in p]  # the dataset's own order, in global batches of 6
+    assert rows == [[sorted(flat[s:s + 6]) for s in range(0, len(flat), 6)]]
 
 
 def test_a_map_style_state_is_refused_by_a_stream():

@@ -9,22 +9,28 @@ rank ends the epoch at the same step, whatever the stream's length.
 
 Two ways to read, chosen per pass (see :func:`choose_split`):
 
-* **whole stream** (the default): every data-parallel rank reads the whole stream and keeps its
-  slice. Every rank then knows every global batch's size and where the stream ends without
-  communicating, the order is one process's at any world size, and a resume works at any world
-  size. The price: each rank reads (and the dataset decodes) the whole stream. The stream must be
-  the same on every rank: every :data:`EXCHANGE_STEPS` steps the fingerprints of the next
-  ``EXCHANGE_STEPS`` + lookahead global batches are compared across ranks (one tiny ``all_gather``)
+* **whole stream** (a dataset without shards, ``split=False``, or the fallback): every data-parallel
+  rank reads the whole stream and keeps its slice. Every rank then knows every global batch's size and
+  where the stream ends without communicating, the order is one process's at any world size, and a
+  resume works at any world size. The price: each rank reads (and the dataset decodes) the whole stream.
+  The stream must be the same on every rank: every :data:`EXCHANGE_STEPS` steps the fingerprints of the
+  next ``EXCHANGE_STEPS`` + lookahead global batches are compared across ranks (one tiny ``all_gather``)
   before any of them is taken, so a stream that differs, late or by ending earlier on one rank, is
   refused on every rank at the same step. A ``datasets`` stream already split by
   ``split_dataset_by_node`` is refused (it would be split again).
-* **split**: when the dataset splits itself -- a ``datasets.IterableDataset`` whose ``n_shards`` is a
-  multiple of the data-parallel world size (``datasets.distributed.split_dataset_by_node``), or any
-  dataset with ``n_shards`` and ``shard(num_shards, index)`` -- rank ``r`` reads only its shards. Step
-  ``s`` then holds rank 0's ``s``-th local batch, then rank 1's, ...: the order depends on the world
-  size. The ranks exchange how many examples each holds for the next steps in one ``all_gather``
-  every :data:`EXCHANGE_STEPS` steps; the epoch ends when every rank's shards are used up, and a
-  rank whose shards ran out earlier gets padding rows (weight 0) until then.
+* **shards** (split): when the dataset splits itself -- it has ``n_shards`` and ``shard(num_shards, index)``
+  (a ``datasets.IterableDataset`` has both; for ``load_dataset(..., streaming=True)`` a shard is a file)
+  and the data-parallel world size divides ``n_shards`` -- the epoch follows one *canonical order* that
+  does not depend on the world size (see :func:`canonical_slot`): slot ``p`` is example ``p // n`` of
+  shard ``p % n`` (``n`` shards, each read on its own, so what a dataset packs or tokenises per shard
+  does not depend on the world size either), empty once that shard has ended; step ``t`` holds the
+  examples of slots ``t*B .. (t+1)*B - 1``. Rank ``r`` owns the slots ``p = r (mod N)``, i.e. the shards
+  ``r, r + N, ...``, and reads only those. One process (N = 1) reads all shards in that order, so 1, 2,
+  4, ... ranks train on the same global batches. A step whose slots are all empty is skipped (by every
+  world size alike); a rank with no example in a step gets a padding row (weight 0). The ranks exchange
+  how many examples each holds for the next steps in one ``all_gather`` every :data:`EXCHANGE_STEPS`
+  steps; the epoch ends when every shard is used up. A world size that does not divide ``n_shards``
+  falls back to the whole stream (in the dataset's own order) with a one-line warning.
 
 ``num_workers > 0``: each worker reads the rank's stream as one process would (a dataset's own
 ``get_worker_info`` splitting is bypassed) and keeps every ``num_workers``-th batch; the loader
@@ -33,12 +39,14 @@ duplicated.
 
 Shuffling: :func:`stream` wraps a dataset with a shuffle buffer seeded by ``seed_everything``'s
 seed + epoch (``datasets``' own ``shuffle(seed, buffer_size)`` for a ``datasets.IterableDataset``, which
-also shuffles its shards), the same on every rank.
+also shuffles its shards), the same on every rank. Read by shards, the shards' order is a permutation
+seeded by the seed and the epoch, and each shard has its own buffer of ``ceil(shuffle_buffer / n)``
+examples seeded by the seed, the epoch and the shard: neither depends on the world size.
 
-Resume: ``state_dict`` records the epoch and the examples consumed (in split mode, per rank); a new
-pass re-reads the epoch's stream and skips them, so a resume is exact (a ``datasets`` state_dict is
-not used: it belongs to one reader process and drops the shuffle buffer on resume). The whole-stream
-state resumes at any world size; a split state only at the world size that wrote it.
+Resume: ``state_dict`` records the epoch and the examples consumed (read by shards: the slots of the
+canonical order); a new pass re-reads the epoch's stream and skips them, so a resume is exact (a
+``datasets`` state_dict is not used: it belongs to one reader process and drops the shuffle buffer on
+resume). Either state resumes at any world size that reads the same way.
 
 ``len()``: the number of this rank's batches per epoch when the dataset has ``__len__`` and the
 stream is read whole; otherwise a ``TypeError`` (tqdm then shows counts without a total).
@@ -141,15 +149,22 @@ def refuse_split_by_node(dataset: Any) -> None:
 
 
 def choose_split(dataset: Any, split: Any, world_size: int) -> bool:
-    """Whether a pass reads only this rank's shards (see the module docstring)."""
-    if split is False or not _splittable(dataset) or world_size == 1:
-        return False  # one process reads every shard: the whole stream
+    """Whether a pass reads the dataset by shards in their canonical order, each rank only its own (see the
+    module docstring); ``split="auto"`` says in one warning when a sharded dataset cannot."""
+    if split is False or not _splittable(dataset):
+        return False
     if dataset.n_shards % world_size == 0:
         return True
     if split is True:
         raise UnifiedDistError(
             f"ud.stream(split=True): the dataset has {dataset.n_shards} shards, which {world_size} data-parallel ranks "
             "cannot share evenly; use a number of ranks that divides it, reshard the data, or split='auto'")
+    if dataset.n_shards > 1:
+        from .session import warn_once
+
+        warn_once(f"the stream's {dataset.n_shards} shards do not split evenly over {world_size} data-parallel ranks: "
+                  "every rank reads the whole stream, in the dataset's own order (not the shard-interleaved order "
+                  "of a world size that divides the shards); use such a world size or reshard the data")
     return False
 
 
@@ -176,6 +191,32 @@ def _ordered(dataset: Any, shuffle_buffer: int, seed: int, epoch: int) -> Iterat
     if shuffle_buffer and not _hf_iterable(dataset):
         return _buffer_shuffled(iter(dataset), shuffle_buffer, random.Random(seed * 1_000_003 + epoch))
     return iter(dataset)
+
+
+def canonical_slot(p: int, n_shards: int) -> Tuple[int, int]:
+    """Slot ``p`` of an epoch read by shards: (the shard's place in the epoch's shard order, the example's
+    index in that shard). Shards interleave one example at a time; the world size plays no part."""
+    return p % n_shards, p // n_shards
+
+
+def _shard_order(n_shards: int, shuffled: bool, seed: int, epoch: int) -> List[int]:
+    """The dataset's shard indices in the epoch's order: as numbered, or permuted by ``seed`` and ``epoch``."""
+    order = list(range(n_shards))
+    if shuffled:
+        random.Random(f"shards/{seed}/{epoch}").shuffle(order)
+    return order
+
+
+def _shard_examples(dataset: Any, index: int, shuffle_buffer: int, seed: int, epoch: int) -> Iterator[Any]:
+    """Shard ``index`` of ``dataset`` alone, with its own seeded share of the shuffle buffer."""
+    n = dataset.n_shards
+    part = dataset.shard(num_shards=n, index=index)
+    if hasattr(part, "set_epoch"):
+        part.set_epoch(epoch)
+    examples = iter(part)
+    if shuffle_buffer:
+        examples = _buffer_shuffled(examples, -(-shuffle_buffer // n), random.Random(f"{seed}/{epoch}/{index}"))
+    return examples
 
 
 def fingerprint(example: Any) -> int:
@@ -217,7 +258,7 @@ class _Pass:
     rank: int = 0
     world_size: int = 1
     split: bool = False
-    skip: int = 0  # whole stream: global examples; split: this rank's examples
+    skip: int = 0  # whole stream: global examples; by shards: slots of the canonical order
 
 
 _END = object()
@@ -254,20 +295,8 @@ class _Reader(IterableDataset):
     def _examples(self) -> Tuple[Any, Iterator[Any]]:
         """The pass's first example (before the resume's skip; :data:`_END` for an empty stream), and the
         examples from the resume point on."""
-        plan, dataset = self.plan, self.dataset
-        if plan.split:
-            if _hf_iterable(dataset):
-                from datasets.distributed import split_dataset_by_node
-
-                if self.shuffle_buffer:  # shuffle first, with one seed: every rank drops the same shard order
-                    dataset = dataset.shuffle(seed=plan.seed, buffer_size=self.shuffle_buffer)
-                dataset = split_dataset_by_node(dataset, plan.rank, plan.world_size)
-                examples = _ordered(dataset, 0, plan.seed, plan.epoch)
-            else:
-                examples = _ordered(dataset.shard(num_shards=plan.world_size, index=plan.rank),
-                                    self.shuffle_buffer, plan.seed, plan.epoch)
-        else:
-            examples = _ordered(dataset, self.shuffle_buffer, plan.seed, plan.epoch)
+        plan = self.plan
+        examples = _ordered(self.dataset, self.shuffle_buffer, plan.seed, plan.epoch)
         examples = iter(examples)
         first = next(examples, _END)
         if first is not _END:
@@ -276,7 +305,7 @@ class _Reader(IterableDataset):
 
     def __iter__(self) -> Iterator[Tuple[Any, Dict[str, Any]]]:
         worker, workers = _one_process()
-        return self._split(worker, workers) if self.plan.split else self._whole(worker, workers)
+        return self._shards(worker, workers) if self.plan.split else self._whole(worker, workers)
 
     def _whole(self, worker: int, workers: int) -> Iterator[Tuple[Any, Dict[str, Any]]]:
         plan, size = self.plan, self.batch_size * self.plan.world_size
@@ -295,20 +324,46 @@ class _Reader(IterableDataset):
                 yield self.collate_fn(mine), meta
             current, i = following, i + 1
 
-    def _split(self, worker: int, workers: int) -> Iterator[Tuple[Any, Dict[str, Any]]]:
-        # a rank whose shards run out gives padding rows until the others' end: its shards' first example,
-        # taken before a resume's skip (a rank resumed after its shards ran out reads nothing else)
-        first, examples = self._examples()
-        padding = None if first is _END else self.collate_fn([first])
+    def _open_shards(self) -> Tuple[Dict[int, Iterator[Any]], Dict[int, Any], Any]:
+        """This rank's shards (by their place in the epoch's shard order), resumed past the plan's slots: each
+        one's iterator, its next example (:data:`_END` when used up), and the padding row (the first example of
+        the rank's first non-empty shard, taken before the resume's skip; ``None`` when its shards are empty)."""
+        plan, n = self.plan, self.dataset.n_shards
+        order = _shard_order(n, bool(self.shuffle_buffer), plan.seed, plan.epoch)
+        iterators, heads, padding = {}, {}, None
+        for place in range(plan.rank, n, plan.world_size):
+            examples = _shard_examples(self.dataset, order[place], self.shuffle_buffer, plan.seed, plan.epoch)
+            first = next(examples, _END)
+            if first is not _END:
+                padding = self.collate_fn([first]) if padding is None else padding
+                examples = itertools.chain([first], examples)
+            skip = plan.skip // n + (1 if place < plan.skip % n else 0)  # this shard's slots before plan.skip
+            iterators[place] = itertools.islice(examples, skip, None)
+            heads[place] = next(iterators[place], _END)
+        return iterators, heads, padding
+
+    def _shards(self, worker: int, workers: int) -> Iterator[Tuple[Any, Dict[str, Any]]]:
+        """One item per step while this rank's shards have examples left: its examples in its slots of the step
+        (``None`` and ``mine=0`` when they are all empty). A rank owns the slots ``p = rank (mod world)``."""
+        plan = self.plan
+        iterators, heads, padding = self._open_shards()
+        slot = plan.skip + (plan.rank - plan.skip) % plan.world_size  # this rank's first slot from plan.skip on
         yielded = False
         for i in itertools.count():
-            batch = list(itertools.islice(examples, self.batch_size))
-            if not batch:
+            if all(head is _END for head in heads.values()):
                 break
+            batch = []
+            for _ in range(self.batch_size):
+                place, _index = canonical_slot(slot, self.dataset.n_shards)
+                slot += plan.world_size
+                if heads[place] is not _END:
+                    batch.append(heads[place])
+                    heads[place] = next(iterators[place], _END)
             if i % workers == worker:
-                yield self.collate_fn(batch), {"index": i, "mine": len(batch), "padding": None if yielded else padding}
+                yield (self.collate_fn(batch) if batch else None), {
+                    "index": i, "mine": len(batch), "padding": None if yielded else padding}
                 yielded = True
-        if not yielded:  # no batch from this worker: it still hands over the padding (after every real batch)
+        if not yielded:  # no step from this worker: it still hands over the padding (after every real step)
             yield None, {"index": None, "mine": 0, "padding": padding}
 
 
@@ -373,14 +428,13 @@ class PreparedStreamLoader(Epochs):
         resume = self._begin_pass()
         plan = _Pass(epoch=self._epoch, seed=self.seed, rank=rank, world_size=world, split=split)
         if split:
-            consumed = self._resumed_split(resume, world)
-            plan.skip = consumed[rank]
-            self._state = {"mode": "split", "world_size": world, "consumed": consumed}
+            plan.skip = self._resumed_shards(resume)
+            self._state = {"mode": "shards", "n_shards": self.dataset.n_shards, "slots": plan.skip}
         else:
             plan.skip = self._resumed_whole(resume)
             self._state = {"mode": "whole", "consumed": plan.skip}
         self._reader.plan = plan
-        yield from self._pass(self._split_pass(rank, world) if split else self._whole_pass(rank, world))
+        yield from self._pass(self._shards_pass(rank, world) if split else self._whole_pass(rank, world))
 
     def _whole_pass(self, rank: int, world: int) -> Iterator[Any]:
         source = iter(self._loader)
@@ -429,58 +483,68 @@ class PreparedStreamLoader(Epochs):
             "shard or filter it by rank yourself, seed its randomness alike on every rank (or use "
             "ud.stream(..., shuffle_buffer=N))")
 
-    def _split_pass(self, rank: int, world: int) -> Iterator[Any]:
+    def _exchanged_steps(self, source: Iterator[Any], mine: Deque[Any], reading: Dict[str, Any]) -> List[List[int]]:
+        """The next steps' values of every rank (one ``all_gather``): 0 once a rank's shards are used up, else 1 +
+        its examples in the step; this rank's batches go to ``mine``. ``reading["padded"]``: which ranks have a
+        padding row (an example somewhere in their shards)."""
+        chunk = max(EXCHANGE_STEPS, self._lookahead + 1)
+        values = []
+        for _ in range(chunk):
+            item = None
+            for batch, meta in ([] if reading["done"] else source):
+                if meta["padding"] is not None and reading["padding"] is None:
+                    reading["padding"] = meta["padding"]
+                if meta["index"] is not None:
+                    item = (batch, meta)
+                    break
+            if item is None:
+                reading["done"] = True
+                values.append(0)
+                continue
+            if item[1]["mine"]:
+                mine.append(item[0])
+            values.append(1 + item[1]["mine"])
+        table = self._gather_ints(values + [int(reading["padding"] is not None)])  # [rank][step], then padded
+        reading["padded"] = [row[-1] for row in table]
+        return [[table[r][j] for r in range(len(table))] for j in range(chunk)]
+
+    def _shards_pass(self, rank: int, world: int) -> Iterator[Any]:
         source = iter(self._loader)
         mine: Deque[Any] = collections.deque()
-        steps: List[List[int]] = []  # per known step: each rank's real examples
-        padding: Optional[Any] = None
-        ever = [done > 0 for done in self._state["consumed"]]  # which ranks have had an example in this epoch
-        exhausted = False
-
-        def next_batch() -> Optional[Tuple[Any, Dict[str, Any]]]:
-            nonlocal padding
-            for batch, meta in source:
-                if meta["padding"] is not None and padding is None:
-                    padding = meta["padding"]
-                if meta["index"] is not None:
-                    return batch, meta
-            return None
-
-        chunk = max(EXCHANGE_STEPS, self._lookahead + 1)
+        steps: List[List[int]] = []  # per known step: each rank's value (see _exchanged_steps)
+        reading: Dict[str, Any] = {"done": False, "padding": None, "padded": [1] * world}
+        size = self.batch_size * world
         s = 0
         while True:
-            if len(steps) < s + self._lookahead + 1 and (not steps or any(steps[-1])):
-                counts = []
-                for _ in range(chunk):
-                    item = None if exhausted else next_batch()
-                    if item is None:
-                        exhausted = True
-                        counts.append(0)
-                        continue
-                    batch, meta = item
-                    mine.append(batch)
-                    counts.append(meta["mine"])
-                table = self._gather_ints(counts)  # [rank][step]
-                steps.extend([table[r][j] for r in range(world)] for j in range(chunk))
-            counts = steps[s]
-            m = sum(counts)
-            if m == 0 or (self.drop_last and m < self.batch_size * world):
+            while len(steps) < s + self._lookahead + 1 and (not steps or any(steps[-1])):
+                steps.extend(self._exchanged_steps(source, mine, reading))
+            if not any(steps[s]):
                 return
-            ever = [e or c > 0 for e, c in zip(ever, counts)]
-            if not all(ever):
-                empty = [r for r, e in enumerate(ever) if not e]
-                raise UnifiedDistError(
-                    f"rank {', '.join(map(str, empty))} got no examples from its shards of the stream while others "
-                    f"did ({self.dataset.n_shards} shards over {world} ranks): reshard the data into more, even "
-                    "shards, or read it whole with ud.stream(dataset, split=False)")
-            following = steps[s + 1] if s + 1 < len(steps) else [0]
-            last = sum(following) == 0 or (self.drop_last and sum(following) < self.batch_size * world)
-            self._window = [sum(c) for c in steps[s:s + self._lookahead + 1]]
+            counts = [max(v - 1, 0) for v in steps[s]]
+            m = sum(counts)
+            s += 1
+            if self.drop_last and m < size:
+                return
+            self._state["slots"] += size
+            if m == 0:  # every slot of the step is empty, at every world size: no step
+                continue
+            self._refuse_unpadded(counts, reading["padded"], world)
+            following = [max(v - 1, 0) for v in steps[s]] if s < len(steps) else [0]
+            last = not any(steps[s]) if s < len(steps) else True
+            last = last or (self.drop_last and sum(following) < size)
+            self._window = [sum(max(v - 1, 0) for v in later) for later in steps[s - 1:s + self._lookahead]]
+            self._window = [w for w in self._window if w] or [m]
             self.batch_info = BatchInfo(real=m, padded=sum(max(c, 1) for c in counts), is_last=last,
                                         mine=counts[rank], counts=counts)
-            self._state["consumed"] = [done + c for done, c in zip(self._state["consumed"], counts)]
-            s += 1
-            yield mine.popleft() if counts[rank] else padding
+            yield mine.popleft() if counts[rank] else reading["padding"]
+
+    def _refuse_unpadded(self, counts: List[int], padded: List[int], world: int) -> None:
+        empty = [r for r, (c, p) in enumerate(zip(counts, padded)) if not c and not p]
+        if empty:  # every rank holds the same table: every rank refuses at this step
+            raise UnifiedDistError(
+                f"rank {', '.join(map(str, empty))} got no examples from its shards of the stream while others "
+                f"did ({self.dataset.n_shards} shards over {world} ranks): reshard the data into more, even "
+                "shards, or read it whole with ud.stream(dataset, split=False)")
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, Any]:
@@ -502,23 +566,30 @@ class PreparedStreamLoader(Epochs):
         self._restart_at(int(state["epoch"]), dict(state["stream"]))
 
     def _resumed_whole(self, resume: Optional[Dict[str, Any]]) -> int:
-        if resume is None:
+        if resume is None or _fresh(resume):
             return 0
         if resume.get("mode") != "whole":
             raise UnifiedDistError(
-                f"the loader state was saved while {resume.get('world_size')} ranks read their own shards of the "
-                "stream, and this job reads it whole; resume with that many ranks, or save with "
-                "ud.stream(dataset, split=False) to resume at any world size")
+                f"the loader state was saved while the ranks read the stream's {resume.get('n_shards')} shards in "
+                "their canonical order, and this job reads it whole (its world size does not divide the shards): "
+                "resume with a world size that divides them, or save with ud.stream(dataset, split=False)")
         return int(resume["consumed"])
 
-    def _resumed_split(self, resume: Optional[Dict[str, Any]], world: int) -> List[int]:
-        if resume is None:
-            return [0] * world
-        if resume.get("mode") != "split" or int(resume["world_size"]) != world:
-            saved = f"{resume['world_size']} ranks reading their own shards" if resume.get("mode") == "split" \
-                else "the stream read whole"
+    def _resumed_shards(self, resume: Optional[Dict[str, Any]]) -> int:
+        """The slots of the canonical order a saved state consumed (any world size dividing the shards)."""
+        n = self.dataset.n_shards
+        if resume is None or _fresh(resume):
+            return 0
+        if resume.get("mode") != "shards" or int(resume["n_shards"]) != n:
+            saved = f"a stream of {resume['n_shards']} shards" if resume.get("mode") == "shards" \
+                else "the stream read whole" if resume.get("mode") == "whole" else "an older split state"
             raise UnifiedDistError(
-                f"the loader state was saved with {saved}, and this job's {world} ranks read their own shards: a "
-                "split stream resumes only at the world size that saved it; resume with that many ranks, or use "
-                "ud.stream(dataset, split=False) (every rank reads the whole stream) to resume at any world size")
-        return [int(c) for c in resume["consumed"]]
+                f"the loader state was saved with {saved}, and this job reads the {n} shards in their canonical "
+                "order: resume with the same data and split setting as the save (ud.stream(dataset, split=False) "
+                "reads whole at any world size)")
+        return int(resume["slots"])
+
+
+def _fresh(state: Dict[str, Any]) -> bool:
+    """A state that consumed nothing this epoch (an epoch's end, or an unused loader): resumes in any mode."""
+    return not state.get("consumed") and not state.get("slots")

@@ -98,8 +98,9 @@ def add_data_flags(g: argparse._ArgumentGroup) -> None:
                         "on the fly; ud.prepare cuts the stream into the global batches (evaluation stays map-style)")
     g.add_argument("--stream-shards", type=int, default=None, metavar="K",
                    help="with --streaming: write the training split as K CSV files of consecutive rows; when K is a "
-                        "multiple of the data-parallel world size each process reads only its own files (a different "
-                        "batch order from the map-style run's), otherwise every process reads them all (default: 1)")
+                        "multiple of the data-parallel world size each process reads only its own files (the files "
+                        "interleaved, the same order at any such world size, not the map-style run's), otherwise "
+                        "every process reads them all, one after the other (default: 1)")
     g.add_argument("--shuffle-buffer", type=int, default=None, metavar="N",
                    help="with --streaming: shuffle the stream through a buffer of N rows (ud.stream, seeded by --seed "
                         "+ epoch, the same on every rank); the CSV rows are already in a seeded random order, so the "

@@ -31,7 +31,7 @@ SEED, BUFFER = 1234, 16
 LR = 0.05
 RESUME_STEPS = 3  # the state is taken after this many steps of the second epoch
 SPLIT_RESUME_STEPS = (3, 5)  # split states: while every rank has rows left, and once rank 1's 13 rows ran out
-SPLIT_SHARDS = (30, 13)  # a generic dataset with 2 uneven shards (split mode under 2 ranks)
+SPLIT_SHARDS = (30, 13)  # a generic dataset with 2 uneven shards (read by shards under 1 and 2 ranks)
 LONG_SHARDS = (29, 70)  # batch 1: 70 steps, past two exchanges of counts (every 32); rank 0 pads from step 29
 WORKER_ROWS = 45
 WORKER_START = "forkserver"
@@ -118,14 +118,19 @@ def shards(ids, parts):
     return out
 
 
-def step_rows(pieces, per_rank, world):
-    """The real rows of each step of a dataset with shards ``pieces``: split under 2 ranks (rank r reads
-    shard r; a step is rank 0's batch, then rank 1's), read whole (one shard after the other) under 1."""
-    if world == 1:
-        rows = [i for p in pieces for i in p]
-        return [rows[s:s + per_rank] for s in range(0, len(rows), per_rank)]
-    n = max(-(-len(p) // per_rank) for p in pieces)
-    return [[i for p in pieces for i in p[s * per_rank:(s + 1) * per_rank]] for s in range(n)]
+def step_rows(pieces, per_rank, world, start=0):
+    """The rows of each step of a dataset with shards ``pieces`` read by shards, as ``gather_for_metrics``
+    returns them: slot p is row p // n of shard p % n (none past the shard's end), rank r holds the slots
+    p = r (mod world), a step is the next per_rank x world slots from ``start`` (rank 0's rows, then rank
+    1's), and a step without rows is skipped. Under 2 ranks and 2 shards: rank r reads shard r."""
+    n, size = len(pieces), per_rank * world
+    steps = []
+    for t in range(start, n * max(map(len, pieces)), size):
+        rows = [pieces[p % n][p // n] for r in range(world) for p in range(t, t + size)
+                if p % world == r and p // n < len(pieces[p % n])]
+        if rows:
+            steps.append(rows)
+    return steps
 
 
 def split_counts(m, world):
@@ -304,14 +309,11 @@ class Checks:
                 n_steps = max(-(-len(ids) // PER_RANK) for ids in two)
                 assert [len(local_two[r]) for r in range(world)] == [n_steps] * world, \
                     f"steps per rank {[len(x) for x in local_two]}, expected {n_steps} on every rank"
-                want = [[i for ids in two for i in ids[s * PER_RANK:(s + 1) * PER_RANK]] for s in range(n_steps)]
                 for r in range(world):  # a rank whose file ran out gets one padding row a step
                     mine = [two[r][s * PER_RANK:(s + 1) * PER_RANK] for s in range(-(-len(two[r]) // PER_RANK))]
                     assert local_two[r][:len(mine)] == mine, (r, local_two[r], mine)
                     assert all(len(b) == 1 for b in local_two[r][len(mine):]), (r, local_two[r])
-            else:  # one process reads the files one after the other
-                rows = two[0] + two[1]
-                want = [rows[s:s + B] for s in range(0, len(rows), B)]
+            want = step_rows(two, PER_RANK, world)  # one process too reads the files interleaved
             assert gathered_two == want, (gathered_two, want)
             assert sorted(i for step in gathered_two for i in step) == sorted(two[0] + two[1])
         return dict(zip(CHECKS["csv"], (one_shard, two_shards)))
@@ -479,7 +481,7 @@ class Checks:
     @reports("a_mid_epoch_state_dict_leaves_the_pass_going_on")
     def resume_save(self):
         """Epoch 0 whole, then epoch 1 with a state taken after RESUME_STEPS steps; the uninterrupted run's
-        order goes beside the state. A split-mode state (the 2-shard dataset) too, where this launch splits."""
+        order goes beside the state. A by-shards state (the 2-shard dataset) too."""
         world = self.world
         ud.seed_everything(SEED)
         loader = ud.prepare(DataLoader(ud.stream(Rows(range(ROWS)), shuffle_buffer=BUFFER), batch_size=PER_RANK))
@@ -491,7 +493,7 @@ class Checks:
             if s + 1 == RESUME_STEPS:
                 state = loader.state_dict()
         consumed = RESUME_STEPS * PER_RANK * world
-        # the 2-shard dataset: split under 2 ranks (under 1 it is read whole: then whole-stream states)
+        # the 2-shard dataset, read by shards (under 1 rank too): states of the canonical order
         split_loader = ud.prepare(DataLoader(Sharded(shards(list(range(43)), SPLIT_SHARDS)), batch_size=PER_RANK))
         split_states, split_rows = {}, []
         for s, batch in enumerate(split_loader):
@@ -511,7 +513,8 @@ class Checks:
         return dict(zip(CHECKS["resume_save"], (saved,)))
 
     @reports("a_mid_epoch_state_resumes_at_another_world_size_with_the_uninterrupted_rows",
-             "a_split_mode_state_at_another_world_size_is_refused_in_one_line")
+             "a_shards_state_resumes_at_another_world_size_in_the_canonical_order",
+             "a_shards_state_read_whole_is_refused_in_one_line")
     def resume_load(self):
         world = self.world
         with open(os.path.join(self.out, f"{self.resume_from}_resume.json")) as f:
@@ -521,15 +524,18 @@ class Checks:
         # gather_for_metrics: the remainder's last global batch may hold fewer rows than ranks (padding)
         got = [i for b in loader for i in ud.gather_for_metrics(b[2]).tolist()]
         nxt = [i for b in loader for i in ud.gather_for_metrics(b[2]).tolist()]
-        refusal = None
-        if (saved["world_size"] == 1) != (world == 1):  # the 2-shard dataset is split under 2 ranks, not under 1
-            split_loader = ud.prepare(DataLoader(Sharded(shards(list(range(43)), SPLIT_SHARDS)),
-                                                 batch_size=PER_RANK))
-            split_loader.load_state_dict(saved["split_states"][str(SPLIT_RESUME_STEPS[0])])
-            try:
-                refusal = f"read {sum(1 for _ in split_loader)} batches"
-            except ud.UnifiedDistError as exc:
-                refusal = exc
+        # the 2-shard dataset is read by shards under 1 and 2 ranks: its state resumes at either
+        parts = shards(list(range(43)), SPLIT_SHARDS)
+        state = saved["split_states"][str(SPLIT_RESUME_STEPS[0])]
+        shards_loader = ud.prepare(DataLoader(Sharded(parts), batch_size=PER_RANK))
+        shards_loader.load_state_dict(state)
+        shards_rows = [ud.gather_for_metrics(b[2]).tolist() for b in shards_loader]
+        whole_loader = ud.prepare(DataLoader(ud.stream(Sharded(parts), split=False), batch_size=PER_RANK))
+        whole_loader.load_state_dict(state)
+        try:
+            refusal = f"read {sum(1 for _ in whole_loader)} batches"
+        except ud.UnifiedDistError as exc:
+            refusal = exc
         reported = ud.all_gather_object(type(refusal).__name__)
 
         def continues():
@@ -537,14 +543,16 @@ class Checks:
             assert got == saved["rest"], (got, saved["rest"])
             assert sorted(nxt) == list(range(ROWS)), ("the next epoch", nxt)
 
+        def canonical():
+            start = SPLIT_RESUME_STEPS[0] * PER_RANK * saved["world_size"]  # slots the saving launch consumed
+            assert shards_rows == step_rows(parts, PER_RANK, world, start), (shards_rows, start)
+
         def refused():
-            if refusal is None:
-                return
             assert isinstance(refusal, ud.UnifiedDistError), refusal
             text = str(refusal)
-            assert "\n" not in text and "world size" in text and "split=False" in text, text
+            assert "\n" not in text and "split=False" in text, text
             assert reported == ["UnifiedDistError"] * world, reported
-        return dict(zip(CHECKS["resume_load"], (continues, refused)))
+        return dict(zip(CHECKS["resume_load"], (continues, canonical, refused)))
 
     @reports("a_split_state_resumes_at_the_same_world_size_with_the_uninterrupted_rows",
              "a_split_state_taken_after_a_ranks_shards_ran_out_resumes_with_the_uninterrupted_rows")
@@ -645,10 +653,11 @@ SUITE = ("rows_and_training", "eval_gather", "csv", "workers", "tiny", "shuffle"
          "resume_save", "issue46")
 
 
-def run_all(out, tag, csv_one, csv_two, resume_from, resume_split_from, only):
+def run_all(out, tag, csv_one, csv_two, resume_from, resume_split_from, only, json_eight=()):
     ud.init()
     checks = Checks(out, tag, csv_one, csv_two, resume_from, resume_split_from)
-    for group in (() if only == "resume" else SUITE):
+    checks.json_eight = list(json_eight)
+    for group in {"resume": (), "order": ("order",)}.get(only, SUITE):
         checks.run(group)
     if resume_from:
         checks.run("resume_load")
@@ -673,11 +682,12 @@ def main():
     parser.add_argument("--resume-from", default=None, help="load the loader state a launch with this tag wrote")
     parser.add_argument("--resume-split-from", default=None,
                         help="load the split-mode states a launch with this tag (and as many ranks) wrote")
-    parser.add_argument("--only", choices=["resume"], default=None)
+    parser.add_argument("--only", choices=["resume", "order"], default=None)
+    parser.add_argument("--json-eight", default="", help="8 JSON files, comma-separated (the order checks)")
     parser.add_argument("--ud-launch", type=int, default=0, metavar="N", help="run the checks in N ud.launch workers")
     args = parser.parse_args()
     call = (args.out, args.tag, [p for p in args.csv_one.split(",") if p], [p for p in args.csv_two.split(",") if p],
-            args.resume_from, args.resume_split_from, args.only)
+            args.resume_from, args.resume_split_from, args.only, [p for p in args.json_eight.split(",") if p])
     if args.ud_launch:  # the checks by reference to this module (not __main__), as a notebook imports its code:
         # the DataLoader workers of a spawn-ed ud.launch worker are spawn-ed too and unpickle the datasets by name
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -686,6 +696,122 @@ def main():
         ud.launch(stream_worker.run_all, *call, nproc=args.ud_launch, backend="torch")
     else:
         run_all(*call)
+
+
+# ---------------------------------------------------------------------- issue 46 item 7: one order at 1, 2, 4 ranks
+ORDER_GLOBAL, ORDER_EPOCHS, ORDER_LR, ORDER_BUFFER = 8, 2, 0.1, 16
+"""8 JSON files (tests/test_streams_under_launchers.py writes them) packed into blocks of 2 rows per file, in
+global batches of 8 blocks: per rank 8 under 1 process, 4 under 2, 2 under 4 (the launch with ``--only order``)."""
+
+
+class PackedRows(IterableDataset):
+    """A ``datasets`` stream packed into blocks of 2 consecutive rows (an odd row left at the end is
+    dropped), as a tokenising stream packs tokens into blocks; splits itself with its stream's shards."""
+
+    def __init__(self, data):
+        self.data = data
+        self.n_shards = data.n_shards
+
+    def shard(self, num_shards, index):
+        return PackedRows(self.data.shard(num_shards=num_shards, index=index))
+
+    def __iter__(self):
+        rows = iter(self.data)
+        for a in rows:
+            b = next(rows, None)
+            if b is None:
+                return
+            yield block(int(a["id"]), int(b["id"]))
+
+
+def block(a, b):
+    """Block (a, b): x the two rows' x side by side (float32), y their sum, id a * 1000 + b."""
+    return torch.cat([X[a], X[b]]).float(), (Y[a] + Y[b]).float(), a * 1000 + b
+
+
+def order_net():
+    torch.manual_seed(11)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+class Opens:
+    """Which of ``paths`` this process opens (a ``sys.addaudithook`` hook sees every ``open``)."""
+
+    def __init__(self, paths):
+        self.paths = {os.path.realpath(p) for p in paths}
+        self.seen = []
+        sys.addaudithook(self.hook)
+
+    def hook(self, event, args):
+        if event == "open" and isinstance(args[0], str) and os.path.realpath(args[0]) in self.paths:
+            self.seen.append(os.path.realpath(args[0]))
+
+
+@reports("shards_train_on_one_order_at_every_world_size_equal_to_single_process_torch_on_its_steps",
+         "each_rank_opens_only_its_shards_once_per_epoch")
+def order(self):
+    import datasets
+
+    world, files = self.world, self.json_eight
+    opens = Opens(files)
+    data = datasets.load_dataset("json", data_files=files, streaming=True, split="train")
+    ud.seed_everything(SEED)
+    model = order_net()
+    opt = torch.optim.SGD(model.parameters(), lr=ORDER_LR)
+    model, opt, loader = ud.prepare(model, opt, DataLoader(ud.stream(PackedRows(data), shuffle_buffer=ORDER_BUFFER),
+                                                           batch_size=ORDER_GLOBAL // world))
+    losses, steps, opened = [], [], []
+    for _ in range(ORDER_EPOCHS):
+        del opens.seen[:]
+        for batch in loader:
+            errors = (model(batch[0]) - batch[1]).pow(2).reshape(-1)
+            losses.append(ud.gather_for_metrics(errors.detach()).double().mean().item())
+            steps.append(ud.gather_for_metrics(batch[2]).tolist())
+            ud.backward(errors.mean())
+            opt.step()
+            opt.zero_grad()
+        opened.append(list(opens.seen))
+    opened = ud.all_gather_object(opened)  # [rank][epoch] -> the files opened
+    self.measured["order"] = {"losses": losses, "steps": [sorted(s) for s in steps]}
+    self.measured["order_bytes"] = [[sum(os.path.getsize(p) for p in opened[r][e]) for r in range(world)]
+                                    for e in range(ORDER_EPOCHS)]  # [epoch][rank]
+
+    reference = order_net()  # single-process torch on the steps' blocks
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=ORDER_LR)
+    ref_losses = []
+    for ids in steps:
+        x = torch.stack([block(i // 1000, i % 1000)[0] for i in ids])
+        y = torch.stack([block(i // 1000, i % 1000)[1] for i in ids])
+        loss = torch.nn.functional.mse_loss(reference(x), y)
+        ref_losses.append(loss.item())
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    def file_blocks(path):
+        with open(path) as f:
+            ids = [json.loads(line)["id"] for line in f if line.strip()]
+        return [ids[k] * 1000 + ids[k + 1] for k in range(0, len(ids) - 1, 2)]
+
+    def trains():
+        blocks = sorted(b for path in files for b in file_blocks(path))  # packed per file, at every world size
+        half = len(steps) // 2
+        assert [sorted(i for s in steps[:half] for i in s), sorted(i for s in steps[half:] for i in s)] \
+            == [blocks, blocks], steps
+        assert [sorted(s) for s in steps[:half]] != [sorted(s) for s in steps[half:]], "an epoch's steps repeat"
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        assert len(losses) == len(ref_losses) and rel <= 1e-6, f"losses differ from single-process torch by {rel:.3g}"
+
+    def reads_own():
+        for epoch in range(ORDER_EPOCHS):
+            per_rank = [opened[r][epoch] for r in range(world)]
+            assert all(len(o) == len(set(o)) == len(files) // world for o in per_rank), per_rank
+            assert sorted(p for o in per_rank for p in o) == sorted(os.path.realpath(p) for p in files), per_rank
+    return dict(zip(CHECKS["order"], (trains, reads_own)))
+
+
+Checks.order = order
+SUITE = SUITE + ("order",)
 
 
 if __name__ == "__main__":
