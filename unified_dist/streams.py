@@ -59,6 +59,7 @@ import itertools
 import random
 import struct
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
@@ -160,12 +161,20 @@ def choose_split(dataset: Any, split: Any, world_size: int) -> bool:
             f"ud.stream(split=True): the dataset has {dataset.n_shards} shards, which {world_size} data-parallel ranks "
             "cannot share evenly; use a number of ranks that divides it, reshard the data, or split='auto'")
     if dataset.n_shards > 1:
-        from .session import warn_once
-
-        warn_once(f"the stream's {dataset.n_shards} shards do not split evenly over {world_size} data-parallel ranks: "
+        _warn_once(f"the stream's {dataset.n_shards} shards do not split evenly over {world_size} data-parallel ranks: "
                   "every rank reads the whole stream, in the dataset's own order (not the shard-interleaved order "
                   "of a world size that divides the shards); use such a world size or reshard the data")
     return False
+
+
+_warned: set = set()
+
+
+def _warn_once(message: str) -> None:
+    """A ``UserWarning`` the first time ``message`` is said in this process (every pass would repeat it)."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=4)
 
 
 # ---------------------------------------------------------------------- the examples' order
