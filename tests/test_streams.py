@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import unified_dist as ud
 from unified_dist.data import LoaderStack
-from unified_dist.streams import EXCHANGE_STEPS, PreparedStreamLoader, _Reader, fingerprint
+from unified_dist.streams import EXCHANGE_STEPS, PreparedStreamLoader, _Reader, choose_split, fingerprint
 
 
 class Rows(IterableDataset):
@@ -609,3 +609,21 @@ def test_fingerprints_follow_content_not_identity():
     assert fingerprint([torch.arange(4)]) != fingerprint([torch.arange(1, 5)])
     assert fingerprint(["a", "b"]) != fingerprint(["b", "a"])
     assert 0 <= fingerprint(a) < 2**63
+
+
+def test_one_shard_is_read_whole_at_every_world_size_so_its_state_resumes_across_them():
+    """A one-shard dataset (the example's single CSV file) is read whole under 1 and 2 ranks alike: a state
+    saved under torchrun x 2 resumes in one process (its canonical order is the whole stream's anyway)."""
+    parts = [list(range(10))]
+    for world in (1, 2):
+        states = run_ranks(world, lambda rank, ex, world=world: _state_after_one_step(
+            loader_for(ud.stream(Shards(parts)), rank, world, ex, batch_size=2)))
+        assert all(s["stream"]["mode"] == "whole" for s in states), (world, states)
+    assert choose_split(Shards(parts), True, 1)  # split=True still reads it by shards (the same order)
+
+
+def _state_after_one_step(loader):
+    it = iter(loader)
+    next(it)
+    next(it)  # two batches: not a peek (docs/data-order.md), the pass has begun
+    return loader.state_dict()

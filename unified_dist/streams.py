@@ -154,6 +154,8 @@ def choose_split(dataset: Any, split: Any, world_size: int) -> bool:
     module docstring); ``split="auto"`` says in one warning when a sharded dataset cannot."""
     if split is False or not _splittable(dataset):
         return False
+    if dataset.n_shards == 1 and split is not True:
+        return False  # one shard: its canonical order is the whole stream's, read whole at every world size
     if dataset.n_shards % world_size == 0:
         return True
     if split is True:
