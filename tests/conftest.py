@@ -77,6 +77,21 @@ def module_dirs(request, tmp_path_factory):
             shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _inductor_cache_of_this_run(tmp_path_factory):
+    """torch.compile's generated code goes to a folder of this run (the tests and every process they launch):
+    the default, /tmp/torchinductor_<user>, is shared by every run on the machine, and a compile killed while
+    it wrote a kernel left a 0-byte ``.so`` there that failed every later run's compiled launches ("file too
+    short"). A run that passes deletes it (``tmp_path_retention_policy``); TORCHINDUCTOR_CACHE_DIR set by
+    the caller wins."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    yield
+    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A real one-node SLURM (tools/slurm_cluster.sh): yields the environment srun needs; stopped afterwards."""
