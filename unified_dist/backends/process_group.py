@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import LaunchError
-from ..net import DEFAULT_MASTER_PORT
+from ..net import DEFAULT_MASTER_PORT, free_port
 from .base import Backend
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -63,10 +63,14 @@ def export_rendezvous(detection: "Detection") -> Dict[str, str]:
     the group before on the old port, which hung a re-init about once in ten under mpirun.
     """
     global _rounds
+    if detection.master_port is None and detection.world_size == 1:
+        port = free_port()  # a group of one has no peer to agree with: not 29500, which another job may hold
+    else:
+        port = (detection.master_port or DEFAULT_MASTER_PORT) + _rounds
     values = {"RANK": detection.rank, "WORLD_SIZE": detection.world_size, "LOCAL_RANK": detection.local_rank or 0,
               # single-node default: rendezvous on loopback, never on a public interface
               "MASTER_ADDR": detection.master_addr or "127.0.0.1",
-              "MASTER_PORT": (detection.master_port or DEFAULT_MASTER_PORT) + _rounds}
+              "MASTER_PORT": port}
     exported = {key: str(value) for key, value in values.items() if key not in os.environ}
     os.environ.update(exported)
     if "MASTER_PORT" in exported:
