@@ -394,10 +394,7 @@ def test_split_stream_resumes_at_any_world_size_dividing_the_shards_and_refuses_
     parts = [list(range(0, 9)), list(range(100, 105))]
 
     def first_steps(rank, ex):
-        loader = loader_for(Shards(parts), rank, 2, ex, batch_size=2)
-        it = iter(loader)
-        [next(it) for _ in range(2)]
-        return loader.state_dict()
+        return _state_after(loader_for(Shards(parts), rank, 2, ex, batch_size=2), 2)
 
     state = run_ranks(2, first_steps)[0]
     assert state["stream"] == {"mode": "shards", "n_shards": 2, "slots": 8}
@@ -490,10 +487,7 @@ def test_shards_give_one_canonical_order_at_every_world_size_dividing_them(globa
 
 def test_a_state_by_shards_resumes_at_another_world_size_at_the_next_slot():
     def three_steps(rank, ex):  # 2 ranks, global batch 4: 12 slots, not a whole round of the 8 shards
-        loader = loader_for(Shards(EIGHT), rank, 2, ex, batch_size=2)
-        it = iter(loader)
-        [next(it) for _ in range(3)]
-        return loader.state_dict()
+        return _state_after(loader_for(Shards(EIGHT), rank, 2, ex, batch_size=2), 3)
 
     state = run_ranks(2, three_steps)[0]
     assert state["stream"] == {"mode": "shards", "n_shards": 8, "slots": 12}
@@ -616,14 +610,15 @@ def test_one_shard_is_read_whole_at_every_world_size_so_its_state_resumes_across
     saved under torchrun x 2 resumes in one process (its canonical order is the whole stream's anyway)."""
     parts = [list(range(10))]
     for world in (1, 2):
-        states = run_ranks(world, lambda rank, ex, world=world: _state_after_one_step(
-            loader_for(ud.stream(Shards(parts)), rank, world, ex, batch_size=2)))
+        states = run_ranks(world, lambda rank, ex, world=world: _state_after(  # 2 batches: not a peek
+            loader_for(ud.stream(Shards(parts)), rank, world, ex, batch_size=2), 2))
         assert all(s["stream"]["mode"] == "whole" for s in states), (world, states)
     assert choose_split(Shards(parts), True, 1)  # split=True still reads it by shards (the same order)
 
 
-def _state_after_one_step(loader):
+def _state_after(loader, steps):
+    """``loader.state_dict()`` after its first ``steps`` batches (two or more: not a peek, docs/data-order.md)."""
     it = iter(loader)
-    next(it)
-    next(it)  # two batches: not a peek (docs/data-order.md), the pass has begun
+    for _ in range(steps):
+        next(it)
     return loader.state_dict()
