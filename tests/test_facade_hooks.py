@@ -4,7 +4,10 @@ import sys
 import pytest
 
 import unified_dist as ud
-from unified_dist import session as facade  # the session module owns the hooks
+from unified_dist import (
+    errors,
+    session as facade,  # the session module owns the hooks
+)
 
 
 @pytest.fixture
@@ -104,7 +107,7 @@ def test_gather_for_metrics_outside_a_loader_loop_warns_once(monkeypatch):
     import warnings
 
     import torch
-    monkeypatch.setattr(facade, "_warned", set())
+    monkeypatch.setattr(errors, "_warned", set())
     ud.shutdown()
     ud.init(backend="single")
     try:

@@ -542,9 +542,9 @@ def test_packing_per_shard_gives_the_same_blocks_at_every_world_size():
 
 
 def test_a_world_size_not_dividing_the_shards_reads_whole_and_says_so_in_one_line():
-    from unified_dist import streams
+    from unified_dist import errors
 
-    streams._warned.clear()
+    errors._warned.clear()
     with pytest.warns(UserWarning, match="8 shards do not split evenly over 3") as caught:
         rows = gathered_steps(3, 6, Shards(EIGHT))
     assert all("\n" not in str(w.message) for w in caught)

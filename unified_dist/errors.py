@@ -3,7 +3,17 @@
 Every exception class the library defines derives from :class:`UnifiedDistError`
 (``tests/test_errors.py`` checks it).
 """
+import warnings
 from typing import Optional
+
+_warned: set = set()
+
+
+def warn_once(message: str) -> None:
+    """A ``UserWarning`` the first time ``message`` is said in this process (a loop repeats the mistake)."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=4)
 
 
 class UnifiedDistError(RuntimeError):

@@ -28,7 +28,7 @@ from . import collectives, compiling, live, preemption, settings
 from .backends import Backend, Config, backend_class
 from .data import LoaderStack, PreparedDataLoader
 from .detection import Detection, detect
-from .errors import LaunchError, NonFiniteLoss, UnifiedDistError
+from .errors import LaunchError, NonFiniteLoss, UnifiedDistError, warn_once
 from .mesh import accelerate_dp_shard
 from .precision import check_device
 from .sharding import Sharding, clip_grad_norm, full_tensor
@@ -292,14 +292,6 @@ def is_scheduler(obj: Any) -> bool:
 _session: Optional[Session] = None
 _hooks_installed = False
 _previous_excepthook: Any = None
-_warned: set = set()
-
-
-def warn_once(message: str) -> None:
-    """A ``UserWarning`` the first time ``message`` is said in this process (a loop repeats the mistake)."""
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=4)
 
 
 def init(backend: Optional[str], given: Mapping[str, Any]) -> None:

@@ -59,7 +59,6 @@ import itertools
 import random
 import struct
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
@@ -67,7 +66,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .data import BatchInfo, Epochs, LoaderStack, shard, worker_options
-from .errors import UnifiedDistError
+from .errors import UnifiedDistError, warn_once
 
 EXCHANGE_STEPS = 8
 """Split mode: steps whose per-rank counts one ``all_gather`` exchanges (more when accumulating); whole stream:
@@ -163,20 +162,10 @@ def choose_split(dataset: Any, split: Any, world_size: int) -> bool:
             f"ud.stream(split=True): the dataset has {dataset.n_shards} shards, which {world_size} data-parallel ranks "
             "cannot share evenly; use a number of ranks that divides it, reshard the data, or split='auto'")
     if dataset.n_shards > 1:
-        _warn_once(f"the stream's {dataset.n_shards} shards do not split evenly over {world_size} data-parallel ranks: "
+        warn_once(f"the stream's {dataset.n_shards} shards do not split evenly over {world_size} data-parallel ranks: "
                   "every rank reads the whole stream, in the dataset's own order (not the shard-interleaved order "
                   "of a world size that divides the shards); use such a world size or reshard the data")
     return False
-
-
-_warned: set = set()
-
-
-def _warn_once(message: str) -> None:
-    """A ``UserWarning`` the first time ``message`` is said in this process (every pass would repeat it)."""
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=4)
 
 
 # ---------------------------------------------------------------------- the examples' order

@@ -718,7 +718,7 @@ def porting_mistakes_are_refused_or_warned():
     where it is: 7 samples, batch 2 per rank); gather_for_metrics outside a prepared loop."""
     import warnings
 
-    import unified_dist.session as facade
+    from unified_dist import errors  # warn_once says each message once per process
 
     r, w = ud.rank(), ud.world_size()
     data = torch.utils.data.TensorDataset(*regression_data(7))
@@ -733,7 +733,7 @@ def porting_mistakes_are_refused_or_warned():
                                     torch.utils.data.DataLoader(data, batch_size=2))
     refused = _steps_after_plain_backward(model, opt, loader)
     last = 7 - (-(-7 // (2 * w)) - 1) * 2 * w  # samples in the last global batch
-    facade._warned.clear()
+    errors._warned.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         gathered = ud.gather_for_metrics(torch.tensor([r]))
