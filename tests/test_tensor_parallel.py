@@ -205,3 +205,68 @@ def test_planned_params_and_their_grads_are_dtensors_the_rest_stay_plain(tp_resu
 def test_unplanned_params_get_the_same_gradient_on_every_rank_without_an_extra_all_reduce(tp_results, case):
     grads = [tp_results[r][case]["plain_grads"] for r in range(2)]
     assert grads[0] and grads[0] == grads[1]  # bitwise; grad_err above compares them with one process
+
+
+# ------------------------------------------------------------------ optimizers over a tp-only model
+@pytest.fixture
+def one_rank_tp_mesh(monkeypatch):
+    import torch.distributed as dist
+
+    from unified_dist.mesh import Layout, build_mesh
+    from unified_dist.net import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield build_mesh(Layout(1, 1, 1), "cpu")["tp"]
+    finally:
+        dist.destroy_process_group()
+
+
+def _mixed_tp_model(mesh):
+    torch.manual_seed(0)
+    model = MLP()
+    if mesh is not None:
+        apply_tp_plan(model, {"blocks.*.w1": "colwise", "blocks.*.w2": "rowwise"}, mesh)
+    return model
+
+
+def _backward(model):
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(1))
+    sum(block["w2"](block["w1"](block["norm"](x))).square().sum() for block in model.blocks).backward()
+
+
+def test_a_group_mixing_dtensor_and_plain_params_steps_with_the_foreach_kernels_cuda_picks(
+        one_rank_tp_mesh, monkeypatch):
+    """tp without FSDP leaves the LayerNorms plain: on CUDA torch's default foreach kernels refuse
+    the group at the first step ("got mixed torch.Tensor and DTensor", seen on an H200);
+    point_optimizer_at leaves such a group unset-foreach as foreach=False: the update of a plain model."""
+    import torch.optim.optimizer as torch_optimizer
+
+    from unified_dist.sharding import point_optimizer_at
+
+    plain = _mixed_tp_model(None)
+    _backward(plain)
+    torch.optim.AdamW(plain.parameters(), lr=0.1).step()  # before the patch: one tensor at a time
+    monkeypatch.setattr(torch_optimizer, "_get_foreach_kernels_supported_devices", lambda: ["cpu", "cuda"])
+    model, raw_model = _mixed_tp_model(one_rank_tp_mesh), _mixed_tp_model(one_rank_tp_mesh)
+    optimizer = point_optimizer_at(torch.optim.AdamW(model.parameters(), lr=0.1), lambda p: p)
+    raw = torch.optim.AdamW(raw_model.parameters(), lr=0.1)
+    assert optimizer.param_groups[0]["foreach"] is False and raw.param_groups[0]["foreach"] is None
+    for m in (model, raw_model):
+        _backward(m)
+    optimizer.step()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.allclose(p.full_tensor() if hasattr(p, "full_tensor") else p, q, atol=1e-6), name
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        raw.step()  # what a CUDA user met before: the patch does make torch pick the foreach kernels
+
+
+def test_foreach_true_over_a_mixed_group_is_refused_in_one_line(one_rank_tp_mesh):
+    from unified_dist.sharding import point_optimizer_at
+
+    model = _mixed_tp_model(one_rank_tp_mesh)
+    message = one_line_error(point_optimizer_at, torch.optim.SGD(model.parameters(), lr=0.1, foreach=True),
+                             lambda p: p)
+    assert "param group 0 has foreach=True" in message and "foreach=False" in message

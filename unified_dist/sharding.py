@@ -183,13 +183,34 @@ def _shard_incoming_model_state(module: torch.nn.Module, state_dict: dict, prefi
 def point_optimizer_at(optimizer: torch.optim.Optimizer,
                        new_of: Callable[[torch.nn.Parameter], torch.nn.Parameter]) -> torch.optim.Optimizer:
     """Replace each parameter in ``optimizer``'s groups by ``new_of(parameter)`` (FSDP2's DTensor
-    parameter for one it replaced, else itself), and let ``load_state_dict`` take full state."""
-    for group in optimizer.param_groups:
+    parameter for one it replaced, else itself), and let ``load_state_dict`` take full state.
+
+    A group that then mixes DTensor and plain parameters (tensor parallelism without FSDP: the
+    unplanned modules stay plain) cannot take torch's ``foreach`` kernels, which CUDA picks by
+    default and which refuse the mix at the first ``step``: such a group with ``foreach`` unset gets
+    ``foreach=False`` (the same update, one tensor at a time); one with ``foreach=True`` is refused here.
+    """
+    for index, group in enumerate(optimizer.param_groups):
         group["params"] = [new_of(p) for p in group["params"]]
+        _no_foreach_over_mixed(group, index)
     if not getattr(optimizer, "_unified_dist_shard_hook", False):
         optimizer.register_load_state_dict_pre_hook(_shard_incoming_optimizer_state)
         optimizer._unified_dist_shard_hook = True
     return optimizer
+
+
+def _no_foreach_over_mixed(group: dict, index: int) -> None:
+    from torch.distributed.tensor import DTensor
+
+    kinds = {isinstance(p, DTensor) for p in group["params"]}
+    if len(kinds) < 2 or group.get("fused"):
+        return
+    if group.get("foreach"):
+        raise UnifiedDistError(
+            f"optimizer param group {index} has foreach=True, but tensor parallelism left it both DTensor and "
+            "plain parameters, which torch's foreach kernels cannot take together; pass foreach=False or leave "
+            "it unset")
+    group["foreach"] = False
 
 
 def _shard_incoming_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:

@@ -21,12 +21,18 @@ import sys
 import traceback
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 
 import unified_dist as ud
 from unified_dist import facade
 
 sys.path.insert(0, os.path.dirname(__file__))
 from contract_worker import _ReduceScatters, close, full  # noqa: E402
+
+# The optimizers take torch's foreach kernels here, as they do by default on CUDA (on a CPU they step
+# one tensor at a time): tp without FSDP leaves DTensor and plain parameters in one group, which
+# those kernels refuse, so ud.prepare must hand the optimizer a group that still steps.
+torch_optimizer._get_foreach_kernels_supported_devices = lambda: ["cpu", "cuda"]
 
 LAYOUTS = {  # name -> (init keywords, (dp_replicate, dp_shard, tp) on 4 ranks)
     "hsdp": (dict(sharding="fsdp", dp_replicate=2), (2, 2, 1)),
