@@ -124,7 +124,7 @@ def inline(name: str, path: str, fmt: str, results: Path = RESULTS) -> str:
     if fmt == "len" and isinstance(v, (dict, list)):
         return str(len(v))
     if v is None or isinstance(v, (dict, list)):
-        raise ResultsError(f"bench/results/{name}: key path {path!r} holds {type(v).__group_backend_}, not a value")
+        raise ResultsError(f"bench/results/{name}: key path {path!r} holds {type(v).__name__}, not a value")
     try:
         return format(v, fmt)
     except (TypeError, ValueError) as e:

@@ -12,11 +12,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def commit() -> str:
     """``git rev-parse --short HEAD``, with ``-dirty`` when tracked files outside bench/results/ differ
-    from it (results an earlier part of the same run wrote do not change what is measured); in a copy
-    without ``.git``, ``$UNIFIED_DIST_COMMIT`` where the sender set it."""
+    from it (results an earlier part of the same run wrote do not change what is measured); ``$UNIFIED_DIST_COMMIT``
+    instead where the sender of a copy set it (a copy's ``.git`` may be stale)."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-    if not (ROOT / ".git").exists() and os.environ.get("UNIFIED_DIST_COMMIT"):
+    if os.environ.get("UNIFIED_DIST_COMMIT"):
         return os.environ["UNIFIED_DIST_COMMIT"]  # a copy of a checkout sent to another machine (a GPU's)
     try:
         head = git("rev-parse", "--short", "HEAD") or "unknown"

@@ -130,7 +130,9 @@ def test_a_missing_key_or_file_stops_with_one_line_naming_it(tmp_path):
         hook.render("{{ results:scaling.json }}", copy)
     with pytest.raises(hook.ResultsError) as ambiguous:  # 6 torch rows: a selector must pick exactly one
         hook.render("{{ results:network.json:rows[backend=torch].efficiency:.2f }}", copy)
-    for e in (page, inline, table, missing, plot, malformed, ambiguous):
+    with pytest.raises(hook.ResultsError) as not_a_value:  # a mapping where a figure was meant
+        hook.render("{{ results:scaling.json:results.horovod:.2f }}", copy)
+    for e in (page, inline, table, missing, plot, malformed, ambiguous, not_a_value):
         assert "\n" not in str(e.value), str(e.value)
     assert "bench/results/scaling.json" in str(page.value) and "'efficiency'" in str(page.value)
     assert str(inline.value) == ("bench/results/scaling.json: no key 'efficiency' in key path "
@@ -139,6 +141,8 @@ def test_a_missing_key_or_file_stops_with_one_line_naming_it(tmp_path):
     assert str(missing.value) == "bench/results/hotpath.json: no such results file"
     assert "bench/results/scaling.json" in str(plot.value) and "'efficiency'" in str(plot.value)
     assert "malformed" in str(malformed.value)
+    assert str(not_a_value.value) == ("bench/results/scaling.json: key path 'results.horovod' holds dict, "
+                                      "not a value")
     assert str(ambiguous.value).startswith("bench/results/network.json: 6 elements match [backend=torch]")
 
 
