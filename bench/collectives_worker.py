@@ -16,7 +16,7 @@ import time
 import torch
 
 import unified_dist as ud
-from unified_dist import checkmode
+from unified_dist.collectives import checkmode as checkmode
 
 
 def raw_ops(backend):

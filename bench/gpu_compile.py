@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 import provenance  # noqa: E402
-
 import unified_dist as ud  # noqa: E402
 
 SIZES = {"bert_2x256": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=1024),
@@ -107,7 +106,8 @@ def main() -> None:
             print(size, name, json.dumps(rows[name]), flush=True)
         rows["speedup_torch"] = rows["eager"]["step_ms"] / rows["torch_compile"]["step_ms"]
         rows["speedup_ud"] = rows["ud_eager"]["step_ms"] / rows["ud_compile"]["step_ms"]
-        print(size, "speedup torch.compile", round(rows["speedup_torch"], 3), "ud compile", round(rows["speedup_ud"], 3))
+        print(size, "speedup torch.compile", round(rows["speedup_torch"], 3),
+              "ud compile", round(rows["speedup_ud"], 3))
     provenance.finish(record)
     record.pop("cpu_ticks_before", None)
     args.out.parent.mkdir(parents=True, exist_ok=True)

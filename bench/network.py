@@ -33,12 +33,12 @@ are then per optimizer step (A micro-batches; the mean, not the median, since th
 times alternate between with and without communication: the row's ``step_stat`` says which).
 ``--horovod-cycle-ms`` adds Horovod rows per background-thread cycle time (``HOROVOD_CYCLE_TIME``,
 what ``horovodrun --cycle-time-ms`` sets; 'default' sets nothing, so the facade's CPU default
-applies: unified_dist.buckets.CPU_CYCLE_MS); other backends ignore it. Rows record the cycle
+applies: unified_dist.backends.buckets.CPU_CYCLE_MS); other backends ignore it. Rows record the cycle
 Horovod read (``horovod_cycle_ms_effective``).
 ``--bucket-view on,off`` adds torch and Accelerate rows with DDP's ``gradient_as_bucket_view`` on
 (the facade's default) and off (``UNIFIED_DIST_BUCKET_VIEW=0``); Horovod ignores it.
 ``--compression bf16`` runs Horovod with fp16 (its only 16-bit compressor, see
-:mod:`unified_dist.compression`); each row records the format that ran.
+:mod:`unified_dist.backends.compression`); each row records the format that ran.
 """
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import provenance  # noqa: E402  (bench/provenance.py)
-from unified_dist.buckets import HOROVOD_CYCLE_VAR as CYCLE_VAR  # noqa: E402
+from unified_dist.backends.buckets import HOROVOD_CYCLE_VAR as CYCLE_VAR  # noqa: E402
 from unified_dist.settings import TABLE  # noqa: E402
 from unified_dist.testing import multinode  # noqa: E402  (the hosts and the multi-node launch lines, as the tests')
 from unified_dist.testing.launchers import BIN  # noqa: E402

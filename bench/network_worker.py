@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(HERE, "step"))
 import unified_dist as ud  # noqa: E402
 from common import model_and_batches  # noqa: E402  (bench/step/common.py)
 from facade import make_step  # noqa: E402  (bench/step/facade.py: the step every benchmark times)
-from unified_dist.buckets import HOROVOD_CYCLE_VAR  # noqa: E402
+from unified_dist.backends.buckets import HOROVOD_CYCLE_VAR  # noqa: E402
 
 DTYPE = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

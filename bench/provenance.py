@@ -12,12 +12,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def commit() -> str:
     """``git rev-parse --short HEAD``, with ``-dirty`` when tracked files outside bench/results/ differ
-    from it (results an earlier part of the same run wrote do not change what is measured); ``$UNIFIED_DIST_COMMIT``
+    from it (results an earlier part of the same run wrote do not change what is measured); ``$BENCH_COMMIT``
     instead where the sender of a copy set it (a copy's ``.git`` may be stale)."""
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-    if os.environ.get("UNIFIED_DIST_COMMIT"):
-        return os.environ["UNIFIED_DIST_COMMIT"]  # a copy of a checkout sent to another machine (a GPU's)
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]  # a copy of a checkout sent to another machine (a GPU's)
     try:
         head = git("rev-parse", "--short", "HEAD") or "unknown"
         return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".",

@@ -115,7 +115,7 @@ LOCAL_ELEMENTS = {0: 3 * 6 + 3 + 1 * 10 + 1, 3: 1 * 6 + 1 + 1 * 10 + 1}
 def test_rank_bytes_counts_each_ranks_local_shards(worker, fake_world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from unified_dist.sharding import Sharding, shard_model
+    from unified_dist.parallel.sharding import Sharding, shard_model
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 4))
@@ -135,7 +135,7 @@ def test_saved_bytes_see_activation_checkpointing(worker):
     """Without checkpointing a block of Linear(H, 4H) -> tanh -> Linear(4H, H) keeps at least its input
     and its 4H-wide activation for backward; checkpointed (unified_dist's activation_checkpointing on
     the blocks), only each block's input: L x B x H float32s."""
-    from unified_dist.sharding import Sharding, shard_model
+    from unified_dist.parallel.sharding import Sharding, shard_model
 
     B, H, L = 8, 16, 3
 

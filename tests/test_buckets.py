@@ -1,4 +1,4 @@
-"""One bucket-size setting for every stack (unified_dist.buckets): what it resolves to, what DDP
+"""One bucket-size setting for every stack (unified_dist.backends.buckets): what it resolves to, what DDP
 and Horovod get, and the refusals. Under the real launchers, the contract's accum suite is launched
 with UNIFIED_DIST_BUCKET_MB=0.25 and asserts the bucket cap (262,144 bytes) and bucket count of the
 DDP that torch's backend and Accelerate built, and Horovod's HOROVOD_FUSION_THRESHOLD
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from unified_dist.buckets import CPU_CYCLE_MS, HOROVOD_CYCLE_VAR, HOROVOD_VAR, ddp_kwargs, horovod_env
+from unified_dist.backends.buckets import CPU_CYCLE_MS, HOROVOD_CYCLE_VAR, HOROVOD_VAR, ddp_kwargs, horovod_env
 from unified_dist.errors import UnifiedDistError
 from unified_dist.settings import TABLE, resolve
 

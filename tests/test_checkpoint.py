@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import unified_dist as ud
-from unified_dist import checkpoint
+from unified_dist.checkpoint import files as checkpoint
 
 
 @pytest.fixture(autouse=True)

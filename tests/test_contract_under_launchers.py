@@ -267,7 +267,7 @@ FSDP_CASES = [(launcher, fn.__name__) for launcher in FSDP_LAUNCHERS for fn in c
 def fsdp_dir(tmp_path_factory):
     import torch
 
-    from unified_dist import sharded_checkpoint
+    from unified_dist.checkpoint import sharded as sharded_checkpoint
 
     out = tmp_path_factory.mktemp("fsdp")
     model = contract_worker._BlockNet()
@@ -297,7 +297,7 @@ def test_shards_written_by_2_ranks_load_into_one_unsharded_process(launcher, run
     """save_sharded at world size 2 -> load_sharded at world size 1 equals the full checkpoint."""
     import torch
 
-    from unified_dist import sharded_checkpoint
+    from unified_dist.checkpoint import sharded as sharded_checkpoint
 
     runs.get(launcher, "fsdp", fsdp_dir)[0].check()
     backend = BACKEND_OF[launcher]

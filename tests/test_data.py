@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from unified_dist.data import LoaderStack, PreparedDataLoader, ShardedBatchSampler, plan_global_batches
+from unified_dist.data.loaders import LoaderStack, PreparedDataLoader, ShardedBatchSampler, plan_global_batches
 
 
 def rank_batches(n, b, world, shuffle=True, epoch=0, start=0, drop_last=False):
@@ -184,7 +184,7 @@ def test_an_early_break_after_ud_backward_or_optimizer_step_reshuffles():
 
 def test_a_stream_peek_does_not_move_the_epoch_order():
     """The same rule for a prepared stream: a peek's epoch is given back, a trained-on break is not."""
-    from unified_dist.streams import PreparedStreamLoader, stream
+    from unified_dist.data.streams import PreparedStreamLoader, stream
 
     class Rows(torch.utils.data.IterableDataset):
         def __iter__(self):

@@ -4,8 +4,8 @@ import sys
 import pytest
 
 from unified_dist.detection import BACKENDS, DERIVED_PORTS, DetectionError, Live, derived_port, detect
+from unified_dist.detection.hostlist import HostListError, expand
 from unified_dist.errors import UnifiedDistError
-from unified_dist.hostlist import HostListError, expand
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

@@ -11,7 +11,7 @@ import torch
 from unified_dist.backends.accelerate_backend import AccelerateBackend
 from unified_dist.backends.horovod_backend import HorovodBackend
 from unified_dist.backends.torch_ddp import TorchBackend
-from unified_dist.sync_batchnorm import SyncBatchNorm
+from unified_dist.parallel.sync_batchnorm import SyncBatchNorm
 
 
 class FakeHorovodSyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):

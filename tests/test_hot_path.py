@@ -180,7 +180,7 @@ def test_a_nan_in_an_accumulation_window_stops_at_its_optimizer_step_before_any_
     """The check waits for the micro-step that synchronises (no exchange before it): a NaN at micro-step
     2 of the second window of 4 is refused at that window's 4th micro-step, naming optimizer step 2;
     the weights are those after step 1."""
-    from unified_dist import collectives
+    from unified_dist.collectives import ops as collectives
 
     exchanges = []
     real = collectives.all_reduce

@@ -1,4 +1,4 @@
-"""Adopting a stack the process started itself (unified_dist/live.py), and ud.launch's error choice.
+"""Adopting a stack the process started itself (unified_dist/detection/live.py), and ud.launch's error choice.
 
 In process: a real one-rank gloo group joined with ``file://`` (any init method counts), and
 fake Horovod/Accelerate modules for the probe's order. The multi-process versions run under the
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import unified_dist as ud
-from unified_dist import live, spawn
-from unified_dist.detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES, Live
+from unified_dist import spawn
+from unified_dist.detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES, Live, live as live
 
 
 @pytest.fixture

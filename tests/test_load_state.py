@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import unified_dist as ud
-from unified_dist import checkpoint
+from unified_dist.checkpoint import files as checkpoint
 
 LR = 0.1
 
@@ -295,7 +295,8 @@ RNG_WORKER = r'''
 import os, random, sys, time
 import torch
 import unified_dist as ud
-from unified_dist import rng, saving
+from unified_dist import saving
+from unified_dist.checkpoint import rng as rng
 
 saving.ARRIVAL_SECONDS = 3                            # how long rank 0 waits for the others (20 s by default)
 out = sys.argv[1]

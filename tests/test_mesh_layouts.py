@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from unified_dist.errors import LaunchError, SettingError, UnifiedDistError
-from unified_dist.mesh import Layout, accelerate_dp_shard, plan_layout
+from unified_dist.parallel.mesh import Layout, accelerate_dp_shard, plan_layout
+from unified_dist.parallel.sharding import Sharding
 from unified_dist.session import config_from
-from unified_dist.sharding import Sharding
 
 
 def test_dp_shard_is_the_rest_of_the_world():
@@ -152,7 +152,7 @@ def test_launch_flags_hand_the_layout_to_the_script():
 
 
 def test_nodes_counts_the_machines_and_needs_equal_ones():
-    from unified_dist.mesh import machines
+    from unified_dist.parallel.mesh import machines
 
     assert machines(["h1", "h1", "h2", "h2"]) == 2 and machines(["h"] * 4) == 1
     with pytest.raises(UnifiedDistError, match="needs the same number of ranks on every machine"):

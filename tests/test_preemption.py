@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import unified_dist as ud
-from unified_dist import collectives
+from unified_dist.collectives import ops as collectives
 from unified_dist.errors import SettingError
 from unified_dist.session import config_from
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from unified_dist import sharded_checkpoint as sc
+from unified_dist.checkpoint import sharded as sc
 from unified_dist.errors import CheckpointError
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from unified_dist.errors import LaunchError, UnifiedDistError
+from unified_dist.parallel.sharding import Sharding, blocks_to_shard
 from unified_dist.session import config_from
-from unified_dist.sharding import Sharding, blocks_to_shard
 
 ACCELERATE_FSDP2 = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_RESHARD_AFTER_FORWARD": "false"}
 
@@ -118,7 +118,7 @@ def test_single_process_runs_a_sharded_script_unchanged(monkeypatch):
 @pytest.mark.parametrize("mode,param,reduce", [("no", None, None), ("bf16", torch.bfloat16, torch.float32),
                                                ("fp16", torch.float16, torch.float32)])
 def test_mixed_precision_becomes_fsdp2s_policy_with_float32_gradient_reduction(mode, param, reduce):
-    from unified_dist.sharding import _policy
+    from unified_dist.parallel.sharding import _policy
 
     policy = _policy(mode)
     assert (policy.param_dtype, policy.reduce_dtype) == (param, reduce)
@@ -130,7 +130,7 @@ def test_prepare_gives_fully_shard_the_bf16_policy_on_every_block(monkeypatch):
     (parameters in bf16, gradients reduced in float32): what a backend's FSDP prepare hands fully_shard."""
     import torch.distributed.fsdp as fsdp
 
-    from unified_dist.sharding import shard_model
+    from unified_dist.parallel.sharding import shard_model
     seen = []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **options: seen.append((type(module), options)))
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))

@@ -1,4 +1,4 @@
-"""Prepared streams (unified_dist/streams.py) in one process: each data-parallel rank is a thread with its
+"""Prepared streams (unified_dist/data/streams.py) in one process: each data-parallel rank is a thread with its
 own loader, the ranks exchange counts through a barrier, as ``Session._gather_ints`` does over a real group.
 Expected values are plain Python arithmetic over the rows. tests/test_streams_under_launchers.py checks
 the same promises inside real launchers."""
@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 import unified_dist as ud
-from unified_dist.data import LoaderStack
-from unified_dist.streams import EXCHANGE_STEPS, PreparedStreamLoader, _Reader, choose_split, fingerprint
+from unified_dist.data.loaders import LoaderStack
+from unified_dist.data.streams import EXCHANGE_STEPS, PreparedStreamLoader, _Reader, choose_split, fingerprint
 
 
 class Rows(IterableDataset):
@@ -282,7 +282,7 @@ def test_split_stream_reads_own_shards_and_pads_ranks_that_ran_out():
 
 
 def test_padding_rows_are_dropped_wherever_they_sit_in_the_gathered_rows():
-    from unified_dist.data import BatchInfo
+    from unified_dist.data.loaders import BatchInfo
 
     # rank 0 ran out first: its padding row comes before rank 1's two real rows
     assert BatchInfo(real=2, padded=3, is_last=False, counts=[0, 2]).kept_rows() == [1, 2]

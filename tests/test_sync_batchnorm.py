@@ -10,7 +10,7 @@ from typing import List
 import pytest
 import torch
 
-from unified_dist.sync_batchnorm import SyncBatchNorm, convert, portable_from
+from unified_dist.parallel.sync_batchnorm import SyncBatchNorm, convert, portable_from
 
 
 class ThreadComm:

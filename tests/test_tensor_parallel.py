@@ -1,4 +1,4 @@
-"""Tensor parallelism (unified_dist.tensor_parallel): plan resolution and its one-line errors in this
+"""Tensor parallelism (unified_dist.parallel.tensor_parallel): plan resolution and its one-line errors in this
 process, then one ``torchrun --nproc_per_node 2`` launch (tests/workers/tp_worker.py) that trains a
 sharded copy and a plain copy of two models and compares them.
 
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from unified_dist.errors import UnifiedDistError
-from unified_dist.tensor_parallel import apply_tp_plan, resolve_plan, torch_style
+from unified_dist.parallel.tensor_parallel import apply_tp_plan, resolve_plan, torch_style
 from unified_dist.testing.launchers import ROOT, launch
 
 sys.path.insert(0, str(ROOT / "tests" / "workers"))
@@ -212,8 +212,8 @@ def test_unplanned_params_get_the_same_gradient_on_every_rank_without_an_extra_a
 def one_rank_tp_mesh(monkeypatch):
     import torch.distributed as dist
 
-    from unified_dist.mesh import Layout, build_mesh
     from unified_dist.net import free_port
+    from unified_dist.parallel.mesh import Layout, build_mesh
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
@@ -244,7 +244,7 @@ def test_a_group_mixing_dtensor_and_plain_params_steps_with_the_foreach_kernels_
     point_optimizer_at leaves such a group unset-foreach as foreach=False: the update of a plain model."""
     import torch.optim.optimizer as torch_optimizer
 
-    from unified_dist.sharding import point_optimizer_at
+    from unified_dist.parallel.sharding import point_optimizer_at
 
     plain = _mixed_tp_model(None)
     _backward(plain)
@@ -264,7 +264,7 @@ def test_a_group_mixing_dtensor_and_plain_params_steps_with_the_foreach_kernels_
 
 
 def test_foreach_true_over_a_mixed_group_is_refused_in_one_line(one_rank_tp_mesh):
-    from unified_dist.sharding import point_optimizer_at
+    from unified_dist.parallel.sharding import point_optimizer_at
 
     model = _mixed_tp_model(one_rank_tp_mesh)
     message = one_line_error(point_optimizer_at, torch.optim.SGD(model.parameters(), lr=0.1, foreach=True),

@@ -13,9 +13,9 @@ from unified_dist.backends.accelerate_backend import AccelerateBackend
 from unified_dist.backends.base import Config
 from unified_dist.backends.horovod_backend import HorovodBackend
 from unified_dist.backends.single import SingleProcessBackend
-from unified_dist.data import LoaderStack
+from unified_dist.data.loaders import LoaderStack
 from unified_dist.detection import Detection
-from unified_dist.training import GradientSync, PreparedOptimizer
+from unified_dist.training.accumulation import GradientSync, PreparedOptimizer
 
 SCALE = 1024.0
 

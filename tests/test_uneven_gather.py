@@ -4,8 +4,8 @@ import threading
 import pytest
 import torch
 
+from unified_dist.collectives.uneven_gather import UnevenGather
 from unified_dist.errors import CollectiveError
-from unified_dist.uneven_gather import UnevenGather
 
 
 class FakeGroup:
@@ -112,7 +112,7 @@ def test_mismatch_raises_the_same_one_line_error_on_every_rank(second, message):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_large_payloads_gather_the_tensors_themselves(world, monkeypatch):
-    import unified_dist.uneven_gather as ug
+    import unified_dist.collectives.uneven_gather as ug
 
     monkeypatch.setattr(ug, "INLINE_LIMIT", 256)
     def calls(rank):
@@ -131,7 +131,7 @@ def test_large_payloads_gather_the_tensors_themselves(world, monkeypatch):
 
 
 def test_large_uneven_pads_past_the_broadcast_limit(monkeypatch):
-    import unified_dist.uneven_gather as ug
+    import unified_dist.collectives.uneven_gather as ug
 
     monkeypatch.setattr(ug, "INLINE_LIMIT", 64)
     monkeypatch.setattr(ug, "MAX_BROADCAST_RANKS", 2)

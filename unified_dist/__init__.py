@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Dict
 __version__ = "0.1.0"
 
 _FROM: Dict[str, str] = {
-    **dict.fromkeys(["CollectiveMismatch"], ".checkmode"),
+    **dict.fromkeys(["CollectiveMismatch"], ".collectives.checkmode"),
     **dict.fromkeys(["ElasticState", "elastic_run"], ".elastic"),
     **dict.fromkeys(["launch"], ".spawn"),
-    **dict.fromkeys(["RNG"], ".rng"),
-    **dict.fromkeys(["stream"], ".streams"),
+    **dict.fromkeys(["RNG"], ".checkpoint.rng"),
+    **dict.fromkeys(["stream"], ".data.streams"),
     **dict.fromkeys(["BackendNotInstalled", "CheckpointError", "CollectiveError", "CollectiveTimeout", "LaunchError",
                      "NonFiniteLoss", "PeerLost", "PrecisionError", "UnifiedDistError", "WorkerFailed"], ".errors"),
     **dict.fromkeys(["accumulate", "all_gather", "all_gather_object", "all_reduce", "autocast", "backend_name",
@@ -57,7 +57,9 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from .checkmode import CollectiveMismatch  # noqa: F401
+    from .checkpoint.rng import RNG  # noqa: F401
+    from .collectives.checkmode import CollectiveMismatch  # noqa: F401
+    from .data.streams import stream  # noqa: F401
     from .elastic import ElasticState, elastic_run  # noqa: F401
     from .errors import (  # noqa: F401
         BackendNotInstalled,
@@ -110,7 +112,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         unwrap,
         world_size,
     )
-    from .rng import RNG  # noqa: F401
     from .saving import get_state_dict, latest_checkpoint, load, load_sharded, save, save_checkpoint, save_sharded  # noqa: F401
     from .spawn import launch  # noqa: F401
-    from .streams import stream  # noqa: F401

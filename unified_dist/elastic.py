@@ -39,7 +39,8 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from . import facade, nested, rng, saving
+from . import facade, nested, saving
+from .checkpoint import rng
 from .errors import CheckpointError, UnifiedDistError
 
 _OWN = ("_objects", "_values", "checkpoint_dir", "keep_last", "restored_from", "backend_state")

@@ -11,8 +11,10 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
-from . import collectives, rng, session
+from . import session
 from .backends import Backend
+from .checkpoint import rng
+from .collectives import ops as collectives
 
 
 def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None,
@@ -36,13 +38,13 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
 
     Idempotent: a second call with compatible arguments does nothing; asking for another backend
     or another value of a setting once initialised is an error (call :func:`shutdown` first).
-    ``sharding="fsdp"`` makes :func:`prepare` shard models with FSDP2 (:mod:`unified_dist.sharding`);
-    ``sync_batchnorm=True`` synchronises BatchNorm statistics (:mod:`unified_dist.sync_batchnorm`);
-    ``gradient_compression`` sends gradients in 16 bits (:mod:`unified_dist.compression`);
-    ``bucket_mb`` sizes the fused gradient reductions (:mod:`unified_dist.buckets`).
+    ``sharding="fsdp"`` makes :func:`prepare` shard models with FSDP2 (:mod:`unified_dist.parallel.sharding`);
+    ``sync_batchnorm=True`` synchronises BatchNorm statistics (:mod:`unified_dist.parallel.sync_batchnorm`);
+    ``gradient_compression`` sends gradients in 16 bits (:mod:`unified_dist.backends.compression`);
+    ``bucket_mb`` sizes the fused gradient reductions (:mod:`unified_dist.backends.buckets`).
     ``dp_replicate=R`` (HSDP: shard inside each of ``R`` replicas, an integer or ``"nodes"``),
     ``tp=T`` with ``tp_plan`` (tensor parallelism), ``cpu_offload`` and ``activation_checkpointing``
-    lay the ranks out on a device mesh (:mod:`unified_dist.mesh`): ``R * dp_shard * T`` ranks, with
+    lay the ranks out on a device mesh (:mod:`unified_dist.parallel.mesh`): ``R * dp_shard * T`` ranks, with
     ``dp_shard`` the rest of the world. ``compile=True`` (or a ``torch.compile`` backend's name) makes
     :func:`prepare` compile each model in place, after wrapping it (see ``docs/hot-path.md``).
     ``stop_signals`` (default SIGUSR1 and SIGTERM) are what :func:`should_stop` listens to
@@ -157,9 +159,9 @@ def prepare(*objs: Any) -> Any:
     and their gradients averaged across ranks (or sharded, with ``init(sharding="fsdp")``;
     BatchNorm synchronised with ``init(sync_batchnorm=True)``); optimizers step only when
     gradients are synchronised (an optimizer built on a model's parameters before this call
-    steps the prepared model's); loaders are sharded (see :mod:`unified_dist.data`) and
+    steps the prepared model's); loaders are sharded (see :mod:`unified_dist.data.loaders`) and
     reshuffle each epoch. A loader over an ``IterableDataset`` (a ``datasets`` stream included) is
-    sharded the same way, in global batches of the stream (see :mod:`unified_dist.streams`;
+    sharded the same way, in global batches of the stream (see :mod:`unified_dist.data.streams`;
     :func:`unified_dist.stream` adds a shuffle buffer).
     """
     out = session.current().prepare(objs)

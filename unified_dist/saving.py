@@ -1,7 +1,7 @@
 """The public checkpoint functions: portable files (``save``/``load``/``save_checkpoint``), a
 sharded model's full weights (``get_state_dict``), and per-rank shards (``save_sharded``/``load_sharded``).
 They reach the session's backend through :func:`unified_dist.facade.current_backend` and only delegate
-to :mod:`unified_dist.checkpoint` and :mod:`unified_dist.sharded_checkpoint`.
+to :mod:`unified_dist.checkpoint.files` and :mod:`unified_dist.checkpoint.sharded`.
 """
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from typing import Any, Optional
 
 import torch
 
-from . import checkpoint, collectives, nested, rng, sharded_checkpoint
+from . import nested
+from .checkpoint import files as checkpoint, rng, sharded as sharded_checkpoint
+from .collectives import ops as collectives
 from .errors import CheckpointError, UnifiedDistError, summary
 from .facade import barrier, current_backend, rank, restore_rng_states, rng_states
-from .sharding import full_tensor
-from .training import PreparedScheduler
+from .parallel.sharding import full_tensor
+from .training.accumulation import PreparedScheduler
 
 ARRIVAL_SECONDS = 20.0
 """How long rank 0 waits for the other ranks at a collective save (sharded, or with ``ud.RNG``) before
@@ -27,7 +29,7 @@ def save(obj: Any, path: str) -> None:
     "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "rng": ud.RNG, "epoch": 3}``.
     Prepared models are stored unwrapped (no ``module.`` prefix); optimizers, schedulers, loaders
     and anything else with ``state_dict()`` as their state dicts (a prepared optimizer's includes
-    ``steps_taken``); :data:`ud.RNG <unified_dist.rng.RNG>` as every rank's generator states, in
+    ``steps_taken``); :data:`ud.RNG <unified_dist.checkpoint.rng.RNG>` as every rank's generator states, in
     rank order; tensors on the CPU; plain values as they are. A failed write raises on the main
     process and leaves any previous file at ``path`` intact.
 

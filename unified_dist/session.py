@@ -24,16 +24,19 @@ from typing import Any, List, Mapping, Optional
 
 import torch
 
-from . import collectives, compiling, live, preemption, settings
+from . import settings
 from .backends import Backend, Config, backend_class
-from .data import LoaderStack, PreparedDataLoader
-from .detection import Detection, detect
+from .collectives import ops as collectives
+from .data.loaders import LoaderStack, PreparedDataLoader
+from .data.streams import PreparedStreamLoader
+from .detection import Detection, detect, live
 from .errors import LaunchError, NonFiniteLoss, UnifiedDistError, warn_once
-from .mesh import accelerate_dp_shard
-from .precision import check_device
-from .sharding import Sharding, clip_grad_norm, full_tensor
-from .streams import PreparedStreamLoader
-from .training import GradientSync, PreparedOptimizer, PreparedScheduler
+from .parallel import compiling
+from .parallel.mesh import accelerate_dp_shard
+from .parallel.sharding import Sharding, clip_grad_norm, full_tensor
+from .training import preemption
+from .training.accumulation import GradientSync, PreparedOptimizer, PreparedScheduler
+from .training.precision import check_device
 
 
 def config_from(given: Mapping[str, Any], environ: Mapping[str, str], cuda: bool) -> Config:
@@ -144,7 +147,7 @@ class Session:
         prepared = backend.prepare_model(model)
         if backend.config.compile:
             prepared = backend.compile_model(prepared)
-        self.sync.buffers.add(prepared)  # every rank starts from rank 0's buffers (unified_dist.buffers)
+        self.sync.buffers.add(prepared)  # every rank starts from rank 0's buffers (unified_dist.training.buffers)
         return prepared
 
     # ------------------------------------------------------------------ training
@@ -160,7 +163,7 @@ class Session:
             raise UnifiedDistError(f"backward() expects the loss tensor, got {type(loss).__name__}")
         self.sync.check_backward_context()
         self.sync.backward_calls += 1
-        self.loaders.note_training()  # the current loader's pass is no peek (unified_dist.data.Epochs)
+        self.loaders.note_training()  # the current loader's pass is no peek (unified_dist.data.loaders.Epochs)
         self._backward_seen = True
         if self.backend.config.check_finite:
             finite = torch.isfinite(loss.detach()).all()

@@ -188,7 +188,7 @@ def test_torch_sync_batchnorm_check_runs_two_ranks_and_compares():
     record = gpu_checks.run_one("torch_sync_batchnorm", torch.device("cpu"))
     assert record["status"] == "pass", record
     assert record["figure"] <= record["limit"] == 1e-4
-    assert "unified_dist.sync_batchnorm.SyncBatchNorm on cpu" in record["detail"]  # CUDA's class on a GPU
+    assert "unified_dist.parallel.sync_batchnorm.SyncBatchNorm on cpu" in record["detail"]  # CUDA's class on a GPU
 
 
 @pytest.mark.distributed

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unified_dist.data import LoaderStack, PreparedDataLoader
+from unified_dist.data.loaders import LoaderStack, PreparedDataLoader
 
 pytestmark = pytest.mark.example
 _spec = importlib.util.spec_from_file_location(

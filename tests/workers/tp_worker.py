@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from unified_dist.tensor_parallel import apply_tp_plan, resolve_plan
+from unified_dist.parallel.tensor_parallel import apply_tp_plan, resolve_plan
 
 STEPS = 3
 LR = 1e-3

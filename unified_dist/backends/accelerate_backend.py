@@ -9,11 +9,11 @@ from typing import Any, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 
-from ..buckets import ddp_kwargs
-from ..compression import register_ddp_hook
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
 from .base import Backend, Config, stop_ddp_buffer_sync, weighted
+from .buckets import ddp_kwargs
+from .compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels, OnMesh
 from .process_group import (
@@ -72,7 +72,7 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
                 "`pip install unified_dist[accelerate]` or `make setup`") from None
         from accelerate.state import PartialState
 
-        # What this process had already started stays running at shutdown (see unified_dist.live).
+        # What this process had already started stays running at shutdown (see unified_dist.detection.live).
         self._owns_group = not torch.distributed.is_initialized()
         self._owns_state = not PartialState._shared_state
         self._exported: Dict[str, str] = {}
@@ -91,7 +91,7 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
                 mixed_precision=config.mixed_precision,
                 gradient_accumulation_steps=config.gradient_accumulation_steps,
                 step_scheduler_with_optimizer=False,
-                # the facade compiles (unified_dist.compiling), in place: Accelerate's own compile would wrap
+                # the facade compiles (unified_dist.parallel.compiling), in place: Accelerate's own compile would wrap
                 # the model in an OptimizedModule (with _orig_mod. in its state dict) before the facade's hooks
                 dynamo_backend="no",
                 # buffers: stop_ddp_buffer_sync in prepare_model (the handler cannot say forward_sync_buffers)

@@ -16,12 +16,12 @@ from typing import Any, ContextManager, List, Optional, Tuple
 
 import torch
 
-from .. import sync_batchnorm
 from ..detection import Detection
 from ..errors import PeerLost, UnifiedDistError, collective_timeout, peer_lost_message
-from ..mesh import Layout
+from ..parallel import sync_batchnorm
+from ..parallel.mesh import Layout
+from ..parallel.sharding import KEYWORDS as SHARDING_KEYWORDS, Sharding
 from ..settings import TABLE
-from ..sharding import KEYWORDS as SHARDING_KEYWORDS, Sharding
 
 # torch.distributed raises DistBackendError/RuntimeError for everything gloo and nccl report: the
 # text is the only witness of a timeout or of a peer's closed connection.
@@ -45,7 +45,7 @@ def _ddp_buffer_kwargs() -> dict:
 DDP_BUFFER_KWARGS = _ddp_buffer_kwargs()
 """What DistributedDataParallel is built with (or, under Accelerate, set to on the wrapper it made:
 :func:`stop_ddp_buffer_sync`): no broadcast of buffers before each synchronising forward; the facade
-gives every rank rank 0's buffers after each optimizer step instead (:mod:`unified_dist.buffers`).
+gives every rank rank 0's buffers after each optimizer step instead (:mod:`unified_dist.training.buffers`).
 ``forward_sync_buffers=False`` where torch has it (2.13 deprecates ``broadcast_buffers``, with a
 FutureWarning for each DDP built with it), ``broadcast_buffers=False`` before."""
 
@@ -75,9 +75,9 @@ class Config:
     debug: bool = TABLE["debug"].default
     sharding: Sharding = Sharding()
     sync_batchnorm: bool = TABLE["sync_batchnorm"].default
-    gradient_compression: Optional[str] = TABLE["gradient_compression"].default  # see unified_dist.compression
-    bucket_mb: Optional[float] = TABLE["bucket_mb"].default  # MiB per fused reduction (unified_dist.buckets)
-    bucket_view: bool = TABLE["bucket_view"].default  # DDP's gradient_as_bucket_view (unified_dist.buckets)
+    gradient_compression: Optional[str] = TABLE["gradient_compression"].default  # see unified_dist.backends.compression
+    bucket_mb: Optional[float] = TABLE["bucket_mb"].default  # MiB per fused reduction (unified_dist.backends.buckets)
+    bucket_view: bool = TABLE["bucket_view"].default  # DDP's gradient_as_bucket_view (unified_dist.backends.buckets)
     check_finite: bool = TABLE["check_finite"].default  # ud.backward's NaN/inf check
     compile: Optional[str] = TABLE["compile"].default  # torch.compile backend ud.prepare uses (None: off)
     compile_mode: str = TABLE["compile_mode"].default  # torch.compile's mode
@@ -142,7 +142,7 @@ class Backend(ABC):
 
     @property
     def layout(self) -> Layout:
-        """How the ranks split the model (:mod:`unified_dist.mesh`); here every rank a data-parallel one."""
+        """How the ranks split the model (:mod:`unified_dist.parallel.mesh`); here every rank a data-parallel one."""
         return Layout(1, self.world_size, 1)
 
     @property
@@ -190,7 +190,7 @@ class Backend(ABC):
                                reduce_sum: sync_batchnorm.ReduceSum) -> torch.nn.Module:
         """``model`` with every BatchNorm1d/2d/3d computing batch statistics over the global batch
         (``init(sync_batchnorm=True)``); a stack's own implementation where one runs on this device
-        (CUDA), else the portable :mod:`unified_dist.sync_batchnorm` communicating through ``gather``
+        (CUDA), else the portable :mod:`unified_dist.parallel.sync_batchnorm` communicating through ``gather``
         and ``reduce_sum`` (the caller's collectives over this backend). Unchanged for one process."""
         if self.world_size == 1:
             return model
@@ -227,9 +227,9 @@ class Backend(ABC):
                 return model
 
     def compile_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Compile a prepared ``model`` in place as ``config.compile`` says (:mod:`unified_dist.compiling`):
+        """Compile a prepared ``model`` in place as ``config.compile`` says (:mod:`unified_dist.parallel.compiling`):
         by :meth:`compile_regions` when there are any, else whole."""
-        from ..compiling import compile_in_place
+        from ..parallel.compiling import compile_in_place
 
         return compile_in_place(model, self.config.compile, self.config.compile_mode, self.compile_regions(model))
 
@@ -240,7 +240,7 @@ class Backend(ABC):
     # ----------------------------------------------------------------- training
     def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None, weight: Fraction = Fraction(1)) -> None:
         """Backpropagate ``loss * weight`` (scaled by ``scaler`` for fp16); the gradient averaging
-        across ranks then gives the step's exact gradient (see :mod:`unified_dist.training`)."""
+        across ranks then gives the step's exact gradient (see :mod:`unified_dist.training.accumulation`)."""
         loss = weighted(loss, weight)
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
@@ -307,7 +307,7 @@ class Backend(ABC):
     gathers_uneven: bool = False
     """True when the library gathers tensors whose dim 0 differs between ranks itself, keeping no
     state between calls (:meth:`all_gather_uneven`). Otherwise the collectives layer builds that
-    gather from :meth:`all_gather_equal` and :meth:`broadcast_` (:mod:`unified_dist.uneven_gather`)."""
+    gather from :meth:`all_gather_equal` and :meth:`broadcast_` (:mod:`unified_dist.collectives.uneven_gather`)."""
 
     def all_gather_uneven(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
         """Only where :attr:`gathers_uneven`: every rank's ``tensor`` (at least 1-d; dim 0 may differ)

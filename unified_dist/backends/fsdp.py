@@ -1,6 +1,6 @@
 """FSDP2, HSDP and tensor parallelism for the backends that run on torch.distributed (torch,
 Accelerate): the job's device mesh, and what ``prepare`` does to models and optimizers when
-``sharding="fsdp"`` or ``tp > 1`` (see :mod:`unified_dist.sharding`, :mod:`unified_dist.mesh`)."""
+``sharding="fsdp"`` or ``tp > 1`` (see :mod:`unified_dist.parallel.sharding`, :mod:`unified_dist.parallel.mesh`)."""
 from __future__ import annotations
 
 import weakref
@@ -9,8 +9,8 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import LaunchError
-from ..mesh import Layout, build_mesh, data_parallel_mesh, machines, plan_layout
-from ..sharding import Sharding, blocks_to_shard, is_sharded, no_gradient_sync, point_optimizer_at, shard_model
+from ..parallel.mesh import Layout, build_mesh, data_parallel_mesh, machines, plan_layout
+from ..parallel.sharding import Sharding, blocks_to_shard, is_sharded, no_gradient_sync, point_optimizer_at, shard_model
 from .process_group import host_names
 
 

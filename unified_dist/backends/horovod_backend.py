@@ -10,8 +10,6 @@ from typing import Any, List, Optional
 
 import torch
 
-from .. import sync_batchnorm
-from ..buckets import HOROVOD_VAR, horovod_env
 from ..detection import Detection
 from ..errors import (
     BackendNotInstalled,
@@ -22,8 +20,10 @@ from ..errors import (
     first_line,
     peer_lost_message,
 )
+from ..parallel import sync_batchnorm
 from . import horovod_rendezvous
 from .base import Backend, Config
+from .buckets import HOROVOD_VAR, horovod_env
 
 _NEVER = 2**62
 """A hook delay no run reaches: Horovod's hook counts it down and sends nothing (accumulating micro-steps)."""
@@ -51,7 +51,7 @@ def wire_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
     The contract: every result has the caller's dtype and the value torch.distributed (gloo) gives
     for that dtype. ``reduce`` converts with ``.to`` (values): bool, uint8, int8 and int16 reduce
     in int32, so max/min are exact and the sum, converted back, wraps modulo 2**bits as gloo's
-    narrow-type sum does (a bool sum is "any", as on gloo; :func:`unified_dist.collectives.all_reduce`
+    narrow-type sum does (a bool sum is "any", as on gloo; :func:`unified_dist.collectives.ops.all_reduce`
     counts Trues by summing int64); bfloat16 reduces in float32, max/min exact and the sum rounded
     once at the end (gloo rounds after each addition: the same for two ranks and whenever the
     partial sums are representable). ``gather`` and ``broadcast`` only move bytes: bool travels as

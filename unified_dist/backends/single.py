@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..mesh import plan_layout
+from ..parallel.mesh import plan_layout
 from .base import Backend, Config
 
 

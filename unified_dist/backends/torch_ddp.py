@@ -6,10 +6,10 @@ from typing import Any, ContextManager, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..buckets import ddp_kwargs
-from ..compression import register_ddp_hook
 from ..detection import Detection
 from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Backend, Config
+from .buckets import ddp_kwargs
+from .compression import register_ddp_hook
 from .ddp_lifetime import DdpTracker
 from .fsdp import FsdpModels, OnMesh
 from .process_group import (

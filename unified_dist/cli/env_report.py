@@ -130,7 +130,7 @@ def hardware() -> Dict[str, Any]:
 def detection(environ: Mapping[str, str], cuda: bool) -> Dict[str, Any]:
     from ..detection import detect
     from ..errors import UnifiedDistError
-    from ..precision import check_device
+    from ..training.precision import check_device
 
     try:
         found = detect(environ)

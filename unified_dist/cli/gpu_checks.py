@@ -181,8 +181,8 @@ def hsdp(device: torch.device) -> Outcome:
     """HSDP's 2-D placement (Replicate, Shard) on a (1, 1) device mesh: 3 SGD steps equal the reference."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from ..mesh import Layout, build_mesh
-    from ..sharding import Sharding, shard_model
+    from ..parallel.mesh import Layout, build_mesh
+    from ..parallel.sharding import Sharding, shard_model
 
     data = batches(3)
     with session(device) as dev:
@@ -201,9 +201,9 @@ def tensor_parallel(device: torch.device) -> Outcome:
     """The TP plan (w1 colwise, w2 rowwise) applied on a 1-rank ``tp`` mesh: 3 SGD steps equal the reference."""
     from torch.distributed.tensor import Shard
 
-    from ..mesh import Layout, build_mesh
-    from ..sharding import point_optimizer_at
-    from ..tensor_parallel import apply_tp_plan
+    from ..parallel.mesh import Layout, build_mesh
+    from ..parallel.sharding import point_optimizer_at
+    from ..parallel.tensor_parallel import apply_tp_plan
 
     data = batches(3)
     with session(device) as dev:
@@ -454,10 +454,10 @@ def _join(stack: str):
 
 def _sync_bn_rank(stack: str, device: torch.device, out: Path) -> None:
     """One of two ranks sharing ``device``: the stack's CUDA SyncBatchNorm (the portable one of
-    :mod:`unified_dist.sync_batchnorm` on a CPU, as the backends choose) on half the batch; rank 0
+    :mod:`unified_dist.parallel.sync_batchnorm` on a CPU, as the backends choose) on half the batch; rank 0
     writes the largest relative error of outputs, summed gradients and running statistics against
     BatchNorm on the whole batch in float64."""
-    from .. import sync_batchnorm
+    from ..parallel import sync_batchnorm
 
     rank, world, gather, reduce_sum, cuda_class = _join(stack)
     make = sync_batchnorm.sharing(cuda_class) if device.type == "cuda" else \

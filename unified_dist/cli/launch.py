@@ -21,8 +21,8 @@ from typing import Any, Dict, FrozenSet, List, Mapping, NoReturn, Optional, Tupl
 from .. import settings
 from ..errors import PrecisionError, SettingError
 from ..net import DEFAULT_MASTER_PORT
-from ..precision import check_device
 from ..registry import LAUNCHED, SPECS
+from ..training.precision import check_device
 from .errors import UsageError
 
 BACKENDS: Tuple[str, ...] = LAUNCHED

@@ -7,8 +7,8 @@ from __future__ import annotations
 import zlib
 from typing import Mapping, Optional, Tuple
 
-from .. import hostlist
 from ..settings import BACKEND_ENV as ENV_BACKEND, SLURM_ENV as ENV_SLURM, TABLE
+from . import hostlist
 from .result import Detection, DetectionError, first_set as _first, read_int as _int
 
 DERIVED_PORTS = (15000, 25000)

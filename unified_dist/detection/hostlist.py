@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import List
 
-from .errors import UnifiedDistError
+from ..errors import UnifiedDistError
 
 _BRACKET = re.compile(r"\[([^\[\]]*)\]")
 

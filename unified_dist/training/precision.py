@@ -1,8 +1,8 @@
 """Whether this machine can run a mixed-precision mode (the mode itself is a setting: :mod:`unified_dist.settings`)."""
 from __future__ import annotations
 
-from . import settings
-from .errors import PrecisionError
+from .. import settings
+from ..errors import PrecisionError
 
 MODES = settings.TABLE["mixed_precision"].kind.values
 """Every mixed-precision mode (declared in :data:`unified_dist.settings.TABLE`)."""

@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .errors import CollectiveError
+from ..errors import CollectiveError
 
 MAX_DIMS = 8
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,

@@ -1,7 +1,7 @@
 """Sharded loading of streams (``IterableDataset``) with the promise of map-style loaders.
 
 A prepared stream loader cuts the stream into *global batches* of ``B = batch_size x (data-parallel
-world size)`` and gives rank ``r`` the ``r``-th slice of each, exactly as :mod:`unified_dist.data` does
+world size)`` and gives rank ``r`` the ``r``-th slice of each, exactly as :mod:`unified_dist.data.loaders` does
 for map-style datasets: step ``s`` of N ranks is one process's step ``s``, each example comes once per
 epoch, a ragged last global batch is split as evenly as it goes (``ud.backward`` weights it exactly;
 ranks without a sample get one padding row weighted 0, dropped by ``gather_for_metrics``), and every
@@ -65,8 +65,8 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .data import BatchInfo, Epochs, LoaderStack, shard, worker_options
-from .errors import UnifiedDistError, warn_once
+from ..errors import UnifiedDistError, warn_once
+from .loaders import BatchInfo, Epochs, LoaderStack, shard, worker_options
 
 EXCHANGE_STEPS = 8
 """Split mode: steps whose per-rank counts one ``all_gather`` exchanges (more when accumulating); whole stream:

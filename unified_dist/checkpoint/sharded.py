@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from .checkpoint import read_safe, write_atomic
-from .errors import CheckpointError
+from ..errors import CheckpointError
+from .files import read_safe, write_atomic
 
 EXTRA = "extra.pt"
 

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Optional
 
-from .detection import Live
+from . import Live
 
 
 def probe() -> Optional[Live]:

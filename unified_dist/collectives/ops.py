@@ -8,7 +8,7 @@
   every backend: what a library refuses travels in a form it takes and comes back exactly
   (:func:`to_wire`); any other dtype is the same one-line :class:`CollectiveError` everywhere.
 
-This layer owns each group's :class:`~unified_dist.uneven_gather.UnevenGather` (its capacity is
+This layer owns each group's :class:`~unified_dist.collectives.uneven_gather.UnevenGather` (its capacity is
 state shared by every gather of the group), used where the backend has no native uneven gather.
 """
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Any, Callable, Iterator, List
 
 import torch
 
-from . import checkmode, nested
-from .backends.base import REDUCE_OPS, Backend
-from .errors import CollectiveError, CollectiveTimeout, ShapeMismatch, UnifiedDistError, collective_timeout
+from .. import nested
+from ..backends.base import REDUCE_OPS, Backend
+from ..errors import CollectiveError, CollectiveTimeout, ShapeMismatch, UnifiedDistError, collective_timeout
+from . import checkmode
 from .uneven_gather import UnevenGather, shape_mismatch_error
 
 _GATHERERS: "weakref.WeakKeyDictionary[Backend, UnevenGather]" = weakref.WeakKeyDictionary()

@@ -11,7 +11,7 @@ when ``T`` divides the ranks per machine), and the data-parallel rank is ``r // 
 - HSDP: ``fully_shard`` on the 2-D ``("dp_replicate", "dp_shard")`` sub-mesh: parameters
   ``(Replicate(), Shard(0))``, gradients reduce-scattered inside a replica and all-reduced across.
   With ``R == 1`` the 1-D ``dp_shard`` mesh (plain FSDP2).
-- Tensor parallel: ``parallelize_module`` on the ``tp`` sub-mesh (:mod:`unified_dist.tensor_parallel`).
+- Tensor parallel: ``parallelize_module`` on the ``tp`` sub-mesh (:mod:`unified_dist.parallel.tensor_parallel`).
 
 Nothing here communicates except :func:`build_mesh` (it creates the process groups of each
 dimension: every rank must call it).
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from .errors import LaunchError, UnifiedDistError
+from ..errors import LaunchError, UnifiedDistError
 
 DIMS = ("dp_replicate", "dp_shard", "tp")
 """The mesh's dimension names, outermost first."""

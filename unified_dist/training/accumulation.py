@@ -11,7 +11,7 @@ own micro-batch, and the backends average gradients over ranks, so ``ud.backward
 the loss by ``data_parallel_world_size * mine / step_samples`` (:meth:`GradientSync.loss_weight`): ``mine`` is
 this rank's real samples in the micro-batch, ``step_samples`` the real samples of every rank and
 micro-batch of the optimizer step. With full batches that is ``1/k``; a ragged last batch (its
-samples split unevenly, see :mod:`unified_dist.data`) and a last accumulation window with fewer
+samples split unevenly, see :mod:`unified_dist.data.loaders`) and a last accumulation window with fewer
 than ``k`` micro-batches are weighted by what they really hold; a padding row weighs zero.
 Without a prepared loader the weight is ``1/k``.
 """
@@ -23,10 +23,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .backends.base import Backend
+from ..backends.base import Backend
+from ..data.loaders import LoaderStack
+from ..errors import UnifiedDistError
 from .buffers import ModelBuffers
-from .data import LoaderStack
-from .errors import UnifiedDistError
 
 
 class _Window:
@@ -223,7 +223,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Step only if this micro-step synchronised gradients; returns ``None`` otherwise."""
-        self._sync.loaders.note_training()  # the current loader's pass is no peek (unified_dist.data.Epochs)
+        self._sync.loaders.note_training()  # the current loader's pass is no peek (unified_dist.data.loaders.Epochs)
         if not self._sync.sync_gradients:
             return None
         if closure is None:
@@ -240,7 +240,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
                 result = self.scaler.step(self.optimizer)
                 self.scaler.update()
         self._sync.rescale_others(self, scale)
-        self._sync.buffers.after_step(self.optimizer)  # every rank takes rank 0's buffers (unified_dist.buffers)
+        self._sync.buffers.after_step(self.optimizer)  # every rank takes rank 0's buffers (training.buffers)
         return result
 
     def _refuse_unweighted_gradients(self) -> None:

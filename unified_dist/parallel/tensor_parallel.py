@@ -61,7 +61,7 @@ from typing import Dict, List, Mapping, Optional, Union
 
 from torch import nn
 
-from .errors import UnifiedDistError
+from ..errors import UnifiedDistError
 
 SUPPORTED_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise")
 """The style names a plan may use (see the module docstring for what each becomes)."""

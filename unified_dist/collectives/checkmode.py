@@ -17,8 +17,8 @@ from typing import Any, Dict, List
 
 import torch
 
-from . import nested
-from .errors import CollectiveError
+from .. import nested
+from ..errors import CollectiveError
 
 _PAYLOAD = 2048
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -16,7 +16,7 @@ same number of collectives as DDP's rule, one per buffer dtype. Between two step
 of an accumulation window) each rank's buffers follow its own micro-batches, as under DDP.
 
 ``init(sync_batchnorm=True)`` changes what the statistics *are* (computed over the global batch,
-see :mod:`unified_dist.sync_batchnorm`); the rule here still keeps every rank's copy equal.
+see :mod:`unified_dist.parallel.sync_batchnorm`); the rule here still keeps every rank's copy equal.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from typing import Dict, Iterable, List, Tuple
 
 import torch
 
-from . import collectives
-from .backends.base import Backend
+from ..backends.base import Backend
+from ..collectives import ops as collectives
 
 
 def _unique_buffers(models: Iterable[torch.nn.Module]) -> List[torch.Tensor]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import settings
+from .. import settings
 
 MODES = settings.TABLE["gradient_compression"].kind.values
 """Every compression ``init`` accepts (``None``, or ``"none"`` in the variable, sends float32)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional
 
-from .errors import UnifiedDistError
+from ..errors import UnifiedDistError
 
 HOROVOD_VAR = "HOROVOD_FUSION_THRESHOLD"
 HOROVOD_CYCLE_VAR = "HOROVOD_CYCLE_TIME"

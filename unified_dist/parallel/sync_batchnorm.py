@@ -21,7 +21,7 @@ Every rank must run the same BatchNorm layers in the same order (as with every c
 
 This module imports nothing of unified_dist: :func:`portable` takes the gather, the sum and the
 rank and world size as functions (the backend's :meth:`~unified_dist.backends.Backend.convert_sync_batchnorm`
-gets them from the session, which builds them on :mod:`unified_dist.collectives`). A
+gets them from the session, which builds them on :mod:`unified_dist.collectives.ops`). A
 :class:`SyncBatchNorm` given none is a world of one: plain BatchNorm.
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ prefix): checkpoints of compiled and uncompiled models load into each other. Wha
 - DDP (torch, Accelerate): the ``forward`` of the module DDP wraps (see :func:`compile_targets` for why
   not DDP's own); it runs inside DDP's forward, so dynamo's DDP optimizer still splits its graph at
   the gradient buckets;
-- FSDP2 / HSDP / tensor parallelism: each block :func:`unified_dist.sharding.blocks_to_shard` chose,
+- FSDP2 / HSDP / tensor parallelism: each block :func:`unified_dist.parallel.sharding.blocks_to_shard` chose,
   one by one (regional compilation, as torchtitan does); the root's own layers stay eager;
 - Horovod and one process: the model itself (Horovod's hooks sit on the parameters, outside the graph).
 
@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .errors import UnifiedDistError
+from ..errors import UnifiedDistError
 
 
 def check_backend(name: Optional[str], mode: str) -> None:

@@ -15,7 +15,7 @@ consecutive positions; rank ``r`` takes the ``r``-th contiguous slice of each. H
 * a last global batch of ``m < B`` samples (``drop_last=False``) is split as evenly as it goes,
   still contiguously: the first ``m % world_size`` ranks take one sample more. No sample is
   repeated, so no gradient counts one twice: ``ud.backward`` weights each rank's mean loss by
-  its share of the step's real samples (see :mod:`unified_dist.training`). Only when
+  its share of the step's real samples (see :mod:`unified_dist.training.accumulation`). Only when
   ``m < world_size`` do the last ranks get one padding sample each (the batch's first), which
   ``ud.backward`` weights by zero and which sits at the end of the gathered rows, where
   ``gather_for_metrics`` drops it.
@@ -32,8 +32,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
 
-from . import nested
-from .errors import UnifiedDistError
+from .. import nested
+from ..errors import UnifiedDistError
 
 
 def plan_global_batches(num_samples: int, global_batch: int, start: int, drop_last: bool) -> List[int]:
@@ -291,7 +291,7 @@ class PreparedDataLoader(Epochs):
     def __init__(self, loader: DataLoader, topology: Callable[[], Tuple[int, int]], device: torch.device,
                  seed: int, stack: LoaderStack) -> None:
         if isinstance(loader.dataset, IterableDataset):  # pragma: no cover - prepare() routes streams elsewhere
-            raise UnifiedDistError("a stream needs unified_dist.streams.PreparedStreamLoader")
+            raise UnifiedDistError("a stream needs unified_dist.data.streams.PreparedStreamLoader")
         if isinstance(loader.sampler, DistributedSampler):
             raise UnifiedDistError(
                 "prepare() got a DataLoader whose sampler is already a DistributedSampler, so each rank would see "

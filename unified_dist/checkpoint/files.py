@@ -18,8 +18,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from . import nested
-from .errors import CheckpointError, first_line
+from .. import nested
+from ..errors import CheckpointError, first_line
 
 
 def _on_cpu(t: torch.Tensor) -> torch.Tensor:

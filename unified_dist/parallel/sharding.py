@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 
 import torch
 
-from .errors import UnifiedDistError
+from ..errors import UnifiedDistError
 
 
 @dataclass(frozen=True)
@@ -32,10 +32,10 @@ class Sharding:
     class names) to shard one by one, ``None`` for the default choice; ``reshard_after_forward``
     False keeps parameters gathered from forward to backward (ZeRO-2-like: more memory, one
     all-gather fewer per step); ``dp_replicate`` HSDP's replicas (an integer or ``"nodes"``);
-    ``tp`` tensor-parallel ranks and ``tp_plan`` what they split (:mod:`unified_dist.tensor_parallel`);
+    ``tp`` tensor-parallel ranks and ``tp_plan`` what they split (:mod:`unified_dist.parallel.tensor_parallel`);
     ``cpu_offload`` FSDP2's ``CPUOffloadPolicy``; ``activation_checkpointing`` recomputes each
     block's activations in backward; ``dp_shard`` the shard size a launcher declared (checked
-    against the world, see :func:`unified_dist.mesh.plan_layout`)."""
+    against the world, see :func:`unified_dist.parallel.mesh.plan_layout`)."""
 
     mode: str = "no"
     modules: Optional[Tuple[Any, ...]] = None
