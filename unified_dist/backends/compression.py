@@ -19,14 +19,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .. import settings
-
-MODES = settings.TABLE["gradient_compression"].kind.values
-"""Every compression ``init`` accepts (``None``, or ``"none"`` in the variable, sends float32)."""
-SIGNIFICANT_BITS = {"bf16": 8, "fp16": 11}
-"""Significant bits of each format (the implicit leading bit included): rounding to nearest
-changes a value by at most 2^-bits relative."""
-
 
 def _bf16_compress_hook_gloo(state, bucket):  # unannotated: DDP checks a hook's annotations
     """torch's ``bf16_compress_hook``: gloo reduces bfloat16 on the CPU; DDP's own check of that

@@ -1,11 +1,7 @@
 """Whether this machine can run a mixed-precision mode (the mode itself is a setting: :mod:`unified_dist.settings`)."""
 from __future__ import annotations
 
-from .. import settings
 from ..errors import PrecisionError
-
-MODES = settings.TABLE["mixed_precision"].kind.values
-"""Every mixed-precision mode (declared in :data:`unified_dist.settings.TABLE`)."""
 
 
 def check_device(mode: str, cuda: bool, spelling: str = "mixed_precision='{}'") -> None:
