@@ -12,7 +12,7 @@ is a missed teardown: that check is deterministic, the crash it prevents is not.
 (default bench/results/exit_stress.json) with the commit, the command, the load average before and
 after, and per launcher: launches, exit crashes, missed teardowns, failures, the first crash's
 output tail, the first launch's per-rank exit reports, seconds.
-tests/test_exit_stress.py runs a reduced form (1 launch per launcher) in `make test`.
+tests/launchers/test_exit_stress.py runs a reduced form (1 launch per launcher) in `make test`.
 """
 from __future__ import annotations
 

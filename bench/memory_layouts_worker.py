@@ -9,7 +9,7 @@ last backward, before ``zero_grad``) and AdamW state (after the last step), each
 what the rank stores: a ``DTensor`` by its local shard (``to_local()``), anything else whole, each
 storage once (:func:`rank_bytes`); the bytes saved for backward by the first step's forward
 (:class:`SavedBytes`); the wall time of each step. The functions here are also what
-tests/test_bench_memory_layouts.py checks in-process.
+tests/bench/test_bench_memory_layouts.py checks in-process.
 """
 from __future__ import annotations
 

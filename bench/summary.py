@@ -3,7 +3,7 @@
     python bench/summary.py
 
 Prints five Markdown bullet lines: what belongs between README.md's ``<!-- bench-summary:start -->``
-and ``<!-- bench-summary:end -->`` (tests/test_docs_benchmarks.py checks that it is there, word for
+and ``<!-- bench-summary:end -->`` (tests/docs/test_docs_benchmarks.py checks that it is there, word for
 word). The same lines open the documentation site's benchmark index (docs/benchmarks/index.md).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ import pytest
 
 from unified_dist.testing.launchers import ROOT, LaunchWatch, unavailable
 
-pytest_plugins = ("pytester",)  # tests/test_markers.py runs the guard below on a test file of its own
+pytest_plugins = ("pytester",)  # tests/unit/test_markers.py runs the guard below on a test file of its own
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,7 @@
 """Errors raised by unified_dist. Each message is one line that names the fix.
 
 Every exception class the library defines derives from :class:`UnifiedDistError`
-(``tests/test_errors.py`` checks it).
+(``tests/unit/test_errors.py`` checks it).
 """
 import warnings
 from typing import Optional

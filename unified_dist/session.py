@@ -6,7 +6,7 @@ other module of the API layer (:mod:`unified_dist.facade`, :mod:`unified_dist.sa
 :mod:`unified_dist.elastic`) reaches it through :func:`current`. A :class:`Session` owns the
 gradient synchronisation, the prepared loaders and optimizers, and the exit hooks.
 
-Layers (``tests/test_layers.py`` checks them): the API layer imports this module; this module
+Layers (``tests/unit/test_layers.py`` checks them): the API layer imports this module; this module
 imports the layers below (backends, collectives, training, data, settings); nothing below
 imports this module or the API layer.
 """

@@ -6,7 +6,7 @@ A :class:`Setting` says everything about one knob: its ``ud.init`` keyword (also
 --mixed_precision``), how its text reads (:class:`Switch`, :class:`Choice`, :class:`Number`,
 :class:`Text`), its default and one line of help. ``ud.init`` (:func:`resolve_all`),
 ``unified-dist launch`` (its flags and the variables it hands the script) and ``unified-dist env``
-(:func:`in_effect`) are derived from the table; ``tests/test_settings.py`` checks that ``init``'s
+(:func:`in_effect`) are derived from the table; ``tests/unit/test_settings.py`` checks that ``init``'s
 signature and ``Config``'s fields name exactly the table's keywords.
 
 One rule resolves every setting (:func:`resolve`): the code (an ``init`` keyword) > what the
@@ -19,7 +19,7 @@ keyword or a variable (``UNIFIED_DIST_SYNC_BATCHNORM=maybe``), is a one-line
 
 Any other ``UNIFIED_DIST_*`` name is a misspelling: :func:`unknown_variables` finds it with the
 closest known name, ``ud.init`` warns about it (:func:`warn_unknown`) and ``unified-dist env`` lists
-it among its problems. ``tests/test_settings.py`` fails when a ``UNIFIED_DIST_*`` name appears in
+it among its problems. ``tests/unit/test_settings.py`` fails when a ``UNIFIED_DIST_*`` name appears in
 the repository and not here.
 
 Importing this module is free: it imports nothing but the standard library (and

@@ -67,7 +67,7 @@ class Config:
     """Settings resolved by ``init`` and handed to the backend's constructor: one field per
     ``init`` keyword of :data:`unified_dist.settings.TABLE` (defaults the table's), except that
     ``sharding`` holds the sharding keywords together and ``timeout`` is a ``timedelta``
-    (``tests/test_settings.py`` checks that the two agree)."""
+    (``tests/unit/test_settings.py`` checks that the two agree)."""
 
     mixed_precision: str = TABLE["mixed_precision"].default
     gradient_accumulation_steps: int = TABLE["gradient_accumulation_steps"].default

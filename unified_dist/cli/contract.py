@@ -1,7 +1,7 @@
 """The facade's contract as checks every rank runs under a real launcher: one list, :data:`CHECKS`.
 
 ``unified-dist test`` runs exactly these (``selftest_worker.py``, one table row each); the tests'
-contract worker (``tests/workers/contract_worker.py``) runs them first in its ``core`` suite and
+contract worker (``tests/launchers/workers/contract_worker.py``) runs them first in its ``core`` suite and
 adds the checks only a test needs (error paths, gradient accumulation, loaders, checkpoints
 across backends, adopting a running stack).
 

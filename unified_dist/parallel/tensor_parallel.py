@@ -44,7 +44,7 @@ Contract after :func:`apply_tp_plan`:
   whose backward all-reduces the partial input gradient of a colwise / rowwise_split_input layer,
   and a rowwise / embedding_rowwise output is all-reduced in forward, so every activation gradient
   reaching an unplanned parameter is already complete on every rank
-  (``tests/workers/tp_worker.py`` checks it after 3 AdamW steps against a one-process model).
+  (``tests/launchers/workers/tp_worker.py`` checks it after 3 AdamW steps against a one-process model).
 - Forward and backward compute the same values as the unsharded model (up to float rounding of
   the split sums). Every TP rank must be fed the same batch.
 - An optimizer must be built from ``model.parameters()`` *after* :func:`apply_tp_plan`

@@ -7,6 +7,6 @@
 - :class:`unified_dist.testing.launchers.LaunchWatch`: whether code launched processes (the tests'
   ``distributed`` marker must say so).
 
-The library never imports this package and importing it imports no torch (tests/test_markers.py
+The library never imports this package and importing it imports no torch (tests/unit/test_markers.py
 checks both). It expects to lie in a checkout: ``launchers.ROOT`` is the repository root.
 """
