@@ -12,9 +12,9 @@ from typing import Any, Iterator, List, Optional, Sequence
 import torch
 
 from . import session
-from .backends import Backend
 from .checkpoint import rng
 from .collectives import ops as collectives
+from .session import current_backend  # the session's backend, initialising with defaults; not user API
 
 
 def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None,
@@ -63,11 +63,6 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
 def shutdown() -> None:
     """Leave the process group; a later call to any function initialises again."""
     session.shutdown()
-
-
-def current_backend() -> Backend:
-    """The session's backend (initialising with defaults if needed); not part of the user API."""
-    return session.current_backend()
 
 
 # ---------------------------------------------------------------------- identity

@@ -13,9 +13,10 @@ from . import nested
 from .checkpoint import files as checkpoint, rng, sharded as sharded_checkpoint
 from .collectives import ops as collectives
 from .errors import CheckpointError, UnifiedDistError, summary
-from .facade import barrier, current_backend, rank, restore_rng_states, rng_states
+from .facade import barrier, rank, restore_rng_states, rng_states
 from .parallel.sharding import full_tensor
-from .training.accumulation import PreparedScheduler
+from .session import current_backend
+from .training.accumulation import PreparedScheduler, is_scheduler
 
 ARRIVAL_SECONDS = 20.0
 """How long rank 0 waits for the other ranks at a collective save (sharded, or with ``ud.RNG``) before
@@ -41,7 +42,7 @@ def save(obj: Any, path: str) -> None:
     when the others do not call it.
     """
     backend = current_backend()
-    sharded = backend.config.sharding.needs_mesh
+    sharded = backend.config.sharding.splits_model
     with_rng = _holds_rng(obj)
     if sharded or with_rng:
         _every_rank_calls(backend, "save", "of a sharded model" if sharded else "of ud.RNG")
@@ -104,7 +105,7 @@ def get_state_dict(model: torch.nn.Module) -> Optional[dict]:
     ``state = ud.get_state_dict(model)`` then ``if ud.is_main(): hf_model.save_pretrained(dir, state_dict=state)``.
     """
     backend = current_backend()
-    if not backend.config.sharding.needs_mesh:  # nothing to gather: only the main process walks
+    if not backend.config.sharding.splits_model:  # nothing to gather: only the main process walks
         return checkpoint.to_state(model, backend.unwrap) if backend.rank == 0 else None
     _every_rank_calls(backend, "get_state_dict")
     state = checkpoint.to_state(model, backend.unwrap, _full_on_main(backend.rank))  # a collective
@@ -163,7 +164,7 @@ def save_checkpoint(obj: Any, directory: str, step: int, keep_last: Optional[int
     save(obj, path)
     if keep_last is not None and rank() == 0:
         checkpoint.rotate(directory, keep_last, path)
-    if current_backend().config.sharding.needs_mesh:
+    if current_backend().config.sharding.splits_model:
         barrier()
     return path
 
@@ -213,7 +214,7 @@ def restore(saved: Any, state: dict, source: str, *, strict: bool = True) -> dic
     unwrap = current_backend().unwrap
     # schedulers after optimizers (an optimizer's state overwrites the learning rates), RNG last
     names = sorted((name for name in state if name in saved),
-                   key=lambda name: 2 if state[name] is rng.RNG else 1 if _is_scheduler(state[name]) else 0)
+                   key=lambda name: 2 if state[name] is rng.RNG else 1 if is_scheduler(state[name]) else 0)
     for name in names:
         target = state[name]
         if target is rng.RNG:
@@ -222,16 +223,11 @@ def restore(saved: Any, state: dict, source: str, *, strict: bool = True) -> dic
             unwrap(target).load_state_dict(saved[name], strict=strict)
         elif hasattr(target, "load_state_dict") and callable(target.load_state_dict):
             target.load_state_dict(saved[name])
-            if _is_scheduler(target):
+            if is_scheduler(target):
                 _lr_from_this_runs_schedule(target.scheduler if isinstance(target, PreparedScheduler) else target)
         else:
             state[name] = saved[name]
     return {name: value for name, value in saved.items() if name not in state}
-
-
-def _is_scheduler(obj: Any) -> bool:
-    """A prepared LR scheduler, or a torch one."""
-    return isinstance(obj, (PreparedScheduler, torch.optim.lr_scheduler.LRScheduler))
 
 
 def _lr_from_this_runs_schedule(scheduler: Any) -> None:

@@ -35,7 +35,7 @@ from .parallel import compiling
 from .parallel.mesh import accelerate_dp_shard
 from .parallel.sharding import Sharding, clip_grad_norm, full_tensor
 from .training import preemption
-from .training.accumulation import GradientSync, PreparedOptimizer, PreparedScheduler
+from .training.accumulation import GradientSync, PreparedOptimizer, PreparedScheduler, is_scheduler
 from .training.precision import check_device
 
 
@@ -58,7 +58,7 @@ def config_from(given: Mapping[str, Any], environ: Mapping[str, str], cuda: bool
                           f"{environ.get('FSDP_VERSION', '1')}; unified_dist shards with FSDP2: add --fsdp_version 2")
     if sharding.problem():
         raise UnifiedDistError(sharding.problem())
-    if sharding.needs_mesh and values["gradient_compression"]:
+    if sharding.splits_model and values["gradient_compression"]:
         raise UnifiedDistError(
             f"gradient_compression={values['gradient_compression']!r} compresses DDP's and Horovod's all-reduce; "
             "sharding='fsdp' reduce-scatters instead, and tensor parallelism reduces inside its layers: "
@@ -265,14 +265,13 @@ class Session:
         if self.backend.tp_rank:  # its tensor-parallel group's rank 0 gives their (shared) rows, once
             x = collectives.map_each(x, lambda t: t.reshape(1)[:0] if t.dim() == 0 else t[:0], "gather_for_metrics")
         gathered = collectives.all_gather(self.backend, x, what="gather_for_metrics")
-        loader = self.loaders.current
-        if loader is None:
+        if self.loaders.current is None:
             warn_once("gather_for_metrics() ran outside the loop of a prepared DataLoader: no padding to drop "
                       "there, so it returns every rank's rows, as ud.all_gather does. If every rank ran over the "
                       "whole evaluation set (a loader not given to ud.prepare), each example comes back "
                       "world_size times, and rows kept from a prepared loop keep its padding: prepare the "
                       "evaluation loader with ud.prepare(...) and call gather_for_metrics inside its loop")
-        info = loader.batch_info if loader is not None else None
+        info = self.loaders.current_batch
         rows = info.kept_rows() if info is not None else None
         if rows is None:
             return gathered
@@ -283,12 +282,6 @@ class Session:
                 return t
             return collectives.from_wire(collectives.to_wire(t).index_select(0, index.to(t.device)), t.dtype)
         return collectives.map_each(gathered, real_rows, "gather_for_metrics")
-
-
-def is_scheduler(obj: Any) -> bool:
-    """Whether ``obj`` is an LR scheduler (torch's, or anything shaped like one)."""
-    return isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or (
-        hasattr(obj, "step") and hasattr(obj, "state_dict") and hasattr(obj, "optimizer"))
 
 
 # ---------------------------------------------------------------------- the process's session
@@ -312,7 +305,7 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     for message in detection.warnings:
         warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=3)
     cls = backend_class(detection.backend)
-    if config.sharding.needs_mesh and not cls.supports_sharding:
+    if config.sharding.splits_model and not cls.supports_sharding:
         what = "sharding='fsdp'" if config.sharding.enabled else f"tp={config.sharding.tp}"
         raise UnifiedDistError(
             f"{what} needs torch.distributed, and {detection.launcher} runs the {cls.name} backend, which "

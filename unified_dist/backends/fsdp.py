@@ -9,7 +9,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import LaunchError
-from ..parallel.mesh import Layout, build_mesh, data_parallel_mesh, machines, plan_layout
+from ..parallel.mesh import Layout, machines
 from ..parallel.sharding import Sharding, blocks_to_shard, is_sharded, no_gradient_sync, point_optimizer_at, shard_model
 from .process_group import host_names
 
@@ -30,20 +30,19 @@ class FsdpModels:
         self._blocks: "weakref.WeakKeyDictionary[torch.nn.Module, List[torch.nn.Module]]" = weakref.WeakKeyDictionary()
         self.layout = Layout(1, world_size, 1)
         self.mesh: Optional[Any] = None
-        if sharding.needs_mesh:
-            self.layout = plan_layout(world_size, sharding.dp_replicate, sharding.tp, sharding.dp_shard,
-                                      lambda: machines(host_names()))
+        if sharding.splits_model:
+            self.layout = sharding.layout(world_size, lambda: machines(host_names()))
             if not sharding.enabled and self.layout.data_parallel > 1:
                 raise LaunchError(
                     f"tp={sharding.tp} on {world_size} ranks leaves {self.layout.data_parallel} data-parallel ranks, "
                     "whose gradients only sharding='fsdp' averages (FSDP x TP); add sharding='fsdp' or make tp "
                     "the world size")
-            self.mesh = build_mesh(self.layout, device_type)
+            self.mesh = self.layout.build_mesh(device_type)
 
     @property
     def enabled(self) -> bool:
         """Whether ``prepare`` splits models (FSDP2, HSDP or tensor parallelism)."""
-        return self.sharding.needs_mesh
+        return self.sharding.splits_model
 
     def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
         """Split ``model`` (already on its device); remember which parameter became which."""
@@ -51,7 +50,7 @@ class FsdpModels:
         self._blocks[model] = blocks_to_shard(model, self.sharding.modules)  # before FSDP2 renames their classes
         mesh = self.mesh
         shard_model(model, self.sharding, self.mixed_precision,
-                    dp_mesh=data_parallel_mesh(mesh, self.layout), tp_mesh=mesh["tp"])
+                    dp_mesh=self.layout.data_parallel_mesh(mesh), tp_mesh=mesh["tp"])
         for old, new in zip(before, model.parameters()):
             self._new_of[id(old)] = (weakref.ref(old), new)
         return model

@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 
-from ..parallel.mesh import plan_layout
 from .base import Backend, Config
 
 
@@ -19,8 +18,8 @@ class SingleProcessBackend(Backend):
     def __init__(self, detection: Any, config: Config) -> None:
         super().__init__(detection, config)
         sharding = config.sharding
-        if sharding.needs_mesh:
-            plan_layout(1, sharding.dp_replicate, sharding.tp, sharding.dp_shard, machines=lambda: 1)
+        if sharding.splits_model:
+            sharding.layout(1, machines=lambda: 1)
 
     @property
     def rank(self) -> int:

@@ -181,12 +181,12 @@ def hsdp(device: torch.device) -> Outcome:
     """HSDP's 2-D placement (Replicate, Shard) on a (1, 1) device mesh: 3 SGD steps equal the reference."""
     from torch.distributed.tensor import Replicate, Shard
 
-    from ..parallel.mesh import Layout, build_mesh
+    from ..parallel.mesh import Layout
     from ..parallel.sharding import Sharding, shard_model
 
     data = batches(3)
     with session(device) as dev:
-        mesh = build_mesh(Layout(1, 1, 1), dev.type)
+        mesh = Layout(1, 1, 1).build_mesh(dev.type)
         model = shard_model(net().to(dev), Sharding(mode="fsdp", dp_replicate=1), "no",
                             dp_mesh=mesh["dp_replicate", "dp_shard"])
         placements = tuple(next(model.parameters()).placements)
@@ -201,13 +201,13 @@ def tensor_parallel(device: torch.device) -> Outcome:
     """The TP plan (w1 colwise, w2 rowwise) applied on a 1-rank ``tp`` mesh: 3 SGD steps equal the reference."""
     from torch.distributed.tensor import Shard
 
-    from ..parallel.mesh import Layout, build_mesh
+    from ..parallel.mesh import Layout
     from ..parallel.sharding import point_optimizer_at
     from ..parallel.tensor_parallel import apply_tp_plan
 
     data = batches(3)
     with session(device) as dev:
-        mesh = build_mesh(Layout(1, 1, 1), dev.type)
+        mesh = Layout(1, 1, 1).build_mesh(dev.type)
         model = apply_tp_plan(net().to(dev), TP_PLAN, mesh["tp"])
         w1 = model.blocks[0].w1.weight
         if tuple(w1.placements) != (Shard(0),):

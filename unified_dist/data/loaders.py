@@ -127,7 +127,16 @@ class LoaderStack:
 
     @property
     def current(self) -> Optional["PreparedDataLoader"]:
+        """The innermost prepared loader being iterated (``None`` outside every prepared loop)."""
         return self._active[-1] if self._active else None
+
+    @property
+    def current_batch(self) -> Optional[BatchInfo]:
+        """The batch that loader handed out last: its real and padded rows, each rank's share, whether
+        it ends the pass. ``None`` outside a prepared loop (and before its first batch). The one way
+        the accumulation windows, ``ud.backward``'s weights and ``gather_for_metrics`` read it."""
+        loader = self.current
+        return loader.batch_info if loader is not None else None
 
     def note_training(self) -> None:
         """A training step ran (``ud.backward``, a prepared optimizer's step): the current loader's pass has

@@ -13,7 +13,7 @@ when ``T`` divides the ranks per machine), and the data-parallel rank is ``r // 
   With ``R == 1`` the 1-D ``dp_shard`` mesh (plain FSDP2).
 - Tensor parallel: ``parallelize_module`` on the ``tp`` sub-mesh (:mod:`unified_dist.parallel.tensor_parallel`).
 
-Nothing here communicates except :func:`build_mesh` (it creates the process groups of each
+Nothing here communicates except :meth:`Layout.build_mesh` (it creates the process groups of each
 dimension: every rank must call it).
 """
 from __future__ import annotations
@@ -52,25 +52,37 @@ class Layout:
         """The index of global ``rank`` among its tensor-parallel peers."""
         return rank % self.tp
 
+    @classmethod
+    def plan(cls, world: int, dp_replicate: Any = 1, tp: int = 1, dp_shard: Optional[int] = None,
+             machines: Optional[Callable[[], int]] = None) -> "Layout":
+        """The layout of ``world`` ranks for ``dp_replicate`` (an integer, or ``"nodes"``: the number
+        of machines, asked of ``machines()``) and ``tp``; ``dp_shard`` is what a launcher declared
+        (``None``: the rest of the world). Raises a one-line :class:`LaunchError` with the fix when the
+        sizes do not multiply to the world size."""
+        if dp_replicate == "nodes":
+            dp_replicate = machines() if machines is not None else 1
+        if world % (dp_replicate * tp):
+            raise LaunchError(
+                f"dp_replicate={dp_replicate} x tp={tp} does not divide the world of {world} ranks; "
+                f"choose sizes whose product divides {world} (dp_shard is the rest: world / (dp_replicate x tp))")
+        shard = world // (dp_replicate * tp)
+        if dp_shard is not None and dp_shard != shard:
+            raise LaunchError(
+                f"dp_shard_size={dp_shard} x dp_replicate={dp_replicate} x tp={tp} is not the world of {world} "
+                f"ranks; give --parallelism_config_dp_shard_size {shard}")
+        return cls(dp_replicate, shard, tp)
 
-def plan_layout(world: int, dp_replicate: Any, tp: int, dp_shard: Optional[int] = None,
-                machines: Optional[Callable[[], int]] = None) -> Layout:
-    """The layout of ``world`` ranks for ``dp_replicate`` (an integer, or ``"nodes"``: the number
-    of machines, asked of ``machines()``) and ``tp``; ``dp_shard`` is what a launcher declared
-    (``None``: the rest of the world). Raises a one-line :class:`LaunchError` with the fix when the
-    sizes do not multiply to the world size."""
-    if dp_replicate == "nodes":
-        dp_replicate = machines() if machines is not None else 1
-    if world % (dp_replicate * tp):
-        raise LaunchError(
-            f"dp_replicate={dp_replicate} x tp={tp} does not divide the world of {world} ranks; "
-            f"choose sizes whose product divides {world} (dp_shard is the rest: world / (dp_replicate x tp))")
-    shard = world // (dp_replicate * tp)
-    if dp_shard is not None and dp_shard != shard:
-        raise LaunchError(
-            f"dp_shard_size={dp_shard} x dp_replicate={dp_replicate} x tp={tp} is not the world of {world} ranks; "
-            f"give --parallelism_config_dp_shard_size {shard}")
-    return Layout(dp_replicate, shard, tp)
+    def build_mesh(self, device_type: str) -> Any:
+        """The ``DeviceMesh`` of this layout on ``device_type`` (always given: torch's default follows
+        the accelerator, which on a GPU host with a gloo job is wrong). A collective."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.replicate, self.shard, self.tp), mesh_dim_names=DIMS)
+
+    def data_parallel_mesh(self, mesh: Any) -> Any:
+        """The sub-mesh of ``mesh`` (built by :meth:`build_mesh`) that ``fully_shard`` shards over:
+        2-D (replicate, shard) for HSDP, else 1-D."""
+        return mesh["dp_replicate", "dp_shard"] if self.replicate > 1 else mesh["dp_shard"]
 
 
 def accelerate_dp_shard(environ: Mapping[str, str]) -> Optional[int]:
@@ -103,17 +115,4 @@ def machines(hosts: Sequence[str]) -> int:
     return len(counts)
 
 
-def build_mesh(layout: Layout, device_type: str) -> Any:
-    """The ``DeviceMesh`` of ``layout`` on ``device_type`` (always given: torch's default follows
-    the accelerator, which on a GPU host with a gloo job is wrong). A collective."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(device_type, (layout.replicate, layout.shard, layout.tp), mesh_dim_names=DIMS)
-
-
-def data_parallel_mesh(mesh: Any, layout: Layout) -> Any:
-    """The sub-mesh ``fully_shard`` shards over: 2-D (replicate, shard) for HSDP, else 1-D."""
-    return mesh["dp_replicate", "dp_shard"] if layout.replicate > 1 else mesh["dp_shard"]
-
-
-__all__ = ["DIMS", "Layout", "plan_layout", "accelerate_dp_shard", "machines", "build_mesh", "data_parallel_mesh"]
+__all__ = ["DIMS", "Layout", "accelerate_dp_shard", "machines"]

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, 
 import torch
 
 from ..errors import UnifiedDistError
+from .mesh import Layout
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Sharding:
     ``tp`` tensor-parallel ranks and ``tp_plan`` what they split (:mod:`unified_dist.parallel.tensor_parallel`);
     ``cpu_offload`` FSDP2's ``CPUOffloadPolicy``; ``activation_checkpointing`` recomputes each
     block's activations in backward; ``dp_shard`` the shard size a launcher declared (checked
-    against the world, see :func:`unified_dist.parallel.mesh.plan_layout`)."""
+    against the world, see :meth:`layout`)."""
 
     mode: str = "no"
     modules: Optional[Tuple[Any, ...]] = None
@@ -53,9 +54,15 @@ class Sharding:
         return self.mode == "fsdp"
 
     @property
-    def needs_mesh(self) -> bool:
-        """A device mesh is built: FSDP2/HSDP or tensor parallelism."""
+    def splits_model(self) -> bool:
+        """``prepare`` splits models over a device mesh: FSDP2/HSDP or tensor parallelism."""
         return self.enabled or self.tp > 1
+
+    def layout(self, world: int, machines: Optional[Callable[[], int]] = None) -> Layout:
+        """The :class:`~unified_dist.parallel.mesh.Layout` these choices give ``world`` ranks (a
+        one-line ``LaunchError`` when they do not fit it); ``machines()`` counts machines for
+        ``dp_replicate="nodes"``."""
+        return Layout.plan(world, self.dp_replicate, self.tp, self.dp_shard, machines)
 
     def problem(self) -> Optional[str]:
         """Why these choices cannot run together (one line with the fix), or ``None``."""

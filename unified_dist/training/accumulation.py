@@ -70,10 +70,9 @@ class GradientSync:
         if not models:
             raise UnifiedDistError("ud.accumulate() needs the model(s) of the micro-step: `with ud.accumulate(model):`")
         window = self._windows.setdefault(tuple(id(m) for m in models), _Window())
-        loader = self.loaders.current
-        info = loader.batch_info if loader is not None else None
+        info = self.loaders.current_batch
         if window.micro_step == 0:  # a window starts: it ends after k micro-batches or with the epoch
-            window.samples = loader.window_samples(self.steps) if info is not None else None
+            window.samples = self.loaders.current.window_samples(self.steps) if info is not None else None
         window.micro_step += 1
         self.sync_gradients = window.micro_step % self.steps == 0 or (info is not None and info.is_last)
         if self.sync_gradients:
@@ -133,16 +132,14 @@ class GradientSync:
             return f"gradient_accumulation_steps={self.steps} (each micro-batch weighs 1/{self.steps})"
         if scaler is not None:
             return "fp16 loss scaling"
-        loader = self.loaders.current
-        info = loader.batch_info if loader is not None else None
+        info = self.loaders.current_batch
         if info is not None and not info.even:  # then no rank's weight is 1
             return "this ragged last batch split unevenly across ranks"
         return None
 
     def loss_weight(self) -> Fraction:
         """What ``ud.backward`` multiplies this micro-batch's mean loss by (see the module doc)."""
-        loader = self.loaders.current
-        info = loader.batch_info if loader is not None else None
+        info = self.loaders.current_batch
         if info is None:
             return Fraction(1, self.steps)
         window_samples = self._window.samples if self._window is not None else None
@@ -303,3 +300,13 @@ class PreparedScheduler:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.scheduler, name)
+
+
+def is_scheduler(obj: Any) -> bool:
+    """Whether ``obj`` is an LR scheduler: a prepared one, torch's, or anything else shaped like one (``step``,
+    ``state_dict`` and an ``optimizer``) that is no optimizer. ``prepare`` and ``load`` order such objects after the optimizers."""
+    if isinstance(obj, (PreparedScheduler, torch.optim.lr_scheduler.LRScheduler)):
+        return True
+    if isinstance(obj, (torch.optim.Optimizer, PreparedOptimizer)):  # a prepared optimizer has .optimizer too
+        return False
+    return hasattr(obj, "step") and hasattr(obj, "state_dict") and hasattr(obj, "optimizer")

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 
 from unified_dist.errors import LaunchError, SettingError, UnifiedDistError
-from unified_dist.parallel.mesh import Layout, accelerate_dp_shard, plan_layout
+from unified_dist.parallel.mesh import Layout, accelerate_dp_shard
 from unified_dist.parallel.sharding import Sharding
 from unified_dist.session import config_from
 
 
 def test_dp_shard_is_the_rest_of_the_world():
-    assert plan_layout(8, 2, 2) == Layout(2, 2, 2)
-    assert plan_layout(4, 1, 4) == Layout(1, 1, 4)
-    assert plan_layout(4, "nodes", 1, machines=lambda: 2) == Layout(2, 2, 1)
+    assert Layout.plan(8, 2, 2) == Layout(2, 2, 2)
+    assert Layout.plan(4, 1, 4) == Layout(1, 1, 4)
+    assert Layout.plan(4, "nodes", 1, machines=lambda: 2) == Layout(2, 2, 1)
 
 
 def test_rank_positions_follow_the_documented_row_major_order():
@@ -33,14 +33,14 @@ def test_rank_positions_follow_the_documented_row_major_order():
 ])
 def test_a_layout_that_does_not_divide_the_world_is_one_line(world, replicate, tp, words):
     with pytest.raises(LaunchError) as info:
-        plan_layout(world, replicate, tp)
+        Layout.plan(world, replicate, tp)
     assert words in str(info.value) and "\n" not in str(info.value)
 
 
 def test_accelerates_declared_shard_size_must_fit_the_world():
     with pytest.raises(LaunchError, match="give --parallelism_config_dp_shard_size 2"):
-        plan_layout(4, 2, 1, dp_shard=1)
-    assert plan_layout(4, 2, 1, dp_shard=2) == Layout(2, 2, 1)
+        Layout.plan(4, 2, 1, dp_shard=1)
+    assert Layout.plan(4, 2, 1, dp_shard=2) == Layout(2, 2, 1)
 
 
 def test_accelerates_parallelism_flags_are_read_and_what_we_lack_is_refused():

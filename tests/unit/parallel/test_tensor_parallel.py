@@ -213,13 +213,13 @@ def one_rank_tp_mesh(monkeypatch):
     import torch.distributed as dist
 
     from unified_dist.net import free_port
-    from unified_dist.parallel.mesh import Layout, build_mesh
+    from unified_dist.parallel.mesh import Layout
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        yield build_mesh(Layout(1, 1, 1), "cpu")["tp"]
+        yield Layout(1, 1, 1).build_mesh("cpu")["tp"]
     finally:
         dist.destroy_process_group()
 
