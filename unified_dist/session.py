@@ -26,6 +26,7 @@ import torch
 
 from . import settings
 from .backends import Backend, Config, backend_class
+from .backends.precision import Precision
 from .collectives import ops as collectives
 from .data.loaders import LoaderStack, PreparedDataLoader
 from .data.streams import PreparedStreamLoader
@@ -36,7 +37,6 @@ from .parallel.mesh import accelerate_dp_shard
 from .parallel.sharding import Sharding, clip_grad_norm, full_tensor
 from .training import preemption
 from .training.accumulation import GradientSync, PreparedOptimizer, PreparedScheduler, is_scheduler
-from .training.precision import check_device
 
 
 def config_from(given: Mapping[str, Any], environ: Mapping[str, str], cuda: bool) -> Config:
@@ -45,7 +45,7 @@ def config_from(given: Mapping[str, Any], environ: Mapping[str, str], cuda: bool
     and against itself. Raises the setting's error, :class:`LaunchError` for a contradiction with the
     launcher, :class:`UnifiedDistError` for settings that exclude each other."""
     values = settings.resolve_all(given, environ)
-    check_device(values["mixed_precision"], cuda)
+    Precision(values["mixed_precision"]).check_device(cuda)
     compiling.check_backend(values["compile"], values["compile_mode"])
     modules = values.pop("shard_modules")
     sharding = Sharding(values.pop("sharding"), tuple(modules) if modules else None,

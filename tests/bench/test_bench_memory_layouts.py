@@ -122,7 +122,7 @@ def test_rank_bytes_counts_each_ranks_local_shards(worker, fake_world):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     before = worker.rank_bytes(model, opt)
     assert before == {"params": 4 * (60 + 10 + 40 + 4), "grads": 0, "optimizer": 0, "total": 4 * 114}
-    shard_model(model, Sharding(mode="fsdp"), "no", dp_mesh=init_device_mesh("cpu", (4,)))
+    shard_model(model, Sharding(mode="fsdp"), None, dp_mesh=init_device_mesh("cpu", (4,)))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(2, 6)).sum().backward()
     opt.step()
@@ -151,7 +151,7 @@ def test_saved_bytes_see_activation_checkpointing(worker):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.ModuleList([Block() for _ in range(L)]))
         if checkpointing:
-            shard_model(model, Sharding(activation_checkpointing=True), "no")
+            shard_model(model, Sharding(activation_checkpointing=True), None)
         x = torch.randn(B, H)
         with worker.SavedBytes(model, worker.blocks(model)) as counter:
             y = x

@@ -22,6 +22,7 @@ from ..parallel import sync_batchnorm
 from ..parallel.mesh import Layout
 from ..parallel.sharding import KEYWORDS as SHARDING_KEYWORDS, Sharding
 from ..settings import TABLE
+from .precision import Precision
 
 # torch.distributed raises DistBackendError/RuntimeError for everything gloo and nccl report: the
 # text is the only witness of a timeout or of a peer's closed connection.
@@ -265,12 +266,14 @@ class Backend(ABC):
     def set_sync_gradients(self, sync: bool) -> None:  # noqa: B027 - optional hook, no-op by default
         """Told before each micro-step whether its backward is the one that synchronises."""
 
+    @property
+    def precision(self) -> Precision:
+        """The configured mixed precision (:class:`~unified_dist.backends.precision.Precision`)."""
+        return Precision(self.config.mixed_precision)
+
     def autocast(self) -> ContextManager:
         """Autocast context for the configured mixed precision (no-op for ``"no"``)."""
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.config.mixed_precision)
-        if dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
+        return self.precision.autocast(self.device.type)
 
     def native_loss_scaler(self) -> Optional[Any]:
         """The ``GradScaler`` the library keeps and applies itself (Accelerate's), else ``None``."""
@@ -278,9 +281,7 @@ class Backend(ABC):
 
     def make_grad_scaler(self) -> Optional[Any]:
         """A gradient scaler when fp16 needs one, else ``None``."""
-        if self.config.mixed_precision == "fp16":
-            return torch.amp.GradScaler(self.device.type)
-        return None
+        return self.precision.grad_scaler(self.device.type)
 
     # ----------------------------------------------------------------- elastic
     def elastic_commit(self, state: Any) -> None:

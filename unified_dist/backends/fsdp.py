@@ -11,6 +11,7 @@ import torch
 from ..errors import LaunchError
 from ..parallel.mesh import Layout, machines
 from ..parallel.sharding import Sharding, blocks_to_shard, is_sharded, no_gradient_sync, point_optimizer_at, shard_model
+from .precision import Precision
 from .process_group import host_names
 
 
@@ -49,7 +50,7 @@ class FsdpModels:
         before = list(model.parameters())
         self._blocks[model] = blocks_to_shard(model, self.sharding.modules)  # before FSDP2 renames their classes
         mesh = self.mesh
-        shard_model(model, self.sharding, self.mixed_precision,
+        shard_model(model, self.sharding, Precision(self.mixed_precision),
                     dp_mesh=self.layout.data_parallel_mesh(mesh), tp_mesh=mesh["tp"])
         for old, new in zip(before, model.parameters()):
             self._new_of[id(old)] = (weakref.ref(old), new)

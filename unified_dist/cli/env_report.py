@@ -128,9 +128,9 @@ def hardware() -> Dict[str, Any]:
 
 
 def detection(environ: Mapping[str, str], cuda: bool) -> Dict[str, Any]:
+    from ..backends.precision import Precision
     from ..detection import detect
     from ..errors import UnifiedDistError
-    from ..training.precision import check_device
 
     try:
         found = detect(environ)
@@ -138,7 +138,7 @@ def detection(environ: Mapping[str, str], cuda: bool) -> Dict[str, Any]:
         return {"error": str(exc)}
     try:
         precision = settings.resolve("mixed_precision", None, environ)
-        check_device(precision, cuda)
+        Precision(precision).check_device(cuda)
     except UnifiedDistError as exc:
         precision = f"error: {exc}"
     return {"backend": found.backend, "launcher": found.launcher, "reason": found.reason,

@@ -187,7 +187,7 @@ def hsdp(device: torch.device) -> Outcome:
     data = batches(3)
     with session(device) as dev:
         mesh = Layout(1, 1, 1).build_mesh(dev.type)
-        model = shard_model(net().to(dev), Sharding(mode="fsdp", dp_replicate=1), "no",
+        model = shard_model(net().to(dev), Sharding(mode="fsdp", dp_replicate=1), None,
                             dp_mesh=mesh["dp_replicate", "dp_shard"])
         placements = tuple(next(model.parameters()).placements)
         if placements != (Replicate(), Shard(0)):

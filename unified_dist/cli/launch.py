@@ -19,10 +19,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Dict, FrozenSet, List, Mapping, NoReturn, Optional, Tuple
 
 from .. import settings
+from ..backends.precision import Precision
 from ..errors import PrecisionError, SettingError
 from ..net import DEFAULT_MASTER_PORT
 from ..registry import LAUNCHED, SPECS
-from ..training.precision import check_device
 from .errors import UsageError
 
 BACKENDS: Tuple[str, ...] = LAUNCHED
@@ -131,7 +131,7 @@ def check_precision(plan: Plan, cuda: bool) -> None:
     CUDA GPU), as ``ud.init`` would refuse it in every process."""
     if plan.setting("mixed_precision"):
         try:
-            check_device(plan.setting("mixed_precision"), cuda, spelling="--mixed-precision {}")
+            Precision(plan.setting("mixed_precision")).check_device(cuda, spelling="--mixed-precision {}")
         except PrecisionError as exc:
             raise UsageError(str(exc)) from None
 

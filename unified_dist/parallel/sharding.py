@@ -106,13 +106,6 @@ def blocks_to_shard(model: torch.nn.Module, modules: Optional[Sequence[Any]] = N
     return list(reversed(blocks))
 
 
-def _policy(mixed_precision: str) -> Any:
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-
-
 def _offload_policy(cpu_offload: bool) -> Any:
     """FSDP2's offload policy: ``CPUOffloadPolicy`` with pinned memory only where an accelerator
     exists (pinning needs one: without, torch fails "Cannot access accelerator device")."""
@@ -130,12 +123,13 @@ def checkpoint_activations(blocks: Sequence[torch.nn.Module]) -> None:
         checkpoint(block)
 
 
-def shard_model(model: torch.nn.Module, sharding: Sharding, mixed_precision: str,
+def shard_model(model: torch.nn.Module, sharding: Sharding, precision: Any = None,
                 dp_mesh: Any = None, tp_mesh: Any = None) -> torch.nn.Module:
     """Split ``model`` (already on its device) as ``sharding`` says, in the order that composes:
     tensor parallelism on ``tp_mesh`` (when ``sharding.tp > 1``), activation checkpointing of the
     blocks, then ``fully_shard`` of the blocks and the root on ``dp_mesh`` (when
-    ``sharding.enabled``; 2-D for HSDP).
+    ``sharding.enabled``; 2-D for HSDP), with ``precision.fsdp_policy()`` (a
+    :class:`~unified_dist.backends.precision.Precision`, given by the backend; ``None``: float32).
 
     Returns the same module object (FSDP2 changes its class in place). Afterwards its
     ``load_state_dict`` also takes full, unsharded tensors.
@@ -148,9 +142,10 @@ def shard_model(model: torch.nn.Module, sharding: Sharding, mixed_precision: str
     if sharding.activation_checkpointing:
         checkpoint_activations(blocks)
     if sharding.enabled:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        options = dict(mesh=dp_mesh, mp_policy=_policy(mixed_precision),
+        policy = precision.fsdp_policy() if precision is not None else MixedPrecisionPolicy()
+        options = dict(mesh=dp_mesh, mp_policy=policy,
                        reshard_after_forward=sharding.reshard_after_forward,
                        offload_policy=_offload_policy(sharding.cpu_offload))
         for block in blocks:

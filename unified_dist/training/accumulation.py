@@ -303,8 +303,9 @@ class PreparedScheduler:
 
 
 def is_scheduler(obj: Any) -> bool:
-    """Whether ``obj`` is an LR scheduler: a prepared one, torch's, or anything else shaped like one (``step``,
-    ``state_dict`` and an ``optimizer``) that is no optimizer. ``prepare`` and ``load`` order such objects after the optimizers."""
+    """Whether ``obj`` is an LR scheduler: a prepared one, torch's, or anything else shaped like one
+    (``step``, ``state_dict`` and an ``optimizer``) that is no optimizer. ``prepare`` and ``load`` order
+    such objects after the optimizers."""
     if isinstance(obj, (PreparedScheduler, torch.optim.lr_scheduler.LRScheduler)):
         return True
     if isinstance(obj, (torch.optim.Optimizer, PreparedOptimizer)):  # a prepared optimizer has .optimizer too

@@ -118,9 +118,9 @@ def test_single_process_runs_a_sharded_script_unchanged(monkeypatch):
 @pytest.mark.parametrize("mode,param,reduce", [("no", None, None), ("bf16", torch.bfloat16, torch.float32),
                                                ("fp16", torch.float16, torch.float32)])
 def test_mixed_precision_becomes_fsdp2s_policy_with_float32_gradient_reduction(mode, param, reduce):
-    from unified_dist.parallel.sharding import _policy
+    from unified_dist.backends.precision import Precision
 
-    policy = _policy(mode)
+    policy = Precision(mode).fsdp_policy()
     assert (policy.param_dtype, policy.reduce_dtype) == (param, reduce)
 
 
@@ -130,11 +130,12 @@ def test_prepare_gives_fully_shard_the_bf16_policy_on_every_block(monkeypatch):
     (parameters in bf16, gradients reduced in float32): what a backend's FSDP prepare hands fully_shard."""
     import torch.distributed.fsdp as fsdp
 
+    from unified_dist.backends.precision import Precision
     from unified_dist.parallel.sharding import shard_model
     seen = []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **options: seen.append((type(module), options)))
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
-    shard_model(model, Sharding(mode="fsdp", modules=(torch.nn.Linear,)), "bf16")
+    shard_model(model, Sharding(mode="fsdp", modules=(torch.nn.Linear,)), Precision("bf16"))
     assert [kind for kind, _ in seen] == [torch.nn.Linear, torch.nn.Linear, torch.nn.Sequential], seen
     for _, options in seen:
         policy = options["mp_policy"]
