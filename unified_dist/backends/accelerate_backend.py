@@ -5,27 +5,16 @@ import contextlib
 import os
 from dataclasses import replace
 from fractions import Fraction
-from typing import Any, ContextManager, Dict, Iterator, List, Optional
+from typing import Any, ContextManager, Iterator, Optional
 
 import torch
 
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
-from .base import Backend, Config, stop_ddp_buffer_sync, weighted
+from .base import Config, stop_ddp_buffer_sync, weighted
 from .buckets import ddp_kwargs
-from .compression import register_ddp_hook
-from .ddp_lifetime import DdpTracker
-from .fsdp import FsdpModels, OnMesh
-from .process_group import (
-    TORCH_OPS,
-    StoreArrivals,
-    destroy_at_exit,
-    export_rendezvous,
-    gather_stacked,
-    join_default_group,
-    note_group_joined_elsewhere,
-    withdraw_rendezvous,
-)
+from .process_group import note_group_joined_elsewhere, withdraw_rendezvous
+from .torch_group import TorchGroupBackend
 
 
 def _running_precision(config: Config) -> Config:
@@ -50,7 +39,7 @@ def _running_precision(config: Config) -> Config:
     return replace(config, mixed_precision=running)
 
 
-class AccelerateBackend(StoreArrivals, OnMesh, Backend):
+class AccelerateBackend(TorchGroupBackend):
     """Drives one ``accelerate.Accelerator``.
 
     The scheduler is *not* stepped by Accelerate (``step_scheduler_with_optimizer=False``):
@@ -62,7 +51,6 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
 
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
-        self._ddp = DdpTracker()
         try:
             from accelerate import Accelerator
             from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
@@ -73,15 +61,10 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
         from accelerate.state import PartialState
 
         # What this process had already started stays running at shutdown (see unified_dist.detection.live).
-        self._owns_group = not torch.distributed.is_initialized()
         self._owns_state = not PartialState._shared_state
-        self._exported: Dict[str, str] = {}
-        joined = False
-        if self._owns_group:
-            if detection.master_addr is not None:  # srun/mpirun: Accelerate reads torch's env:// variables
-                self._exported = export_rendezvous(detection)
-            # A torchrun restart needs a per-attempt store; Accelerate then reuses the joined group.
-            joined = join_default_group(config.timeout, always=False)
+        # srun/mpirun: Accelerate reads torch's env:// variables. A torchrun restart needs a per-attempt
+        # store; Accelerate then reuses the joined group.
+        joined = self._join_group(detection, always=False, export=detection.master_addr is not None)
         self.config = config = _running_precision(config)
         with _without_parallelism_config():  # the facade builds the mesh itself, on every device
             self.accelerator = Accelerator(
@@ -103,7 +86,7 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
         # Accelerate's own FSDP (accelerate launch --use_fsdp) only runs on GPUs: on a CPU it keeps
         # DistributedType.MULTI_CPU and would wrap the model in DDP. The facade shards with torch's
         # fully_shard itself on every device, so the meaning is the same everywhere.
-        self._fsdp = FsdpModels(config.sharding, config.mixed_precision, self.world_size, self.device.type)
+        self._split_models(self.world_size)
 
     @property
     def rank(self) -> int:
@@ -133,26 +116,8 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
             AcceleratorState._reset_state(reset_partial_state=True)
             GradientState._reset_state()
 
-    def leave_at_exit(self) -> None:
-        self._ddp.release()
-        destroy_at_exit(self._owns_group)
-
-    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if not any(p.requires_grad for p in model.parameters()):
-            # nothing to synchronise (a frozen teacher): Accelerate would wrap it in DDP, which refuses it
-            return model.to(self.device)
-        if self._fsdp.enabled:
-            return self._fsdp.prepare(model.to(self.device))
-        prepared = stop_ddp_buffer_sync(_only_autocast_when_asked(self.accelerator.prepare_model(model), model))
-        return self._ddp.track(self.apply_compression(prepared))
-
-    def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The hook on the DDP wrapper Accelerate made (its own ``comm_hook=BF16`` kwarg hands DDP
-        torch's bf16 hook, which DDP refuses without NCCL, so on CPU it could not run)."""
-        return register_ddp_hook(model, self.config.gradient_compression)
-
-    def compile_regions(self, model: torch.nn.Module) -> Optional[List[torch.nn.Module]]:
-        return self._fsdp.regions(model)
+    def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        return stop_ddp_buffer_sync(_only_autocast_when_asked(self.accelerator.prepare_model(model), model))
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
@@ -184,18 +149,6 @@ class AccelerateBackend(StoreArrivals, OnMesh, Backend):
         # fp16: the gradients are still multiplied by Accelerate's loss scale (its own GradScaler);
         # unscale them through Accelerate, which its optimizer's step() then knows about
         self.accelerator.unscale_gradients(optimizer)
-
-    def all_reduce_(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        if self.world_size == 1:
-            return tensor
-        # accelerate.utils.reduce would clone the (already private) tensor once more and has no
-        # max/min; Accelerate's group is torch.distributed's default group, so reduce in place there.
-        torch.distributed.all_reduce(tensor, op=TORCH_OPS[op])
-        return tensor
-
-    def all_gather_equal(self, tensor: torch.Tensor) -> torch.Tensor:
-        # accelerate.utils.gather on gloo is a list all_gather + cat; one buffer saves the copy
-        return tensor.unsqueeze(0) if self.world_size == 1 else gather_stacked(tensor, self.world_size)
 
     def broadcast_(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         from accelerate.utils import broadcast

@@ -205,12 +205,6 @@ class Backend(ABC):
         kernels over the default process group, CUDA only). A stack with its own class overrides."""
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
-    def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Make the gradient averaging send ``config.gradient_compression``, the stack's own way
-        (a DDP hook on the wrapper :meth:`prepare_model` made, or what the backend's optimizer
-        wrapper takes). This default, for one process, sends nothing and returns ``model``."""
-        return model
-
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
         """Return the optimizer that must be stepped (may be ``optimizer`` itself)."""

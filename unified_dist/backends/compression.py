@@ -6,7 +6,7 @@ each rank's gradient is rounded to the format before it is averaged, the average
 in that format, and the result is widened back into the float32 gradient the optimizer reads.
 Parameters, optimizer state and the loss stay in float32; only the traffic is compressed.
 
-Each stack does it with its own mechanism (see each backend's ``apply_compression``):
+Each stack does it with its own mechanism (``TorchGroupBackend.apply_compression``, ``HorovodBackend.compressor``):
 DDP communication hooks on torch and Accelerate (torch's ``fp16_compress_hook`` and
 ``bf16_compress_hook``), ``hvd.Compression.fp16`` on Horovod, whose torch build has no bf16
 compressor and whose allreduce refuses bfloat16 tensors, so bf16 there is an error naming fp16.

@@ -72,18 +72,3 @@ class FsdpModels:
     def no_sync(model: Any) -> Optional[ContextManager]:
         """The no-communication context for a sharded ``model``; ``None`` for any other model."""
         return no_gradient_sync(model) if is_sharded(model) else None
-
-
-class OnMesh:
-    """For a :class:`~unified_dist.backends.base.Backend` that holds an :class:`FsdpModels` as
-    ``_fsdp``: its layout and device mesh are the identity the backend reports."""
-
-    _fsdp: FsdpModels
-
-    @property
-    def layout(self) -> Layout:
-        return self._fsdp.layout
-
-    @property
-    def device_mesh(self) -> Any:
-        return self._fsdp.mesh

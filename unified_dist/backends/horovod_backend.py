@@ -119,7 +119,7 @@ class HorovodBackend(Backend):
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)
         self.hvd = _import_horovod()
-        self.apply_compression(None)  # an unsupported format fails before anyone joins
+        self.compressor()  # an unsupported format fails before anyone joins
         seconds = max(1, int(config.timeout.total_seconds()))
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
         self._owns_horovod = not self.hvd.is_initialized()  # a user's own hvd.init() stays running
@@ -194,7 +194,7 @@ class HorovodBackend(Backend):
         distributed = hvd.DistributedOptimizer(
             optimizer, named_parameters=self._tensor_names(optimizer, model), op=hvd.Average,
             backward_passes_per_step=1,  # the facade says before each backward whether it averages (backward)
-            compression=self.apply_compression(model))
+            compression=self.compressor())
         self._distributed.append(distributed)
         return distributed
 
@@ -245,8 +245,9 @@ class HorovodBackend(Backend):
                 p.grad.set_(optimizer._compression.decompress(self._wait(handle), ctx))
                 del handles[p]
 
-    def apply_compression(self, model: Optional[torch.nn.Module]) -> Any:
-        """Horovod compresses in its ``DistributedOptimizer``: the ``compression=`` it takes."""
+    def compressor(self) -> Any:
+        """The ``compression=`` Horovod's ``DistributedOptimizer`` takes for ``config.gradient_compression``
+        (Horovod compresses there, not on a model)."""
         mode = self.config.gradient_compression
         if mode == "bf16":
             raise UnifiedDistError("Horovod's torch build has no bf16 gradient compression (its allreduce refuses "

@@ -198,38 +198,3 @@ def destroy_at_exit(owns_group: bool) -> None:
     """
     if owns_group and dist.is_initialized():
         dist.destroy_process_group()
-
-
-class StoreArrivals:
-    """:meth:`Backend.missing_peers` over the default group's key-value store (torchrun's, or the one
-    ``init_process_group`` made), for the backends that run on a torch process group: one key per
-    rank and point, polled by rank 0 only."""
-
-    def missing_peers(self, name: str, seconds: float) -> list:
-        import time
-
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        rank, world_size = self.rank, self.world_size  # type: ignore[attr-defined]
-        if world_size == 1:
-            return []
-        counts = self.__dict__.setdefault("_arrival_counts", {})
-        n = counts[name] = counts.get(name, 0) + 1
-        store = _get_default_store()
-        key = f"unified_dist/arrived/{name}/{n}/"
-        store.set(key + str(rank), b"1")
-        if rank != 0:
-            return []
-        keys = {r: key + str(r) for r in range(1, world_size)}
-        deadline = time.monotonic() + seconds
-        while True:
-            missing = [r for r, k in keys.items() if not store.check([k])]
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        if missing:  # the others never counted this call: forget it, so the next one lines up again
-            counts[name] -= 1
-            keys = {}
-        for k in (key + "0", *keys.values()):
-            store.delete_key(k)
-        return missing
