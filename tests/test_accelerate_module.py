@@ -135,3 +135,36 @@ def test_the_runner_makes_accelerate_accelerator_the_joined_one(tmp_path, monkey
     main([str(script)])
     assert sys.modules["__probe__"] is Accelerator
     assert os.path.dirname(str(script)) == sys.path[0]
+
+
+def test_ud_calls_after_the_accelerator_keep_its_accumulation(fresh_accelerate):
+    """A ``ud`` call adopts the Accelerator's group; the backend's own Accelerator must not reset the
+    user's gradient accumulation (Accelerate keeps one per process), and asking ud for another is refused."""
+    import unified_dist as ud
+    from unified_dist.accelerate import Accelerator
+    from unified_dist.errors import UnifiedDistError
+
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    try:
+        assert ud.gradient_accumulation_steps() == 2
+        assert accelerator.gradient_accumulation_steps == 2
+    finally:
+        ud.shutdown()
+    with pytest.raises(UnifiedDistError, match="gradient_accumulation_steps=2 already runs"):
+        ud.init(gradient_accumulation_steps=3)
+
+
+def test_a_ud_session_over_the_accelerator_leaves_its_accumulation_plugin_as_it_was(fresh_accelerate):
+    from accelerate.utils import GradientAccumulationPlugin
+
+    import unified_dist as ud
+    from unified_dist.accelerate import Accelerator
+
+    plugin = GradientAccumulationPlugin(num_steps=2, adjust_scheduler=False)
+    accelerator = Accelerator(gradient_accumulation_plugin=plugin)
+    try:
+        assert ud.world_size() == 1
+        assert accelerator.gradient_state.plugin_kwargs == plugin.to_kwargs()
+    finally:
+        ud.shutdown()
+    assert accelerator.gradient_state.plugin_kwargs == plugin.to_kwargs()
