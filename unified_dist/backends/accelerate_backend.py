@@ -39,6 +39,42 @@ def _running_precision(config: Config) -> Config:
     return replace(config, mixed_precision=running)
 
 
+def _running_accumulation(config: Config) -> Config:
+    """``config`` with the gradient accumulation of an ``Accelerator`` the user already created, if any
+    (``unified_dist.accelerate.Accelerator``, then a ``ud`` call): Accelerate keeps one accumulation for
+    the process, and building the backend's ``Accelerator`` with another would change the user's silently.
+    A running value other than the default 1 is kept; a different one asked of ``ud.init`` too is an error."""
+    from accelerate.state import GradientState
+
+    running = GradientState().num_steps if GradientState._shared_state else 1
+    wanted = config.gradient_accumulation_steps
+    if running in (1, wanted):
+        return config
+    if wanted != 1:
+        raise UnifiedDistError(
+            f"an Accelerator with gradient_accumulation_steps={running} already runs in this process and "
+            f"ud.init(gradient_accumulation_steps={wanted}) would change it; create the Accelerator with "
+            f"{wanted}, or leave ud.init(gradient_accumulation_steps=...) unset")
+    return replace(config, gradient_accumulation_steps=running)
+
+
+def _accumulation_plugin() -> Optional[dict]:
+    """Accelerate's process-wide accumulation plugin (``None``: no ``GradientState`` yet)."""
+    from accelerate.state import GradientState
+
+    return dict(GradientState._shared_state.get("plugin_kwargs") or {}) if GradientState._shared_state else None
+
+
+def _restore_accumulation_plugin(plugin: Optional[dict]) -> None:
+    """Put back what :func:`_accumulation_plugin` read (an ``Accelerator`` the user made keeps its own)."""
+    from accelerate.state import GradientState
+
+    if plugin is None:
+        GradientState._reset_state()
+    else:
+        GradientState._shared_state["plugin_kwargs"] = plugin
+
+
 class AccelerateBackend(TorchGroupBackend):
     """Drives one ``accelerate.Accelerator``.
 
@@ -65,7 +101,8 @@ class AccelerateBackend(TorchGroupBackend):
         # srun/mpirun: Accelerate reads torch's env:// variables. A torchrun restart needs a per-attempt
         # store; Accelerate then reuses the joined group.
         joined = self._join_group(detection, always=False, export=detection.master_addr is not None)
-        self.config = config = _running_precision(config)
+        self.config = config = _running_accumulation(_running_precision(config))
+        self._plugin_before = _accumulation_plugin()  # the user's Accelerator's, put back at shutdown
         with _without_parallelism_config():  # the facade builds the mesh itself, on every device
             self.accelerator = Accelerator(
                 # Without cpu=True, Accelerate ignores a multi-process launch on a GPU-less machine
@@ -81,6 +118,9 @@ class AccelerateBackend(TorchGroupBackend):
                 kwargs_handlers=[InitProcessGroupKwargs(timeout=config.timeout),
                                  DistributedDataParallelKwargs(**ddp_kwargs(config.bucket_mb, config.bucket_view))],
             )
+        before = self._plugin_before
+        if before is not None and before.get("num_steps", 1) == config.gradient_accumulation_steps:
+            _restore_accumulation_plugin(before)  # the same accumulation: the user's plugin as it was
         if self._owns_group and not joined:
             note_group_joined_elsewhere()  # Accelerate joined it: a re-init must not meet its store keys
         # Accelerate's own FSDP (accelerate launch --use_fsdp) only runs on GPUs: on a CPU it keeps
@@ -115,6 +155,8 @@ class AccelerateBackend(TorchGroupBackend):
         if self._owns_state:
             AcceleratorState._reset_state(reset_partial_state=True)
             GradientState._reset_state()
+        else:
+            _restore_accumulation_plugin(self._plugin_before)
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         return stop_ddp_buffer_sync(_only_autocast_when_asked(self.accelerator.prepare_model(model), model))

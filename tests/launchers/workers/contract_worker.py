@@ -1694,5 +1694,15 @@ def gan_two_optimizers_ema_and_teacher_match_one_process(ctx):
     assert not problems, "; ".join(problems)
 
 
+# ----------------------------------------------------------------- issue #41 (unified_dist.accelerate): the facade's
+# own meanings where Accelerate's differ (docs/accelerate-migration.md); Accelerate's side is
+# tests/launchers/test_accelerate_compat.py
+@check("core")
+def facade_all_reduce_defaults_to_the_mean_where_accelerates_reduce_sums():
+    got = ud.all_reduce(torch.tensor([float(ud.rank() + 1)]))
+    expected = sum(range(1, ud.world_size() + 1)) / ud.world_size()
+    assert got.item() == expected, (got.item(), expected)
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,171 @@
+"""``unified_dist.accelerate`` in one process (issue #41): the tracker calls go through
+:mod:`unified_dist.trackers`, a lonely Accelerate state is refused, every other name is Accelerate's
+own, and ``python -m unified_dist.accelerate`` swaps the class. The launches:
+tests/launchers/test_accelerate_compat.py."""
+from __future__ import annotations
+
+import os
+import sys
+import types
+
+import pytest
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate's process-wide state empty before and after the test."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    def reset():
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+    reset()
+    yield
+    reset()
+
+
+class FakeTrackers(types.ModuleType):
+    """Stands for unified_dist.trackers (issue #41, item 3): records the calls."""
+
+    def __init__(self):
+        super().__init__("unified_dist.trackers")
+        self.calls: list = []
+
+    def start(self, log_with, project_dir=None, project_name="", config=None, init_kwargs=None):
+        self.calls.append(("start", log_with, project_dir, project_name, config, init_kwargs))
+
+    def log(self, values, step=None):
+        self.calls.append(("log", values, step))
+
+    def get(self, name):
+        return types.SimpleNamespace(name=name, tracker=f"run of {name}")
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def test_trackers_go_through_unified_dist_trackers(fresh_accelerate, monkeypatch, tmp_path):
+    import unified_dist
+    from unified_dist.accelerate import Accelerator
+
+    fake = FakeTrackers()
+    monkeypatch.setitem(sys.modules, "unified_dist.trackers", fake)
+    monkeypatch.setattr(unified_dist, "trackers", fake, raising=False)
+    accelerator = Accelerator(log_with="tensorboard", project_dir=str(tmp_path))
+    accelerator.init_trackers("demo", config={"lr": 0.1})
+    accelerator.log({"loss": 0.5}, step=3)
+    assert accelerator.get_tracker("tensorboard").name == "tensorboard"
+    assert accelerator.get_tracker("tensorboard", unwrap=True) == "run of tensorboard"
+    accelerator.end_training()
+    assert fake.calls == [("start", "tensorboard", str(tmp_path), "demo", {"lr": 0.1}, {}),
+                          ("log", {"loss": 0.5}, 3), ("finish",)]
+
+
+def test_without_log_with_the_tracker_calls_do_nothing_and_need_no_tracker_module(fresh_accelerate, monkeypatch):
+    from unified_dist.accelerate import Accelerator
+
+    monkeypatch.setitem(sys.modules, "unified_dist.trackers", None)  # importing it would fail
+    accelerator = Accelerator()
+    accelerator.init_trackers("demo")
+    accelerator.log({"loss": 1.0})
+    accelerator.end_training()
+    with pytest.raises(Exception, match="init_trackers"):
+        accelerator.get_tracker("tensorboard")
+
+
+def test_one_plain_process_is_accelerates_world_of_one(fresh_accelerate):
+    import accelerate
+
+    from unified_dist.accelerate import Accelerator
+
+    accelerator = Accelerator()
+    assert isinstance(accelerator, accelerate.Accelerator)
+    assert (accelerator.num_processes, accelerator.distributed_type) == (1, accelerate.DistributedType.NO)
+
+
+def test_a_state_made_alone_before_the_accelerator_is_refused(fresh_accelerate, monkeypatch):
+    from accelerate.state import PartialState
+
+    from unified_dist.accelerate import Accelerator
+    from unified_dist.errors import LaunchError
+
+    for key, value in dict(HOROVOD_RANK="0", HOROVOD_SIZE="2", HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="2",
+                           HOROVOD_GLOO_RENDEZVOUS_ADDR="127.0.0.1", HOROVOD_GLOO_RENDEZVOUS_PORT="1").items():
+        monkeypatch.setenv(key, value)
+    PartialState()  # horovodrun's variables are not Accelerate's: this state runs alone
+    with pytest.raises(LaunchError, match="before any PartialState"):
+        Accelerator()
+
+
+def test_other_names_are_accelerates_own():
+    import accelerate
+    import accelerate.logging
+    import accelerate.utils
+
+    import unified_dist.accelerate as uda
+    import unified_dist.accelerate.logging as uda_logging
+    import unified_dist.accelerate.utils as uda_utils
+
+    assert uda.DistributedType is accelerate.DistributedType
+    assert uda_utils.set_seed is accelerate.utils.set_seed
+    assert uda_utils.DataLoaderConfiguration is accelerate.utils.DataLoaderConfiguration
+    assert uda_logging.get_logger is accelerate.logging.get_logger
+    assert issubclass(uda.Accelerator, accelerate.Accelerator)
+
+
+def test_the_runner_without_a_script_says_how_to_call_it():
+    from unified_dist.accelerate.__main__ import main
+
+    with pytest.raises(SystemExit, match="usage: python -m unified_dist.accelerate script.py"):
+        main([])
+
+
+def test_the_runner_makes_accelerate_accelerator_the_joined_one(tmp_path, monkeypatch):
+    import accelerate
+
+    from unified_dist.accelerate import Accelerator
+    from unified_dist.accelerate.__main__ import main
+
+    script = tmp_path / "probe.py"
+    script.write_text("from accelerate import Accelerator\nimport sys\nsys.modules['__probe__'] = Accelerator\n")
+    monkeypatch.setattr(accelerate, "Accelerator", accelerate.Accelerator)  # restored after the test
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "__probe__", raising=False)
+    main([str(script)])
+    assert sys.modules["__probe__"] is Accelerator
+    assert os.path.dirname(str(script)) == sys.path[0]
+
+
+def test_ud_calls_after_the_accelerator_keep_its_accumulation(fresh_accelerate):
+    """A ``ud`` call adopts the Accelerator's group; the backend's own Accelerator must not reset the
+    user's gradient accumulation (Accelerate keeps one per process), and asking ud for another is refused."""
+    import unified_dist as ud
+    from unified_dist.accelerate import Accelerator
+    from unified_dist.errors import UnifiedDistError
+
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    try:
+        assert ud.gradient_accumulation_steps() == 2
+        assert accelerator.gradient_accumulation_steps == 2
+    finally:
+        ud.shutdown()
+    with pytest.raises(UnifiedDistError, match="gradient_accumulation_steps=2 already runs"):
+        ud.init(gradient_accumulation_steps=3)
+
+
+def test_a_ud_session_over_the_accelerator_leaves_its_accumulation_plugin_as_it_was(fresh_accelerate):
+    from accelerate.utils import GradientAccumulationPlugin
+
+    import unified_dist as ud
+    from unified_dist.accelerate import Accelerator
+
+    plugin = GradientAccumulationPlugin(num_steps=2, adjust_scheduler=False)
+    accelerator = Accelerator(gradient_accumulation_plugin=plugin)
+    try:
+        assert ud.world_size() == 1
+        assert accelerator.gradient_state.plugin_kwargs == plugin.to_kwargs()
+    finally:
+        ud.shutdown()
+    assert accelerator.gradient_state.plugin_kwargs == plugin.to_kwargs()

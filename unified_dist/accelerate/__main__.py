@@ -1,0 +1,30 @@
+"""``python -m unified_dist.accelerate script.py [args]``: run an Accelerate script with no line changed.
+
+``accelerate.Accelerator`` (the name ``from accelerate import Accelerator`` reads) is replaced by
+:class:`unified_dist.accelerate.Accelerator` for this process, then ``script.py`` runs as ``__main__``
+with its arguments. Any launcher can start it: ``torchrun --nproc_per_node 2 -m unified_dist.accelerate
+script.py``, ``horovodrun -np 2 -H localhost:2 --gloo python -m unified_dist.accelerate script.py``,
+``srun``/``mpirun ... python -m unified_dist.accelerate script.py``.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def main(argv: list) -> None:
+    if not argv or argv[0].startswith("-"):
+        raise SystemExit("usage: python -m unified_dist.accelerate script.py [script arguments]")
+    import accelerate
+
+    from .accelerator import Accelerator
+
+    accelerate.Accelerator = Accelerator  # what `from accelerate import Accelerator` now reads
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` would
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,105 @@
+"""``unified_dist.accelerate.Accelerator``: Hugging Face Accelerate's own ``Accelerator``, joined to
+whatever launcher started the process.
+
+It *is* an ``accelerate.Accelerator`` (a subclass): ``prepare``, ``backward``, ``accumulate``,
+``gather_for_metrics``, ``save_state``/``load_state`` and every other member run Accelerate's code
+with the user's constructor arguments, so the numbers, the learning-rate schedule (Accelerate steps a
+prepared scheduler once per process per optimizer step), the sampler seeds and the checkpoint folder
+layout are Accelerate's by construction. What it adds happens before Accelerate builds its state
+(:func:`unified_dist.accelerate.world.join`): under horovodrun, srun, mpirun, torchrun and
+``accelerate launch`` alike the ``Accelerator`` sees the launcher's processes, never a world of one.
+Experiment trackers go through :mod:`unified_dist.trackers` (one implementation for the facade and
+this class).
+"""
+from __future__ import annotations
+
+import datetime
+import inspect
+from typing import Any, Optional
+
+import accelerate
+import torch
+
+from ..errors import UnifiedDistError
+from . import world
+
+_PARAMETERS = inspect.signature(accelerate.Accelerator.__init__)
+
+
+class Accelerator(accelerate.Accelerator):
+    """Accelerate's ``Accelerator`` with the same arguments, over the launcher's processes.
+
+    Differences from ``accelerate.Accelerator`` (each tested, see docs/accelerate-migration.md):
+
+    - several processes on a machine without CUDA train together over gloo (``cpu=True``), where
+      Accelerate would run each alone unless told ``cpu=True``;
+    - under horovodrun, srun and mpirun the processes form one torch group (Accelerate: alone, or
+      ``MASTER_ADDR expected``);
+    - ``log_with`` trackers are :mod:`unified_dist.trackers`' (``get_tracker(name)`` gives an object with
+      ``.name`` and ``.tracker``, the library's own run object).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = _PARAMETERS.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        given = dict(bound.arguments)
+        given.pop("self")
+        size = world.join(_timeout(given.get("kwargs_handlers")))
+        if size > 1 and not torch.cuda.is_available():
+            given["cpu"] = True  # without it Accelerate runs each of the processes alone (DistributedType.NO)
+        self._ud_log_with = given.pop("log_with")
+        self._ud_trackers_started = False
+        super().__init__(**given)
+
+    # ------------------------------------------------------------------ trackers (unified_dist.trackers)
+    def init_trackers(self, project_name: str, config: Optional[dict] = None,
+                      init_kwargs: Optional[dict] = None) -> None:
+        """Start the ``log_with`` trackers (Accelerate's names: ``"tensorboard"``, ``"wandb"``,
+        ``"mlflow"``, ``"all"``...) through :func:`unified_dist.trackers.start`, with ``config`` as the
+        run's hyper-parameters; the main process writes, the others keep nothing. Every process calls it."""
+        if not self._ud_log_with:
+            return
+        from .. import trackers
+
+        trackers.start(self._ud_log_with, project_dir=self.logging_dir, project_name=project_name,
+                       config=config, init_kwargs=init_kwargs or {})
+        self._ud_trackers_started = True
+
+    def log(self, values: dict, step: Optional[int] = None, log_kwargs: Optional[dict] = None) -> None:
+        """Log ``values`` at ``step`` to every started tracker, from the main process only."""
+        if not self._ud_trackers_started:
+            return
+        if log_kwargs:
+            raise UnifiedDistError("Accelerator.log(log_kwargs=...) is not supported by unified_dist's trackers; "
+                                   "pass the values and step only")
+        from .. import trackers
+
+        trackers.log(values, step=step)
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The started tracker ``name`` (``.name``, ``.tracker``), or with ``unwrap=True`` the library's
+        own run object (``.tracker``)."""
+        if not self._ud_trackers_started:
+            raise UnifiedDistError(f"no tracker {name!r}: call accelerator.init_trackers(...) with "
+                                   "Accelerator(log_with=...) first")
+        from .. import trackers
+
+        found = trackers.get(name)
+        return found.tracker if unwrap else found
+
+    def end_training(self) -> None:
+        """Finish the trackers, then leave the process group (as Accelerate's ``end_training``)."""
+        if self._ud_trackers_started:
+            from .. import trackers
+
+            trackers.finish()
+            self._ud_trackers_started = False
+        super().end_training()
+
+
+def _timeout(handlers: Any) -> Optional[datetime.timedelta]:
+    """The ``timeout`` of an ``InitProcessGroupKwargs`` among ``kwargs_handlers``, if any."""
+    for handler in handlers or ():
+        if isinstance(handler, accelerate.utils.InitProcessGroupKwargs) and handler.timeout is not None:
+            return handler.timeout
+    return None
