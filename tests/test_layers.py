@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "unified_dist"
-API = {"unified_dist.facade", "unified_dist.saving", "unified_dist.elastic", "unified_dist.spawn"}
+API = {"unified_dist.facade", "unified_dist.saving", "unified_dist.elastic", "unified_dist.spawn",
+       "unified_dist.trackers"}
 """The public functions: they reach the session and delegate."""
 SESSION = {"unified_dist.session"}
 OUTSIDE = ("unified_dist.cli", "unified_dist.testing", "unified_dist.__main__")

@@ -31,9 +31,9 @@ _FROM: Dict[str, str] = {
                      "backward", "barrier", "broadcast", "clip_grad_norm_", "data_parallel_rank",
                      "data_parallel_world_size", "device", "device_mesh", "gather_for_metrics",
                      "gradient_accumulation_steps", "gradient_compression", "init", "is_local_main", "is_main",
-                     "launcher", "local_rank", "main_process_first", "mixed_precision", "prepare", "print", "rank",
+                     "launcher", "local_rank", "log", "log_hparams", "main_process_first", "mixed_precision", "prepare", "print", "rank",
                      "requeue", "restore_rng_states", "rng_states", "seed_everything", "sharding_mode",
-                     "should_stop", "shutdown", "sync_gradients", "unwrap", "world_size"], ".facade"),
+                     "should_stop", "shutdown", "sync_gradients", "tracker", "unwrap", "world_size"], ".facade"),
     **dict.fromkeys(["get_state_dict", "latest_checkpoint", "load", "load_sharded", "save", "save_checkpoint",
                      "save_sharded"], ".saving"),
 }
@@ -94,6 +94,8 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         is_main,
         launcher,
         local_rank,
+        log,
+        log_hparams,
         main_process_first,
         mixed_precision,
         prepare,
@@ -107,6 +109,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         should_stop,
         shutdown,
         sync_gradients,
+        tracker,
         unwrap,
         world_size,
     )
