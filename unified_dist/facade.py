@@ -57,6 +57,7 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
                  check_finite=check_finite, dp_replicate=dp_replicate, tp=tp, tp_plan=tp_plan, cpu_offload=cpu_offload,
                  activation_checkpointing=activation_checkpointing, compile=compile, compile_mode=compile_mode,
                  stop_signals=stop_signals)
+    trackers.resolve_choice(log_with, project_dir)  # a tracker name that does not read fails before joining
     session.init(backend, given)
     trackers.choose(log_with, project_dir)
 

@@ -482,7 +482,7 @@ TABLE: Dict[str, Setting] = _declare(
             "the signals ud.should_stop() turns into one agreed stop (SLURM --signal, scancel, torchrun, Kubernetes)"),
     Setting("log_with", "UNIFIED_DIST_LOG_WITH", Names(TRACKER_NAMES, "tracker"), None,
             "the experiment trackers ud.log and ud.log_hparams write to, from the main process (docs/trackers.md)",
-            read_by="trackers", default_text="none; ud.log refuses until one is chosen"),
+            read_by="trackers", default_text="not chosen (ud.log refuses)"),
     Setting("project_dir", "UNIFIED_DIST_PROJECT_DIR", Text("a directory"), "runs",
             "where the trackers write (event files, mlruns/, wandb/, metrics.jsonl)", read_by="trackers"),
     Setting("slurm", "UNIFIED_DIST_SLURM", Switch(), True,

@@ -363,7 +363,7 @@ def choose(log_with: Any, project_dir: Optional[str]) -> None:
     otherwise is refused, as for every setting."""
     global _chosen
     given = {"log_with": log_with, "project_dir": project_dir}
-    resolved = tuple(settings.resolve(name, value, os.environ) for name, value in given.items())
+    resolved = resolve_choice(log_with, project_dir)
     if _chosen is not None:
         for (name, value), running, wanted in zip(given.items(), _chosen, resolved):
             if value is not None and wanted != running:
@@ -372,6 +372,13 @@ def choose(log_with: Any, project_dir: Optional[str]) -> None:
                     "any other ud function, or ud.shutdown() first")
         return
     _chosen = resolved  # type: ignore[assignment]
+
+
+def resolve_choice(log_with: Any, project_dir: Optional[str]) -> Tuple[Any, ...]:
+    """``(log_with, project_dir)`` as :func:`choose` resolves them; a value that does not read is a
+    one-line :class:`~unified_dist.errors.SettingError` (``ud.init`` checks before it joins the group)."""
+    return (settings.resolve("log_with", log_with, os.environ),
+            settings.resolve("project_dir", project_dir, os.environ))
 
 
 def from_settings() -> None:

@@ -12,6 +12,7 @@ import glob
 import json
 import os
 import struct
+import time
 from typing import Any, Dict, List, Tuple
 
 
@@ -106,17 +107,31 @@ def _wandb_records(path: str) -> List[bytes]:
     return records
 
 
-def read_wandb(project_dir: str) -> Dict[str, Any]:
-    """The offline W&B runs under ``project_dir/wandb``: the last run's history (at each record's step)
-    and config, read from its ``.wandb`` file with W&B's own protobuf schema."""
+def _wandb_run(path: str, wait_s: float) -> List[Any]:
+    """The records of the run file ``path``, once its ``exit`` record is there: W&B's service process
+    writes the file and may still be writing it for a moment after ``run.finish()`` returned."""
     from wandb.proto import wandb_internal_pb2
 
+    deadline = time.time() + wait_s
+    while True:
+        records = []
+        for data in _wandb_records(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            records.append(record)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.time() > deadline:
+            return records
+        time.sleep(0.1)
+
+
+def read_wandb(project_dir: str, wait_s: float = 30.0) -> Dict[str, Any]:
+    """The offline W&B runs under ``project_dir/wandb``: the last run's history (at each record's step)
+    and config, read from its ``.wandb`` file with W&B's own protobuf schema (waiting up to ``wait_s``
+    for the service to finish writing it)."""
     files = sorted(glob.glob(os.path.join(project_dir, "wandb", "offline-run-*", "run-*.wandb")))
     metrics: Dict[str, List[Tuple[int, Any]]] = {}
     hparams: Dict[str, Any] = {}
-    for data in _wandb_records(files[-1]) if files else []:
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
+    for record in _wandb_run(files[-1], wait_s) if files else []:
         kind = record.WhichOneof("record_type")
         if kind == "history":
             row = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
