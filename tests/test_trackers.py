@@ -93,11 +93,16 @@ def test_mlflow_store_reads_back_what_was_logged(tmp_path, monkeypatch):
 
 
 def test_wandb_offline_run_reads_back_what_was_logged(tmp_path, monkeypatch):
-    """Offline by default (no network, no account): the run's .wandb file holds the history and config."""
+    """Offline by default (no network, no account): the run's .wandb file holds the history and config.
+    ``init_kwargs`` reach ``wandb.init``: here no system-metrics process beside W&B's own service (two
+    processes at once would read as a launch to tests/conftest.py's watch)."""
     _needs("wandb")
+    import wandb
+
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    trackers.start("wandb", project_dir=str(tmp_path), project_name="proj", config=CONFIG)
+    trackers.start("wandb", project_dir=str(tmp_path), project_name="proj", config=CONFIG,
+                   init_kwargs={"wandb": {"settings": wandb.Settings(x_disable_stats=True)}})
     run = trackers.get("wandb").tracker
     assert run.offline and run.project == "proj"
     _log_all()
