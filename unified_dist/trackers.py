@@ -150,15 +150,17 @@ class JsonlTracker(Tracker):
 
 
 class TensorBoardTracker(Tracker):
-    """A ``torch.utils.tensorboard.SummaryWriter`` on ``project_dir/project_name``: numbers as scalars,
-    strings as text, hyper-parameters in the HParams plugin (in the same event file)."""
+    """A ``torch.utils.tensorboard.SummaryWriter`` on ``project_dir/project_name`` (or init_kwargs'
+    ``log_dir``): numbers as scalars, strings as text, hyper-parameters in the HParams plugin (in the same
+    event file)."""
 
     name, module, install = "tensorboard", "tensorboard", "pip install tensorboard"
 
     def open(self, config, kwargs):
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(self.folder, **kwargs)
+        kwargs.setdefault("log_dir", os.path.join(self.directory, self.project))  # init_kwargs may name another
+        return SummaryWriter(**kwargs)
 
     def write(self, values, step):
         for key, value in values.items():
