@@ -160,6 +160,19 @@ def test_other_ranks_hold_the_trackers_but_write_nothing(tmp_path):
     assert tracker.tracker is None and list(tmp_path.iterdir()) == []
 
 
+def test_start_on_a_rank_other_than_0_opens_and_writes_nothing(tmp_path, monkeypatch):
+    """start() asks the session which rank this is: anything but 0 holds inert trackers (the launches under
+    torchrun and horovodrun check it with real ranks)."""
+    import types
+
+    monkeypatch.setattr(trackers.session, "current_backend", lambda: types.SimpleNamespace(rank=1))
+    started = trackers.start(["jsonl", "tensorboard"], project_dir=str(tmp_path), config=CONFIG)
+    _log_all()
+    assert [t.tracker for t in started] == [None, None]
+    trackers.finish()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_second_start_is_refused_until_finish(tmp_path):
     trackers.start("jsonl", project_dir=str(tmp_path))
     with pytest.raises(trackers.TrackerError, match="already running"):
