@@ -71,6 +71,7 @@ class Tracker:
     name = "?"
     module: Optional[str] = None  # the library to import (None: the standard library is enough)
     install = ""  # the pip line that installs it
+    config_at_open = False  # whether open() hands the hyper-parameters to the library's own start call
 
     def __init__(self, directory: str, project: str, config: Dict[str, Any], kwargs: Mapping[str, Any],
                  main: bool) -> None:
@@ -78,6 +79,8 @@ class Tracker:
         self.directory, self.project = directory, project
         if main:
             self.tracker = self.open(config, dict(kwargs))
+            if not self.config_at_open:
+                self.log_hparams(config)
 
     @classmethod
     def installed(cls) -> bool:
@@ -224,6 +227,7 @@ class WandBTracker(Tracker):
     ``WANDB_MODE`` or ``init_kwargs={"wandb": {"mode": ...}}`` says otherwise."""
 
     name, module, install = "wandb", "wandb", "pip install wandb"
+    config_at_open = True
 
     def open(self, config, kwargs):
         import wandb
@@ -248,6 +252,7 @@ class TrackioTracker(Tracker):
     ``project_dir/trackio`` unless ``TRACKIO_DIR`` says otherwise."""
 
     name, module, install = "trackio", "trackio", "pip install trackio"
+    config_at_open = True
 
     def open(self, config, kwargs):
         os.environ.setdefault("TRACKIO_DIR", os.path.abspath(os.path.join(self.directory, "trackio")))
@@ -309,10 +314,7 @@ def start(log_with: Union[str, Sequence[str]], project_dir: Optional[str] = None
     main = session.current_backend().rank == 0
     directory = project_dir if project_dir is not None else settings.TABLE["project_dir"].default
     for name in chosen:
-        tracker = KINDS[name](directory, project_name, flat, (init_kwargs or {}).get(name, {}), main)
-        _started.append(tracker)
-        if name in ("jsonl", "tensorboard", "mlflow"):  # W&B and trackio took the config when they started
-            tracker.log_hparams(flat)
+        _started.append(KINDS[name](directory, project_name, flat, (init_kwargs or {}).get(name, {}), main))
     _last_step = None
     if not _exit_hook:
         _exit_hook = True

@@ -69,6 +69,7 @@ def read_tensorboard(folder: str) -> Dict[str, Any]:
 def read_mlflow(project_dir: str, experiment: str) -> Dict[str, Any]:
     """The runs of ``experiment`` in the file store ``project_dir/mlruns``: the last run's metric
     histories, tags (as metrics at step None) and parameters (strings, as MLflow keeps them)."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 reads a file store only when asked
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient("file:" + os.path.abspath(os.path.join(project_dir, "mlruns")))
