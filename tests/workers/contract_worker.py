@@ -24,6 +24,7 @@ import copy
 import glob
 import json
 import os
+import shutil
 import statistics
 import time
 import traceback
@@ -1731,6 +1732,9 @@ def trackers_write_from_the_main_process_only(ctx):
     full_set = ud.launcher() in _TRACKERS_FULL
     chosen = [n for n in trackers.names("all") if full_set or n in _TRACKERS_EVERYWHERE]
     folder = os.path.join(ctx.out, f"trackers_{ud.launcher()}_{ud.backend_name()}")
+    if r == 0:  # a launch that reuses the output folder starts from an empty one: one writer means this launch's
+        shutil.rmtree(folder, ignore_errors=True)
+    ud.barrier()
     os.environ["WANDB_SILENT"] = "true"
     kwargs = {"wandb": {"settings": __import__("wandb").Settings(x_disable_stats=True)}} if "wandb" in chosen else {}
     hparams = {"lr": 0.25, "world": ud.world_size()}
