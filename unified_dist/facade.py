@@ -11,7 +11,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 
-from . import session
+from . import session, trackers
 from .checkpoint import rng
 from .collectives import ops as collectives
 from .session import current_backend  # the session's backend, initialising with defaults; not user API
@@ -26,7 +26,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
          sync_batchnorm: Optional[bool] = None, gradient_compression: Optional[str] = None,
          bucket_mb: Optional[float] = None, bucket_view: Optional[bool] = None,
          check_finite: Optional[bool] = None, compile: Optional[Any] = None,  # noqa: A002 - Accelerate's word
-         compile_mode: Optional[str] = None, stop_signals: Optional[Any] = None) -> None:
+         compile_mode: Optional[str] = None, stop_signals: Optional[Any] = None, log_with: Optional[Any] = None,
+         project_dir: Optional[str] = None) -> None:
     """Join the job's process group through the detected (or given) backend.
 
     Every keyword is a setting of :data:`unified_dist.settings.TABLE` (``unified-dist env`` lists
@@ -48,7 +49,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     ``dp_shard`` the rest of the world. ``compile=True`` (or a ``torch.compile`` backend's name) makes
     :func:`prepare` compile each model in place, after wrapping it (see ``docs/hot-path.md``).
     ``stop_signals`` (default SIGUSR1 and SIGTERM) are what :func:`should_stop` listens to
-    (``docs/preemption.md``).
+    (``docs/preemption.md``). ``log_with`` (tracker names, ``"all"`` or ``"none"``) and ``project_dir``
+    are where :func:`log` and :func:`log_hparams` write (``docs/trackers.md``).
     """
     given = dict(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
                  timeout=timeout, debug=debug, sharding=sharding, shard_modules=shard_modules,
@@ -57,11 +59,14 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
                  check_finite=check_finite, dp_replicate=dp_replicate, tp=tp, tp_plan=tp_plan, cpu_offload=cpu_offload,
                  activation_checkpointing=activation_checkpointing, compile=compile, compile_mode=compile_mode,
                  stop_signals=stop_signals)
+    trackers.resolve_choice(log_with, project_dir)  # a tracker name that does not read fails before joining
     session.init(backend, given)
+    trackers.choose(log_with, project_dir)
 
 
 def shutdown() -> None:
-    """Leave the process group; a later call to any function initialises again."""
+    """Close the trackers, then leave the process group; a later call to any function initialises again."""
+    trackers.forget()
     session.shutdown()
 
 
@@ -328,3 +333,30 @@ def requeue() -> None:
     ``restartPolicy: OnFailure`` run again. Never returns.
     """
     session.current().requeue()
+
+
+# ---------------------------------------------------------------------- experiment trackers
+def log(values: Any, step: Optional[int] = None) -> None:
+    """Write ``values`` (name -> number or string) at ``step`` (``None``: the last step + 1) to the trackers
+    of ``init(log_with=...)``, started on first use; the main process writes, every rank may call (no
+    communication). With no tracker chosen, a one-line error (``log_with="none"``: nothing is written).
+    See :mod:`unified_dist.trackers` and ``docs/trackers.md``."""
+    current_backend()  # initialise first: the trackers ask the session which rank writes
+    trackers.from_settings()
+    trackers.log(values, step)
+
+
+def log_hparams(config: Any) -> None:
+    """Write the hyper-parameters ``config`` (a dict, nested ones flattened to ``"a.b"``, or an
+    ``argparse.Namespace``) to the trackers of ``init(log_with=...)``, as :func:`log` does."""
+    current_backend()
+    trackers.from_settings()
+    trackers.log_hparams(config)
+
+
+def tracker(name: str) -> Any:
+    """The running tracker ``name`` (``"tensorboard"``, ...): its ``.tracker`` is the library's own object
+    (a ``SummaryWriter``, an ``mlflow.ActiveRun``, a ``wandb.Run``) on the main process, ``None`` elsewhere."""
+    current_backend()
+    trackers.from_settings()
+    return trackers.get(name)

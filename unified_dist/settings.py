@@ -37,6 +37,8 @@ from .errors import LaunchError, PrecisionError, SettingError
 from .registry import NAMES as BACKEND_NAMES
 
 PREFIX = "UNIFIED_DIST_"
+TRACKER_NAMES = ("jsonl", "tensorboard", "mlflow", "wandb", "trackio")
+"""The experiment trackers :mod:`unified_dist.trackers` writes to (``log_with``), in the order ``all`` starts them."""
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -278,7 +280,44 @@ class Plan:
     flag_value = show
 
 
-Kind = Union[Switch, Choice, Number, Text, Replicas, Plan]
+@dataclass(frozen=True)
+class Names:
+    """Some of ``values``, separated by commas or spaces (any case), or ``all`` (every one), or
+    ``none`` (an empty tuple: none of them, said on purpose); in code also a list of names."""
+
+    values: Tuple[str, ...]
+    what: str
+
+    @property
+    def accepted(self) -> str:
+        return f"{', '.join(self.values)} (several separated by commas), all or none"
+
+    def read(self, text: str) -> Tuple[str, ...]:
+        return self.take(text.replace(",", " ").split())
+
+    def take(self, value: Any) -> Tuple[str, ...]:
+        words = value.replace(",", " ").split() if isinstance(value, str) else value
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"takes {self.what} names: {self.accepted}")
+        words = [w.strip().lower() for w in words]
+        if words in (["none"], []):
+            return ()
+        if words == ["all"]:
+            return ("all",)
+        unknown = [w for w in words if w not in self.values]
+        if unknown:
+            raise ValueError(f"unknown {self.what} {unknown[0]!r}; use {self.accepted}")
+        return tuple(dict.fromkeys(words))
+
+    def show(self, value: Any) -> str:
+        if value is None or isinstance(value, str):
+            return value or ""
+        return ",".join(value) if value else "none"
+
+    flag_value = show
+
+
+Kind = Union[Switch, Choice, Number, Text, Replicas, Plan, Names]
 
 
 @dataclass(frozen=True)
@@ -302,6 +341,7 @@ class Setting:
     ``keyword``; ``variable`` its environment variable (``None``: code only); ``flag`` whether
     ``unified-dist launch --<name with dashes>`` sets it; ``launcher`` what a launcher may say;
     ``read_by`` who reads the variable (``"init"`` through :func:`resolve`; ``"detection"``;
+    ``"trackers"``: :mod:`unified_dist.trackers`, through :func:`resolve`, not a ``Config`` field;
     ``"tools"``: the Makefile, the build and test tools); ``default_text`` shows the default when
     ``default`` is not what a user would read; ``error`` is the exception a bad value raises.
     """
@@ -440,6 +480,11 @@ TABLE: Dict[str, Setting] = _declare(
             launcher=LauncherWord("ACCELERATE_DYNAMO_MODE", "accelerate launch --dynamo_mode", silent=("default",))),
     Setting("stop_signals", "UNIFIED_DIST_STOP_SIGNALS", Signals(), ("SIGUSR1", "SIGTERM"),
             "the signals ud.should_stop() turns into one agreed stop (SLURM --signal, scancel, torchrun, Kubernetes)"),
+    Setting("log_with", "UNIFIED_DIST_LOG_WITH", Names(TRACKER_NAMES, "tracker"), None,
+            "the experiment trackers ud.log and ud.log_hparams write to, from the main process (docs/trackers.md)",
+            read_by="trackers", default_text="not chosen (ud.log refuses)"),
+    Setting("project_dir", "UNIFIED_DIST_PROJECT_DIR", Text("a directory"), "runs",
+            "where the trackers write (event files, mlruns/, wandb/, metrics.jsonl)", read_by="trackers"),
     Setting("slurm", "UNIFIED_DIST_SLURM", Switch(), True,
             "detection reads srun's variables (off: srun -n N without torchrun is refused)",
             keyword=False, flag=False, read_by="detection"),
@@ -587,5 +632,5 @@ def _problem(setting: Setting, environ: Mapping[str, str]) -> Optional[str]:
 
 
 __all__ = ["TABLE", "SETTINGS", "RESOLVED", "FLAGS", "Setting", "Switch", "Choice", "Number", "Text", "Replicas",
-           "Plan", "LauncherWord", "resolve", "resolve_all", "flag_environment", "unknown_variables",
+           "Plan", "Names", "LauncherWord", "resolve", "resolve_all", "flag_environment", "unknown_variables",
            "describe_unknown", "warn_unknown", "in_effect", "flag_name", "PREFIX"]

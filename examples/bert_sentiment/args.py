@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass
 from typing import List, Optional
 
+from unified_dist.settings import TABLE
+
 DEFAULT_SHUFFLE_BUFFER = 1000  # rows; datasets.IterableDataset.shuffle's default buffer_size
 
 
@@ -222,9 +224,11 @@ def add_output_flags(g: argparse._ArgumentGroup) -> None:
                    help="evaluate on the validation split every K optimizer steps, at each epoch's end and at the "
                         "end (0 = only at epochs' ends and the end; default: about ten times per run, every "
                         "max(1, round(total steps / 10)) steps); the test split is evaluated once, at the end")
-    g.add_argument("--report-to", choices=("jsonl", "tensorboard"), default="jsonl",
-                   help="metrics.jsonl is always written (resume and the plot read it); 'tensorboard' also writes "
-                        "TensorBoard scalars to OUTPUT_DIR/tensorboard (needs `pip install tensorboard`)")
+    g.add_argument("--report-to", default="jsonl", metavar="TRACKERS",
+                   help="metrics.jsonl is always written (resume and the plot read it); also: tensorboard "
+                        "(OUTPUT_DIR/tensorboard), mlflow (OUTPUT_DIR/mlruns), wandb (offline, OUTPUT_DIR/wandb), "
+                        "trackio, several separated by commas, or all (the installed ones): unified_dist.trackers, "
+                        "from the main process, with the arguments as hyper-parameters")
     g.add_argument("--stop-after", type=int, default=0, metavar="N",
                    help="stop after N optimizer steps as if interrupted: checkpoint and exit, the LR schedule "
                         "still spanning --epochs/--max-steps (for resume tests)")
@@ -248,6 +252,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.lr <= 0 or not 0 <= args.warmup_ratio < 1:
         p.error("--lr must be > 0 and --warmup-ratio in [0, 1)")
     check_streaming(p, args)
+    try:
+        TABLE["log_with"].kind.take(args.report_to)  # the names unified_dist.trackers knows
+    except ValueError as exc:
+        p.error(f"--report-to: {exc}")
 
 
 def check_streaming(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

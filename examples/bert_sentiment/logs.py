@@ -1,6 +1,7 @@
-"""What the run reports: the start-up lines, ``metrics.jsonl`` (and TensorBoard with
-``--report-to tensorboard``), the loss window behind each logged line, the progress bar, and the
-evaluation metrics. Written by the main process; every ``metrics.jsonl`` line names the launch.
+"""What the run reports: the start-up lines, ``metrics.jsonl`` (and the experiment trackers of
+``--report-to``: TensorBoard, MLflow, W&B, trackio, through ``unified_dist.trackers``), the loss
+window behind each logged line, the progress bar, and the evaluation metrics. Written by the main
+process; every ``metrics.jsonl`` line names the launch.
 """
 import contextlib
 import glob
@@ -8,7 +9,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 
@@ -16,6 +17,7 @@ import plots
 import unified_dist as ud
 from args import UserError
 from modeling import DEFAULT_MODEL
+from unified_dist import trackers
 
 
 def quiet_libraries() -> None:
@@ -170,42 +172,52 @@ def classification_metrics(preds: torch.Tensor, labels: torch.Tensor) -> Dict[st
     return {"accuracy": accuracy, "macro_f1": sum(f1s) / len(f1s)}
 
 
-def require_tensorboard() -> None:
-    """Raise a one-line UserError if ``torch.utils.tensorboard`` cannot be imported (checked on every rank)."""
-    try:
-        import torch.utils.tensorboard  # noqa: F401  (imports the tensorboard package)
-    except ImportError:
-        raise UserError("--report-to tensorboard needs the tensorboard package: `pip install tensorboard` "
-                        "(or `pip install unified_dist[examples]`), or use --report-to jsonl") from None
+def require_trackers(report_to: str) -> List[str]:
+    """The trackers ``--report-to`` asks for besides ``metrics.jsonl`` (always written); a missing library
+    is a one-line UserError naming its install (checked on every rank, so that all of them stop)."""
+    chosen = [name for name in trackers.names(report_to) if name != "jsonl"]
+    for name in chosen:
+        try:
+            trackers.KINDS[name].require()
+        except trackers.TrackerNotInstalled as exc:
+            raise UserError(f"--report-to {name}: {exc}, or use --report-to jsonl") from None
+    return chosen
 
 
-def open_tensorboard(directory: str, resume_step: Optional[int]) -> Any:
-    """A ``SummaryWriter`` on ``directory``; a resumed run drops what was logged after its checkpoint.
+def start_trackers(chosen: List[str], out: str, resume_step: Optional[int], args: Any) -> None:
+    """unified_dist's trackers for ``chosen`` (main process writes), the arguments as hyper-parameters.
 
-    ``purge_step`` makes TensorBoard's readers discard the earlier events at steps >= resume_step + 1,
-    the way ``metrics.jsonl`` keeps only its lines up to the checkpoint. A fresh start removes old
-    event files, as it starts ``metrics.jsonl`` afresh.
+    TensorBoard writes to ``OUTPUT_DIR/tensorboard``; a resumed run drops what was logged after its
+    checkpoint: ``purge_step`` makes TensorBoard's readers discard the earlier events at steps
+    >= resume_step + 1, the way ``metrics.jsonl`` keeps only its lines up to the checkpoint. A fresh start
+    removes old event files, as it starts ``metrics.jsonl`` afresh. MLflow and W&B start a new run each
+    launch (``OUTPUT_DIR/mlruns``, ``OUTPUT_DIR/wandb``).
     """
-    from torch.utils.tensorboard import SummaryWriter
-
-    if resume_step is None:
+    directory = os.path.join(out, "tensorboard")
+    if resume_step is None and ud.is_main():
         for old in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
             os.remove(old)
-    return SummaryWriter(directory, purge_step=None if resume_step is None else resume_step + 1)
+    purge = None if resume_step is None else resume_step + 1
+    kwargs = {"tensorboard": {"log_dir": directory, "purge_step": purge}} if "tensorboard" in chosen else {}
+    trackers.start(chosen, project_dir=out, project_name="bert_sentiment", config=vars(args), init_kwargs=kwargs)
 
 
 class MetricsLog:
-    """``metrics.jsonl`` (and TensorBoard scalars if asked), written by the main process; every line
+    """``metrics.jsonl`` (and the trackers of ``--report-to``), written by the main process; every line
     names the launch."""
 
-    TENSORBOARD_TAGS = {"loss": "train/loss", "lr": "train/learning_rate", "samples_per_s": "train/samples_per_s",
-                        "accuracy": "{split}/accuracy", "macro_f1": "{split}/macro_f1"}
+    TRACKER_TAGS = {"loss": "train/loss", "lr": "train/learning_rate", "samples_per_s": "train/samples_per_s",
+                    "accuracy": "{split}/accuracy", "macro_f1": "{split}/macro_f1"}
 
-    def __init__(self, path: str, resume_step: Optional[int], tensorboard_dir: Optional[str], start: float) -> None:
+    def __init__(self, path: str, resume_step: Optional[int], chosen: List[str], args: Any, start: float) -> None:
         self.path = path
         self.start = start  # when the run started (time_s counts from it)
         self.common = {"launcher": ud.launcher(), "backend": ud.backend_name(), "world_size": ud.world_size()}
-        self.tensorboard = None
+        self.tracking = bool(chosen)
+        if chosen:  # every rank: trackers.start checks on each, and only the main process writes
+            start_trackers(chosen, os.path.dirname(os.path.abspath(path)), resume_step, args)
+            launch = " | ".join(f"{key} {value}" for key, value in self.common.items())
+            trackers.log({"launch": launch}, step=resume_step or 0)
         if not ud.is_main():
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -215,13 +227,9 @@ class MetricsLog:
         with open(path, "w") as handle:
             for row in kept:
                 handle.write(json.dumps(row) + "\n")
-        if tensorboard_dir is not None:
-            self.tensorboard = open_tensorboard(tensorboard_dir, resume_step)
-            launch = " | ".join(f"{key} {value}" for key, value in self.common.items())
-            self.tensorboard.add_text("launch", launch, global_step=resume_step or 0)
 
     def write(self, **row: Any) -> None:
-        """Append one line (main process only), and its scalars to TensorBoard."""
+        """Append one line (main process only), and its numbers to the trackers."""
         if not ud.is_main():
             return
         # time_s: wall seconds since the start; cpu_s: CPU seconds this process used (every thread)
@@ -229,12 +237,10 @@ class MetricsLog:
                "cpu_s": round(time.process_time(), 2)}
         with open(self.path, "a") as handle:
             handle.write(json.dumps(row) + "\n")
-        if self.tensorboard is not None:
-            for key, tag in self.TENSORBOARD_TAGS.items():
-                if key in row:
-                    self.tensorboard.add_scalar(tag.format(split=row.get("split")), row[key], row["step"])
-            self.tensorboard.flush()
+        if self.tracking:
+            trackers.log({tag.format(split=row.get("split")): row[key] for key, tag in self.TRACKER_TAGS.items()
+                          if key in row}, step=row["step"])
 
     def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        if self.tracking:
+            trackers.finish()

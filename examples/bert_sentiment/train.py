@@ -44,7 +44,7 @@ import modeling  # noqa: E402
 import plots  # noqa: E402
 import unified_dist as ud  # noqa: E402
 from args import Plan, UserError, default_eval_every, parse_args  # noqa: E402,F401 (tests read them here)
-from logs import require_tensorboard  # noqa: E402,F401
+from logs import require_trackers  # noqa: E402,F401
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -99,8 +99,7 @@ class Run:
 def run(args: argparse.Namespace) -> Dict[str, Any]:
     """Set up, resume if asked, train, then evaluate and save; returns what results.json holds."""
     logs.quiet_libraries()
-    if args.report_to == "tensorboard":
-        require_tensorboard()  # on every rank, before any work, so that all of them stop
+    chosen = require_trackers(args.report_to)  # on every rank, before any work, so that all of them stop
     threads = set_threads(args.threads)
     out = os.path.abspath(args.output_dir)
     checkpoints = os.path.join(out, "checkpoints")
@@ -138,8 +137,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         resume(r, resume_path)
     elif args.resume is not None:
         ud.print(f"--resume {args.resume}: no checkpoint in {checkpoints}; starting fresh")
-    r.log = logs.MetricsLog(os.path.join(out, "metrics.jsonl"), r.step if r.resumed_from else None,
-                            os.path.join(out, "tensorboard") if args.report_to == "tensorboard" else None, _T0)
+    r.log = logs.MetricsLog(os.path.join(out, "metrics.jsonl"), r.step if r.resumed_from else None, chosen, args,
+                            _T0)
     logs.print_plan(args, plan, out)
 
     r.progress = logs.make_progress(args.no_progress, plan.total_steps, r.step)

@@ -49,5 +49,16 @@ def test_missing_tensorboard_is_one_line_naming_the_install(monkeypatch: pytest.
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
     monkeypatch.delitem(sys.modules, "torch.utils.tensorboard", raising=False)
     with pytest.raises(train.UserError) as info:
-        train.require_tensorboard()
+        train.require_trackers("tensorboard")
     assert "pip install tensorboard" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_report_to_goes_through_unified_dist_trackers(capsys: pytest.CaptureFixture) -> None:
+    """--report-to takes the trackers' names (docs/trackers.md); metrics.jsonl is always written, so
+    jsonl asks for no tracker; an unknown name is argparse's one-line usage error."""
+    train = _train_module()
+    assert train.require_trackers("jsonl") == []
+    assert train.require_trackers("tensorboard,jsonl") == ["tensorboard"]
+    with pytest.raises(SystemExit):
+        train.parse_args(["--report-to", "tensorbord"])
+    assert "--report-to: unknown tracker 'tensorbord'; use jsonl, tensorboard" in capsys.readouterr().err

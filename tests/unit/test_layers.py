@@ -5,6 +5,7 @@
   parallel, backends, collectives, training): a folder imports only the ground floor and the folders
   below it;
 - the session (``session.py``), over all of them;
+- the experiment trackers (``trackers/``), which ask the session which rank writes;
 - the public API (``facade.py``, ``saving.py``, ``elastic.py``, ``spawn.py``): the functions users call,
   which reach the session and delegate;
 - the peers' APIs over it (``accelerate/``: Accelerate's ``Accelerator`` on every launcher);
@@ -20,7 +21,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "unified_dist"
 FLOORS = ("ground", "detection", "data", "checkpoint", "parallel", "backends", "collectives", "training",
-          "session", "api", "accelerate", "tools")
+          "session", "trackers", "api", "accelerate", "tools")
 """Bottom to top. A subpackage's floor is its folder's name here; cli/ and testing/ are tools."""
 TOOLS = ("cli", "testing")
 API = {"facade", "saving", "elastic", "spawn"}

@@ -25,6 +25,7 @@ import copy
 import glob
 import json
 import os
+import shutil
 import statistics
 import time
 import traceback
@@ -1702,6 +1703,64 @@ def facade_all_reduce_defaults_to_the_mean_where_accelerates_reduce_sums():
     got = ud.all_reduce(torch.tensor([float(ud.rank() + 1)]))
     expected = sum(range(1, ud.world_size() + 1)) / ud.world_size()
     assert got.item() == expected, (got.item(), expected)
+
+# ----------------------------------------------------------------- issue #41 item 3: experiment trackers
+# Every rank starts the trackers and logs its own values; read back with each library's own reader
+# (unified_dist/testing/tracker_files.py), what was written must be rank 0's values alone, from one
+# writer (one event file, one MLflow run, one W&B run directory, one JSONL file). All four trackers under
+# torchrun and horovodrun (the issue's proof); jsonl and tensorboard (well under a second) elsewhere.
+_TRACKERS_EVERYWHERE = ("jsonl", "tensorboard")
+_TRACKERS_FULL = ("torchrun", "horovodrun")
+
+
+def _tracker_problems(folder, chosen, logged, hparams):
+    """What rank 0 reads back that differs from rank 0's ``logged`` rows and ``hparams`` (none: [])."""
+    from unified_dist.testing import tracker_files
+
+    as_float32 = lambda v: torch.tensor(v, dtype=torch.float32).item()  # noqa: E731 - TensorBoard's format
+    expected = {key: [(step, row[key]) for step, row in logged] for key in logged[0][1]}
+    readers = {"jsonl": (lambda: tracker_files.read_jsonl(os.path.join(folder, "p")), lambda v: v, lambda v: v),
+               "tensorboard": (lambda: tracker_files.read_tensorboard(os.path.join(folder, "p")), as_float32, float),
+               "mlflow": (lambda: tracker_files.read_mlflow(folder, "p"), float, str),
+               "wandb": (lambda: tracker_files.read_wandb(folder), lambda v: v, lambda v: v)}
+    problems = []
+    for name in chosen:
+        read, metric, param = readers[name]
+        back = read()
+        want = {"runs": 1, "metrics": {k: [(s, metric(v)) for s, v in rows] for k, rows in expected.items()},
+                "hparams": {k: param(v) for k, v in hparams.items()}}
+        if back != want:
+            problems.append(f"{name}: read back {back}, logged by rank 0 {want}")
+    return problems
+
+
+@check("core")
+def trackers_write_from_the_main_process_only(ctx):
+    from unified_dist import trackers
+
+    r = ud.rank()
+    full_set = ud.launcher() in _TRACKERS_FULL
+    chosen = [n for n in trackers.names("all") if full_set or n in _TRACKERS_EVERYWHERE]
+    folder = os.path.join(ctx.out, f"trackers_{ud.launcher()}_{ud.backend_name()}")
+    if r == 0:  # a launch that reuses the output folder starts from an empty one: one writer means this launch's
+        shutil.rmtree(folder, ignore_errors=True)
+    ud.barrier()
+    os.environ["WANDB_SILENT"] = "true"
+    kwargs = {"wandb": {"settings": __import__("wandb").Settings(x_disable_stats=True)}} if "wandb" in chosen else {}
+    hparams = {"lr": 0.25, "world": ud.world_size()}
+    started = trackers.start(chosen, project_dir=folder, project_name="p", config=hparams, init_kwargs=kwargs)
+    logged = [(step, {"loss": 0.5 + r + step, "rank": r}) for step in (0, 1, 5)]
+    for step, row in logged:
+        trackers.log(row, step=None if step == 1 else step)
+    held = {t.name: t.tracker is not None for t in started}
+    trackers.finish()
+    ud.barrier()
+    problems = _tracker_problems(folder, chosen, logged, hparams) if r == 0 else None
+    problems = ud.broadcast(problems, 0)
+    if full_set:
+        assert {"jsonl", "tensorboard", "mlflow", "wandb"} <= set(chosen), f"not installed: {chosen}"
+    assert held == {name: r == 0 for name in chosen}, f"rank {r} holds library objects {held}"
+    assert not problems, "; ".join(problems)
 
 
 if __name__ == "__main__":
