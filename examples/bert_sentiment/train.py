@@ -254,11 +254,8 @@ def resume(r: Run, path: str) -> None:
     saved = ud.load(path, r.state)  # returns what state does not name: step, epoch and provenance
     r.resumed_from, r.last_saved = path, r.step
     position, old_batch = r.state["loader"].state_dict(), saved.get("global_batch")
-    stream = position.get("stream")  # a stream loader's position: examples consumed, per rank when split by shards
-    consumed = position["samples_consumed"] if stream is None else sum(stream["consumed"]) \
-        if isinstance(stream["consumed"], list) else stream["consumed"]
     ud.print(f"resumed from {path}: step {r.step}, epoch {position['epoch'] + 1}, "
-             f"{consumed} samples into it"
+             f"{position['samples_consumed']} samples into it"
              + (f" (WARNING: it was trained with global batch {old_batch}, now {r.global_batch})"
                 if old_batch not in (None, r.global_batch) else ""))
 

@@ -374,7 +374,8 @@ class PreparedDataLoader(Epochs):
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, int]:
-        """Where the data stream stands: the epoch and the global samples consumed in it."""
+        """Where the data stream stands: ``epoch``, ``seed`` and ``samples_consumed`` (the global samples
+        consumed in the epoch; a prepared stream's state has the same three), plus ``num_samples``."""
         counted, epoch, resume = self._position()
         if counted:
             epoch, consumed = self._epoch, self._consumed
@@ -385,7 +386,7 @@ class PreparedDataLoader(Epochs):
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         """Make the next iteration continue where ``state`` was taken (any world size)."""
-        if "samples_consumed" not in state:
+        if "stream" in state or "samples_consumed" not in state:
             raise UnifiedDistError(
                 "this loader state was saved by a prepared stream (an IterableDataset); a map-style loader resumes "
                 "only from a map-style loader's state_dict()")

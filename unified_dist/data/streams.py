@@ -429,7 +429,8 @@ class PreparedStreamLoader(Epochs):
         plan = _Pass(epoch=self._epoch, seed=self.seed, rank=rank, world_size=world, split=split)
         if split:
             plan.skip = self._resumed_shards(resume)
-            self._state = {"mode": "shards", "n_shards": self.dataset.n_shards, "slots": plan.skip}
+            samples = resume.get("samples") if plan.skip else 0  # None: a state saved before examples were counted
+            self._state = {"mode": "shards", "n_shards": self.dataset.n_shards, "slots": plan.skip, "samples": samples}
         else:
             plan.skip = self._resumed_whole(resume)
             self._state = {"mode": "whole", "consumed": plan.skip}
@@ -526,6 +527,8 @@ class PreparedStreamLoader(Epochs):
             if self.drop_last and m < size:
                 return
             self._state["slots"] += size
+            if self._state["samples"] is not None:
+                self._state["samples"] += m
             if m == 0:  # every slot of the step is empty, at every world size: no step
                 continue
             self._refuse_unpadded(counts, reading["padded"], world)
@@ -548,13 +551,19 @@ class PreparedStreamLoader(Epochs):
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, Any]:
-        """Where the stream stands: the epoch and the examples consumed in it (per rank when split)."""
+        """Where the stream stands, in the map-style loader's shape: ``epoch``, ``seed`` and
+        ``samples_consumed`` (the examples consumed in the epoch, over all ranks; ``None`` after resuming a
+        by-shards state saved before unified_dist counted them), plus ``stream``, the position this
+        loader resumes from (read by shards: the slots of the canonical order, and the examples)."""
         counted, epoch, resume = self._position()
         if counted:
-            return {"epoch": self._epoch, "seed": self.seed, "stream": dict(self._state)}
-        if resume is not None:
-            return {"epoch": epoch, "seed": self.seed, "stream": dict(resume)}
-        return {"epoch": epoch, "seed": self.seed, "stream": {"mode": "whole", "consumed": 0}}
+            epoch, stream = self._epoch, dict(self._state)
+        elif resume is not None:
+            stream = dict(resume)
+        else:
+            stream = {"mode": "whole", "consumed": 0}
+        total = stream.get("samples") if stream.get("mode") == "shards" else stream.get("consumed", 0)
+        return {"epoch": epoch, "seed": self.seed, "samples_consumed": total, "stream": stream}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         """Make the next iteration continue where ``state`` was taken."""

@@ -397,7 +397,8 @@ def test_split_stream_resumes_at_any_world_size_dividing_the_shards_and_refuses_
         return _state_after(loader_for(Shards(parts), rank, 2, ex, batch_size=2), 2)
 
     state = run_ranks(2, first_steps)[0]
-    assert state["stream"] == {"mode": "shards", "n_shards": 2, "slots": 8}
+    assert state["stream"] == {"mode": "shards", "n_shards": 2, "slots": 8, "samples": 8}
+    assert state["samples_consumed"] == 8  # examples 0..3 of both shards (9 and 5 long): no slot empty
 
     def resume(rank, ex, world=2, batch_size=2):
         loader = loader_for(Shards(parts), rank, world, ex, batch_size=batch_size)
@@ -490,7 +491,7 @@ def test_a_state_by_shards_resumes_at_another_world_size_at_the_next_slot():
         return _state_after(loader_for(Shards(EIGHT), rank, 2, ex, batch_size=2), 3)
 
     state = run_ranks(2, three_steps)[0]
-    assert state["stream"] == {"mode": "shards", "n_shards": 8, "slots": 12}
+    assert state["stream"] == {"mode": "shards", "n_shards": 8, "slots": 12, "samples": 12}
 
     def resume(rank, ex, world):
         loader = loader_for(Shards(EIGHT), rank, world, ex, batch_size=4 // world)
@@ -622,3 +623,18 @@ def _state_after(loader, steps):
     for _ in range(steps):
         next(it)
     return loader.state_dict()
+
+
+def test_both_loaders_state_says_epoch_seed_and_the_examples_consumed_not_the_slots():
+    """One state shape (map-style and streams): ``epoch``, ``seed``, ``samples_consumed``. Read by shards,
+    the examples, not the slots: 3 steps of 8 slots over EIGHT (shards 7, 3, 9, 5, 6, 2, 8, 4 long) are
+    rounds 0, 1 and 2 of the canonical order, and in round 2 the 2-example shard is empty: 8 + 8 + 7."""
+    def three_steps(rank, ex):
+        return _state_after(loader_for(Shards(EIGHT), rank, 2, ex, batch_size=4), 3)
+
+    states = run_ranks(2, three_steps)
+    for state in states:
+        assert {"epoch", "seed", "samples_consumed"} <= set(state)
+        assert state["stream"]["slots"] == 24 and state["samples_consumed"] == 23, state
+    whole = run_ranks(2, lambda rank, ex: _state_after(loader_for(ud.stream(Rows(45), split=False), rank, 2, ex), 3))
+    assert whole[0]["samples_consumed"] == whole[0]["stream"]["consumed"] == 24  # 3 global batches of 8
