@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from .errors import UsageError
+from .processes import clean_environment, kill_tree
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TOTAL_S = 480.0
@@ -59,9 +60,7 @@ WORKER = (sys.executable, "-m", "unified_dist.cli.gpu_checks")
 
 # ---------------------------------------------------------------------- running the workers
 def _worker_environment(device: str) -> Dict[str, str]:
-    from .selftest import _clean_environment
-
-    env = _clean_environment(DEFAULT_TOTAL_S)
+    env = clean_environment(DEFAULT_TOTAL_S)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # the dry run stays on the CPU on a GPU machine too
     return env
@@ -113,7 +112,6 @@ def run_checks(names: Sequence[str], device: str, total_s: float, budget: Dict[s
     """Every check's record, in the order of ``names``: each ``worker`` (given ``--device DEVICE --out
     DIR NAME...``) runs the checks left, and is killed (its process group and descendants) when it
     returns from :func:`_watch`; ``budget`` holds each check's seconds."""
-    from .selftest import kill_tree
 
     results: Dict[str, Dict[str, Any]] = {}
     deadline = time.monotonic() + total_s

@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ..detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
 from ..net import free_port
 from ..registry import SPECS
-from ..settings import TIMEOUT_ENV
 from . import gpu_check, launch
 from .errors import UsageError
+from .processes import clean_environment, kill_tree
 
 WORKER = Path(__file__).with_name("selftest_worker.py")
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -79,36 +78,6 @@ def choose_backends(requested: Optional[Sequence[str]]) -> List[str]:
     return chosen
 
 
-def _clean_environment(timeout: float) -> Dict[str, str]:
-    """This environment minus launcher and unified_dist variables (we may be inside a job), plus test settings."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(LAUNCHER_VARIABLE_PREFIXES) and k not in TORCH_VARIABLES}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-    # A collective stuck for half the launch's budget gives up with a clear error before the kill.
-    env[TIMEOUT_ENV] = str(max(1, int(timeout / 2)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
-def kill_tree(pid: int) -> None:
-    """Kill the live process ``pid``, its process group, and every descendant that left the group.
-
-    horovodrun's workers run in sessions of their own, hence the descendants (found with psutil,
-    which Horovod installs; without it the group kill still applies).
-    """
-    descendants = []
-    with contextlib.suppress(Exception):
-        import psutil
-
-        descendants = psutil.Process(pid).children(recursive=True)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    for child in descendants:
-        with contextlib.suppress(Exception):
-            child.kill()
-
-
 def _rows(backend: str, out: Path, nproc: int, finished: bool) -> List[Row]:
     """Merge the ranks' result files: a check passes only if every rank passed it."""
     from .contract import CHECKS
@@ -151,7 +120,7 @@ def run_backend(backend: str, nproc: int, timeout: float, cuda: bool = False) ->
         log_path = out / "launcher.log"
         start = time.perf_counter()
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(list(command.argv), env=launch.environment(command, _clean_environment(timeout)),
+            proc = subprocess.Popen(list(command.argv), env=launch.environment(command, clean_environment(timeout)),
                                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             try:

@@ -165,7 +165,7 @@ def test_host_syncs_are_counted_from_the_sync_debug_mode_warnings(monkeypatch):
 def test_the_fp16_check_compares_only_the_steps_the_grad_scaler_applied(monkeypatch):
     """fp16 on the CPU with the facade's GPU-only refusal faked away: GradScaler("cpu") starts at 2**16,
     so the first steps overflow and are skipped, as on a GPU; the reference leaves out the same steps."""
-    monkeypatch.setattr("unified_dist.session.check_device", lambda *args, **kwargs: None)
+    monkeypatch.setattr("unified_dist.backends.precision.Precision.check_device", lambda *args, **kwargs: None)
     monkeypatch.setattr(gpu_checks, "precision_for", lambda device: "fp16")
     record = gpu_checks.run_one("fp16_grad_scaling", torch.device("cpu"))
     assert record["status"] == "pass", record
