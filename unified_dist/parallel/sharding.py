@@ -197,8 +197,15 @@ def point_optimizer_at(optimizer: torch.optim.Optimizer,
         _no_foreach_over_mixed(group, index)
     if not getattr(optimizer, "_unified_dist_shard_hook", False):
         optimizer.register_load_state_dict_pre_hook(_shard_incoming_optimizer_state)
+        # a loaded state brings its groups' foreach back (None, from a layout without the mix): settle it again
+        optimizer.register_load_state_dict_post_hook(_no_foreach_after_load)
         optimizer._unified_dist_shard_hook = True
     return optimizer
+
+
+def _no_foreach_after_load(optimizer: torch.optim.Optimizer) -> None:
+    for index, group in enumerate(optimizer.param_groups):
+        _no_foreach_over_mixed(group, index)
 
 
 def _no_foreach_over_mixed(group: dict, index: int) -> None:

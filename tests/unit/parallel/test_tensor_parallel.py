@@ -270,3 +270,16 @@ def test_foreach_true_over_a_mixed_group_is_refused_in_one_line(one_rank_tp_mesh
     message = one_line_error(point_optimizer_at, torch.optim.SGD(model.parameters(), lr=0.1, foreach=True),
                              lambda p: p)
     assert "param group 0 has foreach=True" in message and "foreach=False" in message
+
+
+def test_a_loaded_optimizer_state_keeps_the_mixed_group_off_the_foreach_kernels(one_rank_tp_mesh):
+    """``load_state_dict`` puts the saved groups' ``foreach`` back (None, saved from a layout without
+    DTensors): the group must stay foreach=False, or a resumed tp job crashes at its first CUDA step."""
+    from unified_dist.parallel.sharding import point_optimizer_at
+
+    saved = torch.optim.AdamW(_mixed_tp_model(None).parameters(), lr=0.1).state_dict()
+    assert saved["param_groups"][0]["foreach"] is None
+    optimizer = point_optimizer_at(torch.optim.AdamW(_mixed_tp_model(one_rank_tp_mesh).parameters(), lr=0.1),
+                                   lambda p: p)
+    optimizer.load_state_dict(saved)
+    assert optimizer.param_groups[0]["foreach"] is False
