@@ -123,8 +123,7 @@ class Writer:
         return self._group
 
     def forget(self) -> None:
-        """Wait for the write in flight and drop it, and the side group (``ud.shutdown``)."""
-        self.wait()
+        """Drop the record of the last write (settled, so finished) and the side group (``ud.shutdown``)."""
         self.job, self.unsettled = None, False
         group, self._group = self._group, None
         if group is not None:

@@ -33,6 +33,7 @@ import torch
 
 import unified_dist as ud
 from unified_dist.cli import contract
+from unified_dist.checkpoint import checkpoint_path
 from unified_dist.cli.contract import regression_data, tiny_model
 
 CHECKS = {"core": list(contract.CHECKS)}
@@ -1691,6 +1692,126 @@ def gan_two_optimizers_ema_and_teacher_match_one_process(ctx):
         if not torch.equal(saved[name], p):
             problems.append(f"the saved EMA's {name} is not this rank's")
     assert not problems, "; ".join(problems)
+
+
+# ----------------------------------------------------------------- issue #42: background saves (async_save=True)
+# Checked against plain single-process torch (SGD with momentum on the world's batch); the writer is held
+# back 0.1 s before it writes, so the next step's in-place update always comes before the write: a staging
+# that did not copy the tensors would put that update in the file (docs/checkpoints.md, "Saves that do not
+# stop training").
+def _held_writers(seconds=0.1):
+    """torch.save and DCP's save, each waiting ``seconds`` before it writes (in the background thread)."""
+    import torch.distributed.checkpoint as dcp
+
+    real = {"torch": torch.save, "dcp": dcp.save}
+
+    def later(fn):
+        return lambda *args, **kwargs: (time.sleep(seconds), fn(*args, **kwargs))[1]
+    torch.save, dcp.save = later(real["torch"]), later(real["dcp"])
+    return lambda: (setattr(torch, "save", real["torch"]), setattr(dcp, "save", real["dcp"]))
+
+
+def _momentum_run(folder, steps, async_save):
+    """``steps`` SGD-with-momentum steps of tiny_model on this rank's rows of each global batch, saving
+    after each step (a full checkpoint and a sharded one); returns the unwrapped weights after each step
+    (copies), the model and the optimizer."""
+    b, w, r = 3, ud.world_size(), ud.rank()
+    x, y = regression_data(b * w * steps)
+    model = tiny_model()
+    model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    at_step = {}
+    for step in range(1, steps + 1):
+        rows = slice((step - 1) * b * w + r * b, (step - 1) * b * w + (r + 1) * b)
+        ud.backward(torch.nn.functional.mse_loss(model(x[rows]), y[rows]))
+        opt.step()
+        opt.zero_grad()
+        at_step[step] = {k: full(v.detach()).cpu().clone() for k, v in ud.unwrap(model).state_dict().items()}
+        ud.save_checkpoint({"model": model, "optimizer": opt, "step": step}, folder, step, keep_last=None,
+                           async_save=async_save)
+        ud.save_sharded({"model": model, "optimizer": opt, "step": step}, os.path.join(folder, f"sharded-{step}"),
+                        async_save=async_save)
+    return at_step, model, opt
+
+
+def _momentum_reference(steps):
+    """Plain torch, one process, the whole global batch each step: the weights after each step."""
+    b, w = 3, ud.world_size()
+    x, y = regression_data(b * w * steps)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    after = {}
+    for step in range(1, steps + 1):
+        rows = slice((step - 1) * b * w, step * b * w)
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+        after[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return after
+
+
+@check("core")
+def async_saves_every_step_hold_each_steps_state_and_end_as_sync_saves(ctx):
+    """Saves every step with async_save=True (full and sharded): the run ends with the weights of the
+    same run with blocking saves (bitwise) and of one process (1e-6); each checkpoint holds its step's
+    weights, bitwise, not the next step's; keep_last=2 then leaves the two newest."""
+    steps = 3
+    folder = {mode: os.path.join(ctx.out, f"async_{mode}_{ud.backend_name()}_{ud.launcher()}") for mode in ("a", "s")}
+    sync_steps, sync_model, _ = _momentum_run(folder["s"], steps, async_save=False)
+    restore = _held_writers()
+    try:
+        at_step, model, opt = _momentum_run(folder["a"], steps, async_save=True)
+    finally:
+        restore()
+    ud.barrier()  # the settling point: the last write is complete on every rank
+    loaded, sharded = {}, {}
+    for step in range(1, steps + 1):
+        loaded[step] = ud.load(checkpoint_path(folder["a"], step))
+        fresh = tiny_model()
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+        extra = ud.load_sharded({"model": fresh, "optimizer": fresh_opt}, os.path.join(folder["a"], f"sharded-{step}"))
+        sharded[step] = (extra, {k: v.detach().clone() for k, v in fresh.state_dict().items()})
+    ud.barrier()  # every rank has read them: retention may delete them now
+    path = ud.save_checkpoint({"model": model, "step": steps + 1}, folder["a"], steps + 1, keep_last=2, async_save=True)
+    ud.barrier()
+    kept = sorted(name for name in os.listdir(folder["a"]) if name.startswith("checkpoint-"))
+    reference = _momentum_reference(steps)
+    assert kept == [os.path.basename(checkpoint_path(folder["a"], s)) for s in (steps, steps + 1)] and \
+        path.endswith(kept[1]), kept
+    for step in range(1, steps + 1):
+        assert sharded[step][0] == {"step": step}, sharded[step][0]
+        for name, value in at_step[step].items():
+            assert torch.equal(sharded[step][1][name], value), f"shards of step {step}: {name} is not its step's"
+            assert torch.equal(value, sync_steps[step][name]), f"step {step}: {name} differs from the sync run"
+            close(value, reference[step][name])
+        for name, value in at_step[step].items():
+            assert torch.equal(loaded[step]["model"][name], value), f"checkpoint {step}: {name} is not its step's"
+    for p, q in zip(ud.unwrap(model).parameters(), ud.unwrap(sync_model).parameters()):
+        assert torch.equal(full(p.detach()), full(q.detach())), "async saves changed the training"
+
+
+@check("core")
+def async_save_into_a_read_only_directory_is_one_line_on_every_rank(ctx):
+    """The write fails in rank 0's background thread; the next ud.barrier() raises the same one-line
+    CheckpointError on every rank, naming the path; the sharded save's failure likewise."""
+    unwritable = "/sys" if os.geteuid() == 0 else os.path.join(ctx.out, f"read-only-{ud.backend_name()}")
+    if unwritable != "/sys" and ud.is_main():
+        os.makedirs(unwritable, exist_ok=True)
+        os.chmod(unwritable, 0o555)
+    model = ud.prepare(tiny_model())
+    said = {}
+    for kind, save in (("full", lambda p: ud.save({"model": model}, p, async_save=True)),
+                       ("sharded", lambda p: ud.save_sharded({"model": model}, p, async_save=True))):
+        path = os.path.join(unwritable, f"ckpt-{kind}")
+        save(path)  # returns: the failure comes from the background
+        try:
+            ud.barrier()
+        except ud.CheckpointError as exc:
+            said[kind] = (path, str(exc))
+    every = ud.all_gather_object(said)
+    assert set(said) == {"full", "sharded"}, f"rank {ud.rank()}: no error from {set(('full', 'sharded')) - set(said)}"
+    for kind, (path, text) in said.items():
+        assert path in text and "\n" not in text and "in the background failed on rank" in text, text
+        assert all(other[kind][1] == text for other in every), f"the ranks said different things: {every}"
 
 
 if __name__ == "__main__":
