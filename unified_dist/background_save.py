@@ -66,6 +66,7 @@ class Writer:
         self.job: Optional[Job] = None  # the latest write (finished or not)
         self.unsettled = False  # an async save was made since the last settling point
         self._group: Any = None  # the gloo group of background sharded writes (see side_group)
+        self._buffers: List[Any] = []  # the CPU copies of the last full save's tensors (see staging)
 
     @property
     def in_flight(self) -> bool:
@@ -109,6 +110,27 @@ class Writer:
             raise CheckpointError(f"saving {target} in the background failed on rank {rank}: {error}; the "
                                   "previous checkpoint there is intact: free space or fix the path, then save again")
 
+    def staging(self) -> Callable[[Any], Any]:
+        """A function that copies each tensor it is given (in the order a save visits them) into a CPU
+        buffer kept from the previous save when one of the same shape and dtype is there: the
+        copy then takes no fresh pages (the kernel's zeroing of new memory cost more than the copy).
+        Call it only once the previous write ended (its buffers are then free): :meth:`submit` and
+        :meth:`settle` make sure of that before a save stages."""
+        import torch
+
+        kept, fresh, index = self._buffers, [], iter(range(1 << 62))
+
+        def copy(t: Any) -> Any:
+            i = next(index)
+            t = t.detach()
+            buffer = kept[i] if i < len(kept) else None
+            if buffer is None or (buffer.shape, buffer.dtype) != (t.shape, t.dtype):
+                buffer = torch.empty(t.shape, dtype=t.dtype, device="cpu")  # contiguous, whatever t's layout
+            fresh.append(buffer)
+            return buffer.copy_(t)
+        self._buffers = fresh
+        return copy
+
     def side_group(self, timeout: Any) -> Any:
         """A gloo process group of every rank, for the collectives of background sharded writes (made on
         first use: a collective; every rank makes its async sharded saves in the same order), so the
@@ -124,7 +146,7 @@ class Writer:
 
     def forget(self) -> None:
         """Drop the record of the last write (settled, so finished) and the side group (``ud.shutdown``)."""
-        self.job, self.unsettled = None, False
+        self.job, self.unsettled, self._buffers = None, False, []
         group, self._group = self._group, None
         if group is not None:
             import contextlib

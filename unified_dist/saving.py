@@ -79,10 +79,10 @@ def _save(obj: Any, path: str, async_save: bool, keep_last: Optional[int]) -> No
 
 
 def _staged(rank: int, sharded: bool) -> Any:
-    """How an async save copies each tensor off the live one: to the CPU, always a new tensor (a
-    sharded model's full value on rank 0)."""
+    """How an async save copies each tensor off the live one: into a CPU buffer of its own (the
+    previous save's, reused: :meth:`Writer.staging`; a sharded model's full value on rank 0)."""
     if not sharded:
-        return lambda t: t.detach().to("cpu", copy=True)
+        return WRITER.staging()
     full = _full_on_main(rank)
     return lambda t: None if (value := full(t)) is None else value.clone()
 

@@ -32,8 +32,8 @@ import types
 import torch
 
 import unified_dist as ud
-from unified_dist.cli import contract
 from unified_dist.checkpoint import checkpoint_path
+from unified_dist.cli import contract
 from unified_dist.cli.contract import regression_data, tiny_model
 
 CHECKS = {"core": list(contract.CHECKS)}
