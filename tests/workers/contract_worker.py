@@ -1713,8 +1713,8 @@ def _held_writers(seconds=0.1):
 
 def _momentum_run(folder, steps, async_save):
     """``steps`` SGD-with-momentum steps of tiny_model on this rank's rows of each global batch, saving
-    after each step (a full checkpoint and a sharded one); returns the unwrapped weights after each step
-    (copies), the model and the optimizer."""
+    after each step (a full checkpoint; with ``async_save`` a sharded one too); returns the unwrapped
+    weights after each step (copies), the model and the optimizer."""
     b, w, r = 3, ud.world_size(), ud.rank()
     x, y = regression_data(b * w * steps)
     model = tiny_model()
@@ -1728,8 +1728,9 @@ def _momentum_run(folder, steps, async_save):
         at_step[step] = {k: full(v.detach()).cpu().clone() for k, v in ud.unwrap(model).state_dict().items()}
         ud.save_checkpoint({"model": model, "optimizer": opt, "step": step}, folder, step, keep_last=None,
                            async_save=async_save)
-        ud.save_sharded({"model": model, "optimizer": opt, "step": step}, os.path.join(folder, f"sharded-{step}"),
-                        async_save=async_save)
+        if async_save:
+            ud.save_sharded({"model": model, "optimizer": opt, "step": step}, os.path.join(folder, f"sharded-{step}"),
+                            async_save=True)
     return at_step, model, opt
 
 
@@ -1754,7 +1755,7 @@ def async_saves_every_step_hold_each_steps_state_and_end_as_sync_saves(ctx):
     """Saves every step with async_save=True (full and sharded): the run ends with the weights of the
     same run with blocking saves (bitwise) and of one process (1e-6); each checkpoint holds its step's
     weights, bitwise, not the next step's; keep_last=2 then leaves the two newest."""
-    steps = 3
+    steps = 2
     folder = {mode: os.path.join(ctx.out, f"async_{mode}_{ud.backend_name()}_{ud.launcher()}") for mode in ("a", "s")}
     sync_steps, sync_model, _ = _momentum_run(folder["s"], steps, async_save=False)
     restore = _held_writers()
