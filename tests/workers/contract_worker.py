@@ -1713,8 +1713,9 @@ def _held_writers(seconds=0.1):
 
 def _momentum_run(folder, steps, async_save):
     """``steps`` SGD-with-momentum steps of tiny_model on this rank's rows of each global batch, saving
-    after each step (a full checkpoint; with ``async_save`` a sharded one too); returns the unwrapped
-    weights after each step (copies), the model and the optimizer."""
+    after each step: a full checkpoint, or with ``async_save`` on even steps a sharded one (a save waits
+    for the one before it, so one kind per step lets the next step's update race each write); returns
+    the unwrapped weights after each step (copies), the model and the optimizer."""
     b, w, r = 3, ud.world_size(), ud.rank()
     x, y = regression_data(b * w * steps)
     model = tiny_model()
@@ -1726,11 +1727,11 @@ def _momentum_run(folder, steps, async_save):
         opt.step()
         opt.zero_grad()
         at_step[step] = {k: full(v.detach()).cpu().clone() for k, v in ud.unwrap(model).state_dict().items()}
-        ud.save_checkpoint({"model": model, "optimizer": opt, "step": step}, folder, step, keep_last=None,
-                           async_save=async_save)
-        if async_save:
-            ud.save_sharded({"model": model, "optimizer": opt, "step": step}, os.path.join(folder, f"sharded-{step}"),
-                            async_save=True)
+        state = {"model": model, "optimizer": opt, "step": step}
+        if async_save and step % 2 == 0:
+            ud.save_sharded(state, os.path.join(folder, f"sharded-{step}"), async_save=True)
+        else:
+            ud.save_checkpoint(state, folder, step, keep_last=None, async_save=async_save)
     return at_step, model, opt
 
 
@@ -1755,22 +1756,25 @@ def async_saves_every_step_hold_each_steps_state_and_end_as_sync_saves(ctx):
     """Saves every step with async_save=True (full and sharded): the run ends with the weights of the
     same run with blocking saves (bitwise) and of one process (1e-6); each checkpoint holds its step's
     weights, bitwise, not the next step's; keep_last=2 then leaves the two newest."""
-    steps = 2
+    steps = 3
     folder = {mode: os.path.join(ctx.out, f"async_{mode}_{ud.backend_name()}_{ud.launcher()}") for mode in ("a", "s")}
     sync_steps, sync_model, _ = _momentum_run(folder["s"], steps, async_save=False)
     restore = _held_writers()
     try:
-        at_step, model, opt = _momentum_run(folder["a"], steps, async_save=True)
+        at_step, model, _ = _momentum_run(folder["a"], steps, async_save=True)
     finally:
         restore()
     ud.barrier()  # the settling point: the last write is complete on every rank
-    loaded, sharded = {}, {}
+    saved = {}  # step -> (the model's weights in its checkpoint, the other values)
     for step in range(1, steps + 1):
-        loaded[step] = ud.load(checkpoint_path(folder["a"], step))
-        fresh = tiny_model()
-        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-        extra = ud.load_sharded({"model": fresh, "optimizer": fresh_opt}, os.path.join(folder["a"], f"sharded-{step}"))
-        sharded[step] = (extra, {k: v.detach().clone() for k, v in fresh.state_dict().items()})
+        if step % 2:
+            whole = ud.load(checkpoint_path(folder["a"], step))
+            saved[step] = (whole["model"], {"step": whole["step"]})
+        else:
+            fresh = tiny_model()
+            extra = ud.load_sharded({"model": fresh, "optimizer": torch.optim.SGD(fresh.parameters(), lr=0.1)},
+                                    os.path.join(folder["a"], f"sharded-{step}"))
+            saved[step] = ({k: v.detach().clone() for k, v in fresh.state_dict().items()}, extra)
     ud.barrier()  # every rank has read them: retention may delete them now
     path = ud.save_checkpoint({"model": model, "step": steps + 1}, folder["a"], steps + 1, keep_last=2, async_save=True)
     ud.barrier()
@@ -1779,13 +1783,11 @@ def async_saves_every_step_hold_each_steps_state_and_end_as_sync_saves(ctx):
     assert kept == [os.path.basename(checkpoint_path(folder["a"], s)) for s in (steps, steps + 1)] and \
         path.endswith(kept[1]), kept
     for step in range(1, steps + 1):
-        assert sharded[step][0] == {"step": step}, sharded[step][0]
+        assert saved[step][1] == {"step": step}, saved[step][1]
         for name, value in at_step[step].items():
-            assert torch.equal(sharded[step][1][name], value), f"shards of step {step}: {name} is not its step's"
+            assert torch.equal(saved[step][0][name], value), f"checkpoint of step {step}: {name} is not its step's"
             assert torch.equal(value, sync_steps[step][name]), f"step {step}: {name} differs from the sync run"
             close(value, reference[step][name])
-        for name, value in at_step[step].items():
-            assert torch.equal(loaded[step]["model"][name], value), f"checkpoint {step}: {name} is not its step's"
     for p, q in zip(ud.unwrap(model).parameters(), ud.unwrap(sync_model).parameters()):
         assert torch.equal(full(p.detach()), full(q.detach())), "async saves changed the training"
 
