@@ -1817,5 +1817,38 @@ def async_save_into_a_read_only_directory_is_one_line_on_every_rank(ctx):
         assert all(other[kind][1] == text for other in every), f"the ranks said different things: {every}"
 
 
+@check("fsdp")
+def fsdp_async_saves_hold_the_weights_of_their_call(ctx):
+    """FSDP2: async_save=True of the shards (each rank copies its DTensor shards) and of the full state
+    (gathered to rank 0, then copied), each followed by a training window that changes every weight
+    before the held-back write: each checkpoint holds the weights at its call, bitwise."""
+    model, opt = _fresh_sharded()  # lr 1.0: each window moves every weight
+    x, y = regression_data(4 * ud.world_size())
+    sharded_dir = os.path.join(ctx.out, f"fsdp_async_sharded_{ud.backend_name()}")
+    full_path = os.path.join(ctx.out, f"fsdp_async_full_{ud.backend_name()}.pt")
+    weights = []
+    restore = _held_writers()
+    try:
+        state = {"model": model, "optimizer": opt, "step": 1}
+        for save in (lambda: ud.save_sharded(state, sharded_dir, async_save=True),
+                     lambda: ud.save({"model": model, "step": 2}, full_path, async_save=True)):
+            _one_window(model, opt, x, y)
+            weights.append({name: full(p.detach()).cpu().clone() for name, p in ud.unwrap(model).named_parameters()})
+            save()
+        _one_window(model, opt, x, y)
+    finally:
+        restore()
+    ud.barrier()
+    fresh, fresh_opt = _fresh_sharded()
+    extra = ud.load_sharded({"model": fresh, "optimizer": fresh_opt}, sharded_dir)
+    from_shards = {name: full(p.detach()).cpu() for name, p in ud.unwrap(fresh).named_parameters()}
+    from_full = ud.load(full_path)["model"]
+    assert extra == {"step": 1}, extra
+    for name, value in weights[0].items():
+        assert not torch.equal(value, weights[1][name]), f"{name}: the window did not change it"
+        assert torch.equal(from_shards[name], value), f"shards: {name} is not the weights at the call"
+        assert torch.equal(from_full[name], weights[1][name]), f"full: {name} is not the weights at the call"
+
+
 if __name__ == "__main__":
     main()
