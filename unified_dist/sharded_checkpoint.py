@@ -7,6 +7,11 @@ object (step counters, RNG state, config) are written by the main process beside
 Under Horovod (no torch process group) every rank holds the whole state: rank 0 writes it and
 every rank reads it.
 
+A save is :func:`stage` (every rank: the state, with ``copy`` every tensor copied off the live ones,
+and the agreed partial directory) then :func:`write` (every rank: DCP's collectives on the group it
+is given): :func:`save` runs both at once; an ``async_save=True`` save (:mod:`unified_dist.saving`)
+runs :func:`write` in a background thread, on a gloo group of its own.
+
 Atomic like ``ud.save``: the shards go to a fresh ``<dir>.partial-<id>`` directory; only when
 every rank has finished does the main process swap it in (the previous checkpoint is renamed to
 ``<dir>.previous`` first and removed last). A job killed at any point leaves either the old or
