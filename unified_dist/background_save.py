@@ -134,8 +134,8 @@ class Writer:
     def side_group(self, timeout: Any) -> Any:
         """A gloo process group of every rank, for the collectives of background sharded writes (made on
         first use: a collective; every rank makes its async sharded saves in the same order), so the
-        writing thread never shares a group with the training's collectives, on any backend (NCCL
-        included). ``None`` without a torch process group (Horovod, one process)."""
+        writing thread never shares a group with the training's collectives (nor needs an NCCL one).
+        ``None`` without a torch process group (Horovod, one process)."""
         import torch.distributed as dist
 
         if not dist.is_initialized():
