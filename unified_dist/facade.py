@@ -65,7 +65,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
 
 
 def shutdown() -> None:
-    """Close the trackers, then leave the process group; a later call to any function initialises again."""
+    """Close the trackers, then leave the process group; a later call to any function initialises again. A
+    background save in flight is written first, and a failed one raises on every rank once the group is left."""
     trackers.forget()
     session.shutdown()
 
@@ -286,7 +287,9 @@ def broadcast(obj: Any, src: int = 0) -> Any:
 
 
 def barrier() -> None:
-    """Wait until every rank arrives."""
+    """Wait until every rank arrives; a background save (``async_save=True``) in flight is then
+    complete, and a failed one raises :class:`~unified_dist.errors.CheckpointError` on every rank."""
+    session.current().settle_saves()
     collectives.barrier(current_backend())
 
 

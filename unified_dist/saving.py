@@ -5,15 +5,17 @@ to :mod:`unified_dist.checkpoint.files` and :mod:`unified_dist.checkpoint.sharde
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
 
-from . import nested
+from . import nested, session
 from .checkpoint import files as checkpoint, rng, sharded as sharded_checkpoint
+from .checkpoint.background import WRITER
 from .collectives import ops as collectives
 from .errors import CheckpointError, UnifiedDistError, summary
-from .facade import barrier, rank, restore_rng_states, rng_states
+from .facade import barrier, restore_rng_states, rng_states
 from .parallel.sharding import full_tensor
 from .session import current_backend
 from .training.accumulation import PreparedScheduler, is_scheduler
@@ -23,7 +25,7 @@ ARRIVAL_SECONDS = 20.0
 it names the ``if ud.is_main():`` mistake (:func:`_every_rank_calls`), if the collective timeout is not shorter."""
 
 
-def save(obj: Any, path: str) -> None:
+def save(obj: Any, path: str, *, async_save: bool = False) -> None:
     """The main process writes ``obj`` to ``path`` atomically; on the other ranks it does nothing.
 
     ``obj`` is usually the dict of live objects that :func:`load` restores, e.g. ``{"model": model,
@@ -40,23 +42,59 @@ def save(obj: Any, path: str) -> None:
     ``ud.RNG`` entry (gathering every rank's generators) it is a collective: every rank must call
     it, every rank raises if the write fails, and rank 0 raises within seconds, naming the mistake,
     when the others do not call it.
+
+    ``async_save=True`` (a collective too) returns once the state is copied off the live tensors and
+    writes it in a background thread (:mod:`unified_dist.checkpoint.background`): the next optimizer step
+    does not reach the file; a failed write raises on every rank at the next settling point (the next
+    collective save, :func:`barrier`, ``should_stop()`` turning True, ``requeue()``, ``shutdown()``).
     """
+    _save(obj, path, async_save, None)
+
+
+def _save(obj: Any, path: str, async_save: bool, keep_last: Optional[int]) -> None:
+    """:func:`save`'s work; with ``keep_last`` the main process then keeps that many checkpoints of
+    ``path``'s directory (:func:`checkpoint.rotate`, after the write is complete)."""
     backend = current_backend()
     sharded = backend.config.sharding.splits_model
     with_rng = _holds_rng(obj)
-    if sharded or with_rng:
-        _every_rank_calls(backend, "save", "of a sharded model" if sharded else "of ud.RNG")
+    if sharded or with_rng or async_save:
+        of = "of a sharded model" if sharded else "of ud.RNG" if with_rng else "with async_save=True"
+        _every_rank_calls(backend, "save", of)
+        session.current().settle_saves()  # the save in flight ends (and its failure is raised) first
+    else:
+        WRITER.wait()  # one save in flight at a time; a failure is raised at the next settling point
     obj = _rng_states_for_markers(obj) if with_rng else obj
+    if async_save:
+        state = checkpoint.to_state(obj, backend.unwrap, _staged(backend.rank, sharded)) \
+            if sharded or backend.rank == 0 else None  # gathering a shard is a collective
+        WRITER.submit(path, (lambda: _write_then_rotate(state, path, keep_last)) if backend.rank == 0 else None)
+        return
     state = None
     if sharded:  # gathering a shard is a collective: every rank walks the state
         state = checkpoint.to_state(obj, backend.unwrap, _full_on_main(backend.rank))
     error = None
     if backend.rank == 0:
-        error = _write(state if sharded else checkpoint.to_state(obj, backend.unwrap), path)
+        error = _write(state if sharded else checkpoint.to_state(obj, backend.unwrap), path, keep_last)
     if sharded or with_rng:  # the other ranks are here too: each raises the main process's error
         error = collectives.broadcast(backend, error, 0, what="save")
     if error is not None:
         raise UnifiedDistError(f"saving {path} failed on the main process: {error}")
+
+
+def _staged(rank: int, sharded: bool) -> Any:
+    """How an async save copies each tensor off the live one: into a CPU buffer of its own (the
+    previous save's, reused: :meth:`Writer.staging`; a sharded model's full value on rank 0)."""
+    if not sharded:
+        return WRITER.staging()
+    full = _full_on_main(rank)
+    return lambda t: None if (value := full(t)) is None else value.clone()
+
+
+def _write_then_rotate(state: Any, path: str, keep_last: Optional[int]) -> None:
+    """Write ``state`` atomically, then (only once it is complete) keep the ``keep_last`` newest checkpoints."""
+    checkpoint.write_atomic(state, path)
+    if keep_last is not None:
+        checkpoint.rotate(os.path.dirname(path), keep_last, path)
 
 
 def _holds_rng(obj: Any) -> bool:
@@ -69,10 +107,10 @@ def _rng_states_for_markers(obj: Any) -> Any:
     return nested.map_leaves(lambda leaf: states if leaf is rng.RNG else leaf, obj)
 
 
-def _write(state: Any, path: str) -> Optional[str]:
-    """Write ``state`` atomically; the failure's one-line summary, or ``None``."""
+def _write(state: Any, path: str, keep_last: Optional[int] = None) -> Optional[str]:
+    """:func:`_write_then_rotate`; the failure's one-line summary, or ``None``."""
     try:
-        checkpoint.write_atomic(state, path)
+        _write_then_rotate(state, path, keep_last)
     except Exception as exc:
         return summary(exc)
     return None
@@ -112,31 +150,39 @@ def get_state_dict(model: torch.nn.Module) -> Optional[dict]:
     return state if backend.rank == 0 else None
 
 
-def save_sharded(obj: dict, directory: str) -> None:
+def save_sharded(obj: dict, directory: str, *, async_save: bool = False) -> None:
     """Every rank writes its own shards of ``obj``'s model and optimizers to ``directory`` with
     ``torch.distributed.checkpoint``; other values in ``obj`` are written beside them.
 
     ``obj`` is a dict with exactly one model, e.g. ``{"model": model, "optimizer": optimizer,
     "rng": ud.RNG, "step": step}`` (``ud.RNG``: every rank's generator states). Atomic: a killed save
     leaves the previous checkpoint loadable. For models too large to gather on one rank; :func:`save`
-    writes one portable file instead.
+    writes one portable file instead. ``async_save=True``: as :func:`save`'s (each rank copies its
+    shards, then writes them in the background, with DCP's collectives on a gloo group of their own).
     """
     backend = current_backend()
     _every_rank_calls(backend, "save_sharded")
+    session.current().settle_saves()
     if _holds_rng(obj):
         obj = _rng_states_for_markers(obj)
     parts = sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer)
-    sharded_checkpoint.save(parts, directory, backend.rank,
-                            lambda value: collectives.broadcast(backend, value, 0, what="save_sharded"),
-                            lambda: collectives.barrier(backend))
+    agree = lambda value: collectives.broadcast(backend, value, 0, what="save_sharded")  # noqa: E731
+    if not async_save:
+        sharded_checkpoint.save(parts, directory, backend.rank, agree, lambda: collectives.barrier(backend))
+        return
+    staged = sharded_checkpoint.stage(parts, directory, agree, copy=True)
+    group = WRITER.side_group(backend.config.timeout)
+    barrier = (lambda: torch.distributed.barrier(group=group)) if group is not None else (lambda: None)
+    WRITER.submit(staged.directory, lambda: sharded_checkpoint.write(staged, backend.rank, barrier, group))
 
 
 def load_sharded(obj: dict, directory: str) -> dict:
     """Load what :func:`save_sharded` wrote into ``obj``'s model and optimizers, under any world
     size and sharding (state is resharded on load), and for an ``ud.RNG`` entry this rank's
-    generators; returns the other values that were saved."""
+    generators; returns the other values that were saved. A background save still in flight ends first."""
     backend = current_backend()
     _every_rank_calls(backend, "load_sharded")
+    session.current().settle_saves()
     extra = sharded_checkpoint.load(sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer), directory)
     for name in [name for name, value in obj.items() if value is rng.RNG and name in extra]:
         restore_rng_states(extra.pop(name))
@@ -150,27 +196,28 @@ def _torch_optimizer(obj: Any) -> Optional[torch.optim.Optimizer]:
     return obj if isinstance(obj, torch.optim.Optimizer) else None
 
 
-def save_checkpoint(obj: Any, directory: str, step: int, keep_last: Optional[int] = 3) -> str:
+def save_checkpoint(obj: Any, directory: str, step: int, keep_last: Optional[int] = 3, *,
+                    async_save: bool = False) -> str:
     """:func:`save` to ``directory/checkpoint-<step>.pt``, then keep only the ``keep_last`` newest.
 
-    Older checkpoints are deleted only after the new one is completely written, so the last
-    good checkpoint always survives a crash. Returns the new checkpoint's path. Collective only
-    where :func:`save` is (sharded models, an ``ud.RNG`` entry): ``if ud.is_main():
-    ud.save_checkpoint(...)`` works otherwise.
+    Older checkpoints are deleted only after the new one is completely written (with ``async_save``,
+    by the background write, after its rename), so the last good checkpoint always survives a crash.
+    Returns the new checkpoint's path. Collective only where :func:`save` is (sharded models, an
+    ``ud.RNG`` entry, ``async_save=True``): ``if ud.is_main(): ud.save_checkpoint(...)`` works otherwise.
     """
     if keep_last is not None:
         checkpoint.check_keep_last(keep_last)  # on every rank, before anyone waits for the write
     path = checkpoint.checkpoint_path(directory, step)
-    save(obj, path)
-    if keep_last is not None and rank() == 0:
-        checkpoint.rotate(directory, keep_last, path)
-    if current_backend().config.sharding.splits_model:
+    _save(obj, path, async_save, keep_last)
+    if current_backend().config.sharding.splits_model and not async_save:
         barrier()
     return path
 
 
 def latest_checkpoint(directory: str) -> Optional[str]:
-    """Path of the newest complete checkpoint written by :func:`save_checkpoint`, or ``None``."""
+    """Path of the newest complete checkpoint written by :func:`save_checkpoint`, or ``None``; on the
+    rank writing into ``directory`` in the background, after that write."""
+    WRITER.wait(directory)
     return checkpoint.latest(directory)
 
 
@@ -189,12 +236,17 @@ def load(path: str, state: Optional[dict] = None, map_location: Optional[Any] = 
     this run's lambdas at the restored step; ``ud.RNG`` restores this rank's generators; plain
     values in ``state`` are replaced by the saved ones. A name in ``state`` that the checkpoint
     lacks is a :class:`CheckpointError` before anything is loaded (``strict=False``: skipped, and
-    models may miss or add keys).
+    models may miss or add keys). On the rank whose background save writes ``path``, it waits for that
+    write (and raises if it failed); another rank reads only after :func:`barrier`.
     """
     if state is not None and not isinstance(state, dict):
         raise CheckpointError(
             f"load(path, state) takes a dict of names to live objects, got {type(state).__name__}; "
             "pass the device as ud.load(path, map_location=...)")
+    failed = WRITER.wait(path)  # this rank's background save of ``path`` ends first
+    if failed and WRITER.unsettled:
+        raise CheckpointError(f"{path} was not written: its background save failed ({failed}); "
+                              "the file there is the previous one: load it by name if that is what you want")
     saved = checkpoint.read_safe(path, map_location)
     if state is None:
         return saved

@@ -27,6 +27,7 @@ import torch
 from . import settings
 from .backends import Backend, Config, backend_class
 from .backends.precision import Precision
+from .checkpoint import background as background_save
 from .collectives import ops as collectives
 from .data.loaders import LoaderStack, PreparedDataLoader
 from .data.streams import PreparedStreamLoader
@@ -213,7 +214,15 @@ class Session:
         if self.stop_step is None and self._backward_seen is False and self._exchanged is False:
             self._exchange(None)  # a loop without ud.backward: this call is the exchange (on every rank)
         self._exchanged = self._backward_seen = False
-        return self.stop_step is not None
+        if self.stop_step is None:
+            return False
+        self.settle_saves()  # the job is about to stop: the save in flight ends first
+        return True
+
+    def settle_saves(self) -> None:
+        """A settling point (:mod:`unified_dist.checkpoint.background`): when an async save is unsettled, wait
+        for this rank's write and raise on every rank if any rank's failed (one all-gather); else nothing."""
+        background_save.WRITER.settle(lambda mine: collectives.all_gather_object(self.backend, mine))
 
     def requeue(self) -> None:
         """``ud.requeue``'s work (see the facade)."""
@@ -222,6 +231,7 @@ class Session:
                 "ud.requeue() runs the job again, which is right only after a stop signal, and ud.should_stop() "
                 "is False here; a job that failed for another reason must end: let the exception propagate")
         backend = self.backend
+        self.settle_saves()  # a background save ends before the job leaves
         collectives.barrier(backend)  # every rank has written its part of the checkpoint
         problem = None
         job = os.environ.get("SLURM_JOB_ID")
@@ -370,11 +380,19 @@ def shutdown() -> None:
     """Leave the process group; a later call to any function initialises again."""
     global _session
     if _session is not None:
+        failure = None
+        try:
+            _session.settle_saves()  # the save in flight is written, and its failure known, before the group goes
+        except UnifiedDistError as exc:
+            failure = exc
         session, _session = _session, None
+        background_save.WRITER.forget()
         if session.stops is not None:
             session.stops.uninstall()
         with collectives.translated(session.backend, "shutdown"):  # its barrier: a rank still training times out
             session.backend.shutdown()
+        if failure is not None:
+            raise failure
 
 
 def _install_exit_hooks() -> None:
@@ -399,11 +417,15 @@ def _note_failure(exc_type: Any, exc: Any, tb: Any) -> None:
 
 def _shutdown_at_exit() -> None:
     """At a clean interpreter exit, free DDP reducers and the process group unified_dist created
-    (no communication): see :meth:`Backend.leave_at_exit`.
+    (no communication): see :meth:`Backend.leave_at_exit`. A background save still in flight is
+    written first; if it failed (and no settling point said so), one line on standard error and exit status 1.
 
     Skipped after an uncaught exception: a reducer with a collective still pending on a lost
     peer cannot be freed, and the launcher must see this process end.
     """
+    failed_write = background_save.report_at_exit()  # the write in flight ends first
     if _session is not None and not _session.failed:
         with contextlib.suppress(Exception):
             _session.backend.leave_at_exit()
+    if failed_write:  # a checkpoint the program believes written is not: the exit status says so
+        os._exit(1)

@@ -218,6 +218,9 @@ def add_output_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--save-every", type=int, default=0, metavar="K",
                    help="also checkpoint every K optimizer steps (a checkpoint is always written at each "
                         "epoch's end and where training stops)")
+    g.add_argument("--blocking-saves", action="store_true",
+                   help="write the --save-every checkpoints before training goes on (default: in the background, "
+                        "ud.save_checkpoint(..., async_save=True): training waits only for the copy of the state)")
     g.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
                    help="keep only the newest N checkpoints (0 = keep all)")
     g.add_argument("--eval-every", type=int, default=None, metavar="K",

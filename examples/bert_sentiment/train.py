@@ -190,7 +190,7 @@ def train(r: Run) -> bool:
                     r.log.close()
                     ud.requeue()  # SLURM: scontrol requeue; elsewhere exit 75, which restart policies run again
                 if args.save_every and r.step % args.save_every == 0:
-                    save_checkpoint(r)
+                    save_checkpoint(r, background=not args.blocking_saves)  # training goes on while it is written
             if r.step >= r.plan.total_steps:
                 break
         else:  # the epoch ran to its end
@@ -237,14 +237,16 @@ def evaluate(model: torch.nn.Module, loader: Any, expected: int) -> Dict[str, fl
     return {**logs.classification_metrics(preds_all, labels_all), "eval_examples": len(preds_all)}
 
 
-def save_checkpoint(r: Run) -> None:
+def save_checkpoint(r: Run, background: bool = False) -> None:
     """``state`` with the step, epoch and provenance as ``checkpoints/checkpoint-<step>.pt`` (once per
-    step), keeping the newest --keep-checkpoints. Every rank calls it: ``ud.RNG`` gathers their generators."""
+    step), keeping the newest --keep-checkpoints. Every rank calls it: ``ud.RNG`` gathers their generators.
+    ``background``: written in a thread once copied (the next save, ``ud.barrier``, a stop or the end waits for it)."""
     if r.step == r.last_saved:
         return
     ud.save_checkpoint({**r.state, "step": r.step, "epoch": r.epoch, "global_batch": r.global_batch,
                         "world_size": ud.world_size(), "args": vars(r.args)},
-                       os.path.join(r.out, "checkpoints"), r.step, keep_last=r.args.keep_checkpoints or None)
+                       os.path.join(r.out, "checkpoints"), r.step, keep_last=r.args.keep_checkpoints or None,
+                       async_save=background)
     r.last_saved = r.step
 
 

@@ -7,6 +7,11 @@ object (step counters, RNG state, config) are written by the main process beside
 Under Horovod (no torch process group) every rank holds the whole state: rank 0 writes it and
 every rank reads it.
 
+A save is :func:`stage` (every rank: the state, with ``copy`` every tensor copied off the live ones,
+and the agreed partial directory) then :func:`write` (every rank: DCP's collectives on the group it
+is given): :func:`save` runs both at once; an ``async_save=True`` save (:mod:`unified_dist.saving`)
+runs :func:`write` in a background thread, on a gloo group of its own.
+
 Atomic like ``ud.save``: the shards go to a fresh ``<dir>.partial-<id>`` directory; only when
 every rank has finished does the main process swap it in (the previous checkpoint is renamed to
 ``<dir>.previous`` first and removed last). A job killed at any point leaves either the old or
@@ -23,6 +28,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from .. import nested
 from ..errors import CheckpointError
 from .files import read_safe, write_atomic
 
@@ -64,22 +70,47 @@ def _dcp_state(parts: Parts) -> Dict[str, Any]:
     return state
 
 
-def save(parts: Parts, directory: str, rank: int, agree: Callable[[Any], Any], barrier: Callable[[], None]) -> None:
-    """Every rank calls it; see the module docstring. ``agree(x)`` returns rank 0's ``x`` on every rank."""
-    import torch.distributed.checkpoint as dcp
+@dataclass
+class Staged:
+    """What one save writes: the DCP state, the plain values, where (the partial directory, then ``directory``)."""
 
+    state: Dict[str, Any]
+    extra: Dict[str, Any]
+    partial: str
+    directory: str
+
+
+def stage(parts: Parts, directory: str, agree: Callable[[Any], Any], copy: bool = False) -> Staged:
+    """Every rank calls it: the state to write and the agreed partial directory. With ``copy`` every
+    tensor is a copy (a DTensor's local shard included), so later updates of the live ones do not reach it."""
     directory = os.path.abspath(directory)
     partial = agree(f"{directory}.partial-{uuid.uuid4().hex[:12]}")
-    state = _dcp_state(parts)
+    state, extra = _dcp_state(parts), parts.extra
+    if copy:
+        state = nested.map_tensors(lambda t: t.detach().clone(), state)
+        extra = nested.map_tensors(lambda t: t.detach().to("cpu", copy=True), extra)
+    return Staged(state, extra, partial, directory)
+
+
+def write(staged: Staged, rank: int, barrier: Callable[[], None], process_group: Any = None) -> None:
+    """Every rank calls it (DCP's collectives on ``process_group``, ``None``: the default group);
+    ``barrier`` waits for every rank's shards before the main process swaps the checkpoint in."""
+    import torch.distributed.checkpoint as dcp
+
     # With a torch process group every rank writes its shards (DCP writes a replicated tensor once);
     # without one (Horovod, one process) the state is whole on every rank and rank 0 writes it.
     if torch.distributed.is_initialized() or rank == 0:
-        dcp.save(state, checkpoint_id=partial)
+        dcp.save(staged.state, checkpoint_id=staged.partial, process_group=process_group)
     if rank == 0:
-        write_atomic(parts.extra, os.path.join(partial, EXTRA))
+        write_atomic(staged.extra, os.path.join(staged.partial, EXTRA))
     barrier()
     if rank == 0:
-        _swap_in(partial, directory)
+        _swap_in(staged.partial, staged.directory)
+
+
+def save(parts: Parts, directory: str, rank: int, agree: Callable[[Any], Any], barrier: Callable[[], None]) -> None:
+    """Every rank calls it; see the module docstring. ``agree(x)`` returns rank 0's ``x`` on every rank."""
+    write(stage(parts, directory, agree), rank, barrier)
     barrier()
 
 

@@ -12,7 +12,8 @@ Contract:
   (``SIG_DFL``): a handler the program installed before ``init`` is kept, and one installed after
   replaces ours.
 - Until the program has asked ``ud.should_stop()`` once, a stop signal does what it did without
-  unified_dist (the default action, e.g. SIGTERM ends the process): a program that never asks is
+  unified_dist (the default action, e.g. SIGTERM ends the process), after the background save in
+  flight, if any, is written (:mod:`unified_dist.checkpoint.background`): a program that never asks is
   never left running by a signal it did not plan for.
 - Afterwards every stop signal is only recorded (a second one while the checkpoint is written does
   not interrupt the write); SIGKILL, which no process can catch, remains the scheduler's last word.
@@ -70,7 +71,10 @@ class StopSignals:
         self._installed.clear()
 
     def _record(self, number: int, frame: Any) -> None:
-        if not self.asked:  # the program does not stop on request: the signal does what it always did
+        if not self.asked:  # the program does not stop on request: the signal does what it always did,
+            from .accumulation.background_save import flush_quietly  # once the checkpoint being written is whole
+
+            flush_quietly()
             signal.signal(number, signal.SIG_DFL)
             os.kill(os.getpid(), number)
             return

@@ -34,6 +34,7 @@ import types
 import torch
 
 import unified_dist as ud
+from unified_dist.checkpoint.files import checkpoint_path
 from unified_dist.cli import contract
 from unified_dist.cli.contract import regression_data, tiny_model
 
@@ -1761,6 +1762,162 @@ def trackers_write_from_the_main_process_only(ctx):
         assert {"jsonl", "tensorboard", "mlflow", "wandb"} <= set(chosen), f"not installed: {chosen}"
     assert held == {name: r == 0 for name in chosen}, f"rank {r} holds library objects {held}"
     assert not problems, "; ".join(problems)
+
+
+# ----------------------------------------------------------------- issue #42: background saves (async_save=True)
+# Checked against plain single-process torch (SGD with momentum on the world's batch); the writer is held
+# back 0.1 s before it writes, so the next step's in-place update always comes before the write: a staging
+# that did not copy the tensors would put that update in the file (docs/checkpoints.md, "Saves that do not
+# stop training").
+def _held_writers(seconds=0.1):
+    """torch.save and DCP's save, each waiting ``seconds`` before it writes (in the background thread)."""
+    import torch.distributed.checkpoint as dcp
+
+    real = {"torch": torch.save, "dcp": dcp.save}
+
+    def later(fn):
+        return lambda *args, **kwargs: (time.sleep(seconds), fn(*args, **kwargs))[1]
+    torch.save, dcp.save = later(real["torch"]), later(real["dcp"])
+    return lambda: (setattr(torch, "save", real["torch"]), setattr(dcp, "save", real["dcp"]))
+
+
+def _momentum_run(folder, steps, async_save):
+    """``steps`` SGD-with-momentum steps of tiny_model on this rank's rows of each global batch, saving
+    after each step: a full checkpoint, or with ``async_save`` on even steps a sharded one (a save waits
+    for the one before it, so one kind per step lets the next step's update race each write); returns
+    the unwrapped weights after each step (copies), the model and the optimizer."""
+    b, w, r = 3, ud.world_size(), ud.rank()
+    x, y = regression_data(b * w * steps)
+    model = tiny_model()
+    model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    at_step = {}
+    for step in range(1, steps + 1):
+        rows = slice((step - 1) * b * w + r * b, (step - 1) * b * w + (r + 1) * b)
+        ud.backward(torch.nn.functional.mse_loss(model(x[rows]), y[rows]))
+        opt.step()
+        opt.zero_grad()
+        at_step[step] = {k: full(v.detach()).cpu().clone() for k, v in ud.unwrap(model).state_dict().items()}
+        state = {"model": model, "optimizer": opt, "step": step}
+        if async_save and step % 2 == 0:
+            ud.save_sharded(state, os.path.join(folder, f"sharded-{step}"), async_save=True)
+        else:
+            ud.save_checkpoint(state, folder, step, keep_last=None, async_save=async_save)
+    return at_step, model, opt
+
+
+def _momentum_reference(steps):
+    """Plain torch, one process, the whole global batch each step: the weights after each step."""
+    b, w = 3, ud.world_size()
+    x, y = regression_data(b * w * steps)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    after = {}
+    for step in range(1, steps + 1):
+        rows = slice((step - 1) * b * w, step * b * w)
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+        after[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return after
+
+
+@check("core")
+def async_saves_every_step_hold_each_steps_state_and_end_as_sync_saves(ctx):
+    """Saves every step with async_save=True (full and sharded): the run ends with the weights of the
+    same run with blocking saves (bitwise) and of one process (1e-6); each checkpoint holds its step's
+    weights, bitwise, not the next step's; keep_last=2 then leaves the two newest."""
+    steps = 3
+    folder = {mode: os.path.join(ctx.out, f"async_{mode}_{ud.backend_name()}_{ud.launcher()}") for mode in ("a", "s")}
+    sync_steps, sync_model, _ = _momentum_run(folder["s"], steps, async_save=False)
+    restore = _held_writers()
+    try:
+        at_step, model, _ = _momentum_run(folder["a"], steps, async_save=True)
+    finally:
+        restore()
+    ud.barrier()  # the settling point: the last write is complete on every rank
+    saved = {}  # step -> (the model's weights in its checkpoint, the other values)
+    for step in range(1, steps + 1):
+        if step % 2:
+            whole = ud.load(checkpoint_path(folder["a"], step))
+            saved[step] = (whole["model"], {"step": whole["step"]})
+        else:
+            fresh = tiny_model()
+            extra = ud.load_sharded({"model": fresh, "optimizer": torch.optim.SGD(fresh.parameters(), lr=0.1)},
+                                    os.path.join(folder["a"], f"sharded-{step}"))
+            saved[step] = ({k: v.detach().clone() for k, v in fresh.state_dict().items()}, extra)
+    ud.barrier()  # every rank has read them: retention may delete them now
+    path = ud.save_checkpoint({"model": model, "step": steps + 1}, folder["a"], steps + 1, keep_last=2, async_save=True)
+    ud.barrier()
+    kept = sorted(name for name in os.listdir(folder["a"]) if name.startswith("checkpoint-"))
+    reference = _momentum_reference(steps)
+    assert kept == [os.path.basename(checkpoint_path(folder["a"], s)) for s in (steps, steps + 1)] and \
+        path.endswith(kept[1]), kept
+    for step in range(1, steps + 1):
+        assert saved[step][1] == {"step": step}, saved[step][1]
+        for name, value in at_step[step].items():
+            assert torch.equal(saved[step][0][name], value), f"checkpoint of step {step}: {name} is not its step's"
+            assert torch.equal(value, sync_steps[step][name]), f"step {step}: {name} differs from the sync run"
+            close(value, reference[step][name])
+    for p, q in zip(ud.unwrap(model).parameters(), ud.unwrap(sync_model).parameters()):
+        assert torch.equal(full(p.detach()), full(q.detach())), "async saves changed the training"
+
+
+@check("core")
+def async_save_into_a_read_only_directory_is_one_line_on_every_rank(ctx):
+    """The write fails in rank 0's background thread; the next ud.barrier() raises the same one-line
+    CheckpointError on every rank, naming the path; the sharded save's failure likewise."""
+    unwritable = "/sys" if os.geteuid() == 0 else os.path.join(ctx.out, f"read-only-{ud.backend_name()}")
+    if unwritable != "/sys" and ud.is_main():
+        os.makedirs(unwritable, exist_ok=True)
+        os.chmod(unwritable, 0o555)
+    model = ud.prepare(tiny_model())
+    said = {}
+    for kind, save in (("full", lambda p: ud.save({"model": model}, p, async_save=True)),
+                       ("sharded", lambda p: ud.save_sharded({"model": model}, p, async_save=True))):
+        path = os.path.join(unwritable, f"ckpt-{kind}")
+        save(path)  # returns: the failure comes from the background
+        try:
+            ud.barrier()
+        except ud.CheckpointError as exc:
+            said[kind] = (path, str(exc))
+    every = ud.all_gather_object(said)
+    assert set(said) == {"full", "sharded"}, f"rank {ud.rank()}: no error from {set(('full', 'sharded')) - set(said)}"
+    for kind, (path, text) in said.items():
+        assert path in text and "\n" not in text and "in the background failed on rank" in text, text
+        assert all(other[kind][1] == text for other in every), f"the ranks said different things: {every}"
+
+
+@check("fsdp")
+def fsdp_async_saves_hold_the_weights_of_their_call(ctx):
+    """FSDP2: async_save=True of the shards (each rank copies its DTensor shards) and of the full state
+    (gathered to rank 0, then copied), each followed by a training window that changes every weight
+    before the held-back write: each checkpoint holds the weights at its call, bitwise."""
+    model, opt = _fresh_sharded()  # lr 1.0: each window moves every weight
+    x, y = regression_data(4 * ud.world_size())
+    sharded_dir = os.path.join(ctx.out, f"fsdp_async_sharded_{ud.backend_name()}")
+    full_path = os.path.join(ctx.out, f"fsdp_async_full_{ud.backend_name()}.pt")
+    weights = []
+    restore = _held_writers()
+    try:
+        state = {"model": model, "optimizer": opt, "step": 1}
+        for save in (lambda: ud.save_sharded(state, sharded_dir, async_save=True),
+                     lambda: ud.save({"model": model, "step": 2}, full_path, async_save=True)):
+            _one_window(model, opt, x, y)
+            weights.append({name: full(p.detach()).cpu().clone() for name, p in ud.unwrap(model).named_parameters()})
+            save()
+        _one_window(model, opt, x, y)
+    finally:
+        restore()
+    ud.barrier()
+    fresh, fresh_opt = _fresh_sharded()
+    extra = ud.load_sharded({"model": fresh, "optimizer": fresh_opt}, sharded_dir)
+    from_shards = {name: full(p.detach()).cpu() for name, p in ud.unwrap(fresh).named_parameters()}
+    from_full = ud.load(full_path)["model"]
+    assert extra == {"step": 1}, extra
+    for name, value in weights[0].items():
+        assert not torch.equal(value, weights[1][name]), f"{name}: the window did not change it"
+        assert torch.equal(from_shards[name], value), f"shards: {name} is not the weights at the call"
+        assert torch.equal(from_full[name], weights[1][name]), f"full: {name} is not the weights at the call"
 
 
 if __name__ == "__main__":
