@@ -250,7 +250,8 @@ def _trained(passes, op=None, compression=None, predivide=1.0, lr=0.1):
     if compression is not None:
         kwargs["compression"] = compression
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
-                                   named_parameters=model.named_parameters(), backward_passes_per_step=passes, gradient_predivide_factor=predivide, **kwargs)
+                                   named_parameters=model.named_parameters(), backward_passes_per_step=passes,
+                                   gradient_predivide_factor=predivide, **kwargs)
     for k in range(passes):
         model(x_of(hvd.rank()) * (k + 1)).sum().backward()
     opt.step()
