@@ -11,8 +11,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "unified_dist"
 API = {"unified_dist.facade", "unified_dist.saving", "unified_dist.elastic", "unified_dist.spawn"}
 """The public functions: they reach the session and delegate."""
 SESSION = {"unified_dist.session"}
-OUTSIDE = ("unified_dist.cli", "unified_dist.testing", "unified_dist.__main__")
-"""Tools built on the public API (the command line, test helpers): above every layer."""
+OUTSIDE = ("unified_dist.cli", "unified_dist.testing", "unified_dist.__main__", "unified_dist.horovod")
+"""Tools built on the public API (the command line, test helpers, horovod.torch's API): above every layer."""
 
 
 def module_name(path: Path) -> str:
