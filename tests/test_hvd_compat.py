@@ -44,7 +44,8 @@ def runs(tmp_path_factory):
             from unified_dist.horovod.redirect import pythonpath
 
             out = tmp_path_factory.mktemp(f"hvd_{launcher}")
-            env = {"PYTHONPATH": pythonpath({"PYTHONPATH": str(ROOT)}), "EXPECTED_SIZE": "2"}
+            env = {"PYTHONPATH": pythonpath({"PYTHONPATH": str(ROOT)}), "EXPECTED_SIZE": "2",
+                   "HOROVOD_DYNAMIC_PROCESS_SETS": "1"}  # real Horovod adds process sets after init only then
             result = launch(launcher, WORKER, ["--out", str(out)], nproc=2, timeout=180, env=env)
             result.check()
             cache[launcher] = {r: json.loads((out / f"hvd_rank{r}.json").read_text()) for r in range(2)}

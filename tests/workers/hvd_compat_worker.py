@@ -310,6 +310,87 @@ def synchronize_then_skip_synchronize():
     same(model.weight.detach().reshape(-1), torch.ones(3) - 0.1 * sum(every(x_of)) / n, 1e-6)
 
 
+# ---------------------------------------------------------------------- (5) process sets, SyncBatchNorm, join
+@check
+def process_sets_reduce_over_their_ranks():
+    r, n = hvd.rank(), hvd.size()
+    singles = [hvd.add_process_set([k]) for k in range(n)]
+    mine = singles[r]
+    assert mine.included() and not singles[(r + 1) % n].included()
+    assert (mine.size(), mine.rank(), hvd.global_process_set.size()) == (1, 0, n)
+    same(hvd.allreduce(x_of(r), op=hvd.Sum, process_set=mine), x_of(r))
+    same(hvd.allgather(x_of(r), process_set=mine), x_of(r))
+    same(hvd.allreduce(x_of(r), op=hvd.Sum, process_set=hvd.global_process_set), sum(every(x_of)), 1e-6)
+    for ps in singles:
+        assert hvd.remove_process_set(ps)
+    assert not hvd.remove_process_set(hvd.global_process_set)
+
+
+@check
+def sync_batchnorm_normalises_over_the_global_batch():
+    """Ours runs on CPU and equals BatchNorm over every rank's rows; real Horovod's refuses CPU tensors."""
+    r, n = hvd.rank(), hvd.size()
+    batch = lambda k: torch.arange(6 * (k + 1), dtype=torch.float32).reshape(2 * (k + 1), 3) * (k + 1)  # noqa: E731
+    bn = hvd.SyncBatchNorm(3)
+    if os.environ.get("HOROVOD_RANK") is not None:
+        try:
+            bn(batch(r))
+        except ValueError as exc:
+            assert "GPU" in str(exc)
+            return
+        raise AssertionError("real Horovod's SyncBatchNorm ran on CPU tensors")
+    reference = torch.nn.BatchNorm1d(3)
+    full = reference(torch.cat([batch(k) for k in range(n)]))
+    start = sum(2 * (k + 1) for k in range(r))
+    same(bn(batch(r)), full[start:start + 2 * (r + 1)].detach(), 1e-5)
+    same(bn.running_mean, reference.running_mean, 1e-6)
+    same(bn.running_var, reference.running_var, 1e-5)
+
+
+@check
+def join_returns_the_last_rank_to_join():
+    time.sleep(0.3 * hvd.rank())
+    assert hvd.join() == hvd.size() - 1
+
+
+# ---------------------------------------------------------------------- (6) elastic
+@check
+def elastic_state_syncs_commits_and_restores():
+    import horovod.torch.elastic as elastic
+
+    r = hvd.rank()
+    torch.manual_seed(r)
+    model = torch.nn.Linear(2, 2)
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = elastic.TorchState(model=model, optimizer=opt, epoch=10 + r)
+
+    @elastic.run
+    def train(state):
+        return state.epoch
+
+    assert train(state) == 10  # rank 0's
+    same(model.weight.detach(), reference.weight.detach())
+    state.epoch = 5
+    state.commit()
+    state.epoch = 7
+    state.restore()
+    assert state.epoch == 5
+
+
+@check
+def elastic_sampler_skips_recorded_batches():
+    import horovod.torch.elastic as elastic
+
+    r, n = hvd.rank(), hvd.size()
+    sampler = elastic.ElasticSampler(list(range(10 * n)), shuffle=False)
+    assert list(sampler) == list(range(r, 10 * n, n))
+    sampler.record_batch(0, 2)
+    sampler.load_state_dict(sampler.state_dict())
+    assert list(sampler) == list(range(2 * n + r, 10 * n, n))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
