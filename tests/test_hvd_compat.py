@@ -137,3 +137,13 @@ def test_the_shim_directory_answers_for_horovod_torch():
     assert Path(SHIM_DIR, "horovod", "__init__.py").is_file()
     assert Path(SHIM_DIR, "horovod", "torch", "__init__.py").is_file()
     assert pythonpath({"PYTHONPATH": "/x"}).split(":")[0] == SHIM_DIR
+
+
+def test_launch_horovod_api_puts_the_shim_first():
+    from unified_dist.cli.launch import Plan, build, with_horovod_api
+    from unified_dist.horovod.redirect import SHIM_DIR
+
+    command = with_horovod_api(build(Plan(backend="torch", script="train.py", nproc=2)), {"PYTHONPATH": "/mine"})
+    parts = command.env["PYTHONPATH"].split(":")
+    assert parts[0] == SHIM_DIR and parts[-1] == "/mine"
+    assert command.argv[0] == "torchrun"
