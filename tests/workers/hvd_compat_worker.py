@@ -63,6 +63,10 @@ def the_module_is_the_expected_engine():
 
     if real:  # the shim stepped aside, and unified_dist.horovod hands out real Horovod's functions
         assert hvd.__name__ == "horovod.torch" and udh.allreduce is hvd.allreduce, hvd.__name__
+        udh.init()  # Horovod's init (already running: kept), then the facade's session adopts it
+        import unified_dist as ud
+
+        assert (ud.backend_name(), ud.world_size(), ud.rank()) == ("horovod", hvd.size(), hvd.rank())
     else:
         assert hvd is udh, hvd.__name__
 

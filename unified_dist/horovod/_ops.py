@@ -91,6 +91,7 @@ class _World:
         self.sets: Dict[int, ProcessSet] = {}
         self.next_id = 1
         self.distributed = False  # a torch default group runs the collectives
+        self.timeout: Any = None  # the session's collective timeout, also for the process sets' groups
 
 
 _world = _World()
@@ -104,7 +105,7 @@ def _register(ps: ProcessSet) -> ProcessSet:
         raise ValueError(f"{ps} names ranks outside 0 .. {_world.size - 1}")
     if any(other.ranks == ps.ranks for other in _world.sets.values()) or ps.ranks == global_process_set.ranks:
         raise ValueError(f"Attempted to add a duplicate process set: {ps}")
-    ps._group = dist.new_group(ps.ranks) if _world.distributed else None
+    ps._group = dist.new_group(ps.ranks, timeout=_world.timeout) if _world.distributed else None
     ps.process_set_id = _world.next_id
     _world.next_id += 1
     _world.sets[ps.process_set_id] = ps

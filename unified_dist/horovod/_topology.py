@@ -42,6 +42,7 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) 
                                "backend started no torch process group; leave UNIFIED_DIST_BACKEND unset")
     _ops.reset()
     _ops._world.rank, _ops._world.size, _ops._world.distributed = rank, world, distributed and world > 1
+    _ops._world.timeout = facade.current_backend().config.timeout
     global_process_set.ranks = list(range(world))
     global_process_set._group = None
     hosts = facade.all_gather_object(socket.gethostname()) if world > 1 else [socket.gethostname()]
