@@ -148,18 +148,30 @@ def _communicates(ps: ProcessSet) -> bool:
 class _Pending:
     """The transfers of one ``*_async`` call and what turns their buffers into its result."""
 
-    def __init__(self, works: Sequence[Any], finish: Callable[[], Any]) -> None:
+    def __init__(self, works: Sequence[Any], finish: Callable[[], Any], name: Optional[str]) -> None:
         self.works = [w for w in works if w is not None]
         self.finish = finish
+        self.name = name
 
 
 _handles: Dict[int, _Pending] = {}
+_in_flight: Dict[str, int] = {}  # the name of each operation not yet synchronized -> its handle
 _counter = itertools.count(1)
 
 
-def _handle(works: Sequence[Any], finish: Callable[[], Any]) -> int:
+def _claim(name: Optional[str]) -> None:
+    """Refuse a second operation under the name of one still in flight, before anything is sent (Horovod's
+    ``ValueError``; the other ranks have not started it, so nothing is left half-done)."""
+    if name is not None and name in _in_flight:
+        raise ValueError(f"an operation named {name!r} is still in flight (handle {_in_flight[name]}): "
+                         "synchronize it first, or give this one another name")
+
+
+def _handle(works: Sequence[Any], finish: Callable[[], Any], name: Optional[str] = None) -> int:
     number = next(_counter)
-    _handles[number] = _Pending(works, finish)
+    _handles[number] = _Pending(works, finish, name)
+    if name is not None:
+        _in_flight[name] = number
     return number
 
 
@@ -174,6 +186,8 @@ def synchronize(handle: int) -> Any:
     pending = _handles.pop(handle, None)
     if pending is None:
         return None
+    if pending.name is not None:
+        _in_flight.pop(pending.name, None)
     try:
         for work in pending.works:
             work.wait()
@@ -185,6 +199,7 @@ def synchronize(handle: int) -> Any:
 def reset() -> None:
     """Forget every handle (``init``/``shutdown``)."""
     _handles.clear()
+    _in_flight.clear()
 
 
 # ---------------------------------------------------------------------- allreduce
@@ -220,6 +235,11 @@ def scale_(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return tensor.copy_((tensor.double() * factor).trunc().to(tensor.dtype))
 
 
+def _movable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes in a dtype gloo moves (it refuses int16: those travel as float16, bit for bit)."""
+    return tensor.view(torch.float16) if tensor.dtype == torch.int16 else tensor
+
+
 def _check_tensor(tensor: Any, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"hvd.{what} takes a torch.Tensor, got {type(tensor).__name__}")
@@ -235,7 +255,7 @@ def allreduce_start_(tensor: torch.Tensor, op: int, prescale_factor: float, post
         scale_(tensor, prescale_factor)
     work = None
     if _communicates(process_set):
-        wire = tensor.to(torch.int32) if tensor.dtype == torch.bool else tensor
+        wire = tensor.to(torch.int32) if tensor.dtype in (torch.bool, torch.int16) else tensor  # gloo: no int16
         work = dist.all_reduce(wire, op=getattr(dist.ReduceOp, _TORCH_OP[op]), group=group, async_op=True)
     else:
         wire = tensor
@@ -253,8 +273,9 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
                      op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start reducing ``tensor`` in place across ``process_set``; a handle whose result is ``tensor``."""
+    _claim(name)
     work, finish = allreduce_start_(tensor, resolve_op(op, average), prescale_factor, postscale_factor, process_set)
-    return _handle([work], finish)
+    return _handle([work], finish, name)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -278,8 +299,9 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> int:
     """Start reducing every tensor of ``tensors`` in place; one handle whose result is the list."""
     resolved = resolve_op(op, average)
+    _claim(name)
     started = [allreduce_start_(t, resolved, prescale_factor, postscale_factor, process_set) for t in tensors]
-    return _handle([w for w, _ in started], lambda: [finish() for _, finish in started])
+    return _handle([w for w, _ in started], lambda: [finish() for _, finish in started], name)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -348,27 +370,29 @@ def allgather_start(tensor: torch.Tensor, process_set: ProcessSet) -> Tuple[Any,
     longest = max(lengths)
     padded = torch.zeros((longest,) + tuple(work.shape[1:]), dtype=work.dtype, device=work.device)
     padded[:work.shape[0]] = work
-    wire_dtype = torch.uint8 if work.dtype == torch.bool else work.dtype
-    parts = [torch.empty(padded.shape, dtype=wire_dtype, device=work.device) for _ in range(size)]
-    handle = dist.all_gather(parts, padded.to(wire_dtype), group=group, async_op=True)
+    wire = _movable(padded)
+    parts = [torch.empty_like(wire) for _ in range(size)]
+    handle = dist.all_gather(parts, wire, group=group, async_op=True)
 
     def finish() -> torch.Tensor:
-        return torch.cat([p[:n] for p, n in zip(parts, lengths)]).to(work.dtype)
+        return torch.cat([p[:n] for p, n in zip(parts, lengths)]).view(work.dtype)
     return handle, finish
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start gathering ``tensor`` from every member along dim 0 (the input is not modified); a handle."""
+    _claim(name)
     work, finish = allgather_start(tensor, process_set)
-    return _handle([work], finish)
+    return _handle([work], finish, name)
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """:func:`allgather_async` of each tensor; one handle whose result is the list."""
+    _claim(name)
     started = [allgather_start(t, process_set) for t in tensors]
-    return _handle([w for w, _ in started], lambda: [finish() for _, finish in started])
+    return _handle([w for w, _ in started], lambda: [finish() for _, finish in started], name)
 
 
 # ---------------------------------------------------------------------- broadcast
@@ -380,7 +404,7 @@ def broadcast_start_(tensor: torch.Tensor, root_rank: int, process_set: ProcessS
         raise ValueError(f"root_rank={root_rank} is not in {process_set}")
     if not _communicates(process_set):
         return None, lambda: tensor
-    wire = tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+    wire = _movable(tensor)
     with torch.no_grad():
         work = dist.broadcast(wire, src=root_rank, group=group, async_op=True)
     return work, lambda: tensor
@@ -389,9 +413,10 @@ def broadcast_start_(tensor: torch.Tensor, root_rank: int, process_set: ProcessS
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start overwriting ``tensor`` in place with rank ``root_rank``'s value; a handle."""
+    _claim(name)
     work, finish = broadcast_start_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank,
                                     process_set)
-    return _handle([work], finish)
+    return _handle([work], finish, name)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -426,6 +451,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     """Start sending ``splits[i]`` rows of ``tensor`` (equal parts without ``splits``) to member ``i``;
     the result is ``(rows received in member order, int32 counts received from each)``."""
     _check_tensor(tensor, "alltoall")
+    _claim(name)
     group, size, _ = _members(process_set)
     send = _splits_of(tensor, splits, size)
     if not _communicates(process_set):
@@ -437,13 +463,14 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     recv = received.cpu().tolist()
     source = tensor.detach().contiguous()
     flat = source.reshape(source.shape[0], -1) if source.dim() > 0 else source.reshape(1, 1)
-    out = flat.new_empty((sum(recv), flat.shape[1]))
-    work = dist.all_to_all_single(out, flat, output_split_sizes=recv, input_split_sizes=send, group=group,
+    out = _movable(flat.new_empty((sum(recv), flat.shape[1])))
+    work = dist.all_to_all_single(out, _movable(flat), output_split_sizes=recv, input_split_sizes=send, group=group,
                                   async_op=True)
 
     def finish() -> Tuple[torch.Tensor, torch.Tensor]:
-        return out.reshape((sum(recv),) + tuple(source.shape[1:])), torch.tensor(recv, dtype=torch.int32)
-    return _handle([work], finish)
+        rows = out.view(source.dtype).reshape((sum(recv),) + tuple(source.shape[1:]))
+        return rows, torch.tensor(recv, dtype=torch.int32)
+    return _handle([work], finish, name)
 
 
 def reducescatter_rows(length: int, size: int, index: int) -> Tuple[int, int]:
@@ -475,8 +502,9 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: in
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> int:
     """Start a reduce-scatter of ``tensor`` (see :func:`reducescatter_start`); a handle."""
+    _claim(name)
     work, finish = reducescatter_start(tensor, resolve_op(op, None), process_set, prescale_factor, postscale_factor)
-    return _handle([work], finish)
+    return _handle([work], finish, name)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: int = Average,
@@ -484,8 +512,9 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
                                 postscale_factor: float = 1.0) -> int:
     """:func:`reducescatter_async` of each tensor; one handle whose result is the list."""
     resolved = resolve_op(op, None)
+    _claim(name)
     started = [reducescatter_start(t, resolved, process_set, prescale_factor, postscale_factor) for t in tensors]
-    return _handle([w for w, _ in started], lambda: [finish() for _, finish in started])
+    return _handle([w for w, _ in started], lambda: [finish() for _, finish in started], name)
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
