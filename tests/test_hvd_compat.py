@@ -147,3 +147,14 @@ def test_launch_horovod_api_puts_the_shim_first():
     parts = command.env["PYTHONPATH"].split(":")
     assert parts[0] == SHIM_DIR and parts[-1] == "/mine"
     assert command.argv[0] == "torchrun"
+
+
+def test_a_name_in_flight_is_refused_until_synchronized():
+    from unified_dist.horovod import _ops
+
+    handle = _ops._handle([], lambda: "done", "grad.w")
+    with pytest.raises(ValueError, match="'grad.w' is still in flight"):
+        _ops._claim("grad.w")
+    assert _ops.poll(handle) and _ops.synchronize(handle) == "done"
+    _ops._claim("grad.w")  # free again
+    assert _ops.synchronize(handle) is None  # an unknown handle, as in Horovod
