@@ -92,6 +92,7 @@ class _World:
         self.next_id = 1
         self.distributed = False  # a torch default group runs the collectives
         self.timeout: Any = None  # the session's collective timeout, also for the process sets' groups
+        self.check = False  # ud.init(debug=True): every allreduce first compares shapes across ranks
 
 
 _world = _World()
@@ -255,6 +256,8 @@ def allreduce_start_(tensor: torch.Tensor, op: int, prescale_factor: float, post
         scale_(tensor, prescale_factor)
     work = None
     if _communicates(process_set):
+        if _world.check:
+            _agree("allreduce", tensor, group, size, op)
         wire = tensor.to(torch.int32) if tensor.dtype in (torch.bool, torch.int16) else tensor  # gloo: no int16
         work = dist.all_reduce(wire, op=getattr(dist.ReduceOp, _TORCH_OP[op]), group=group, async_op=True)
     else:
@@ -327,17 +330,26 @@ _DTYPE_CODES = {dtype: i for i, dtype in enumerate(
 _MAX_DIMS = 16
 
 
-def _shapes(tensor: torch.Tensor, group: Any, size: int) -> List[Tuple[int, ...]]:
-    """Every member's (dtype code, shape...) in set order: one small blocking gather."""
+def _shapes(tensor: torch.Tensor, group: Any, size: int, extra: int = 0) -> List[Tuple[int, ...]]:
+    """Every member's (``extra``, dtype code, ndim, shape...) in set order: one small blocking gather."""
     if tensor.dim() > _MAX_DIMS:
-        raise ValueError(f"allgather takes at most {_MAX_DIMS} dimensions, got {tensor.dim()}")
-    header = torch.full((_MAX_DIMS + 2,), -1, dtype=torch.int64)
-    header[0], header[1] = _DTYPE_CODES.get(tensor.dtype, -2), tensor.dim()
-    header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        raise ValueError(f"collectives take at most {_MAX_DIMS} dimensions, got {tensor.dim()}")
+    header = torch.full((_MAX_DIMS + 3,), -1, dtype=torch.int64)
+    header[0], header[1], header[2] = extra, _DTYPE_CODES.get(tensor.dtype, -2), tensor.dim()
+    header[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     out = torch.empty(size * header.numel(), dtype=torch.int64)
     _gather_cpu(out, header, group)
     rows = out.view(size, -1).tolist()
-    return [tuple(r[:2 + r[1]]) for r in rows]
+    return [tuple(r[:3 + r[2]]) for r in rows]
+
+
+def _agree(what: str, tensor: torch.Tensor, group: Any, size: int, extra: int = 0) -> None:
+    """Raise :class:`HorovodInternalError` on every member unless all send the same dtype, shape and
+    ``extra`` (a broadcast's root): what Horovod's negotiation refuses, instead of gloo mixing the bytes."""
+    rows = _shapes(tensor, group, size, extra)
+    if len(set(rows)) != 1:
+        raise HorovodInternalError(f"Mismatched {what} tensor shapes, dtypes or root ranks across ranks: "
+                                   f"(root, dtype code, ndim, shape...) per rank {rows}")
 
 
 def _gather_cpu(out: torch.Tensor, header: torch.Tensor, group: Any) -> None:
@@ -362,11 +374,11 @@ def allgather_start(tensor: torch.Tensor, process_set: ProcessSet) -> Tuple[Any,
         out = work.clone()
         return None, lambda: out
     shapes = _shapes(work, group, size)
-    if len({(s[0], s[1]) + s[3:] for s in shapes}) != 1:
+    if len({s[:3] + s[4:] for s in shapes}) != 1:
         raise HorovodInternalError(
             "Mismatched allgather tensor shapes or dtypes: every rank must send the same dtype and the same "
-            f"dimensions after the first; got (dtype code, ndim, shape...) {shapes}")
-    lengths = [s[2] for s in shapes]
+            f"dimensions after the first; got (root, dtype code, ndim, shape...) {shapes}")
+    lengths = [s[3] for s in shapes]
     longest = max(lengths)
     padded = torch.zeros((longest,) + tuple(work.shape[1:]), dtype=work.dtype, device=work.device)
     padded[:work.shape[0]] = work
@@ -399,11 +411,12 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str]
 def broadcast_start_(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet) -> Tuple[Any, Callable]:
     """Overwrite ``tensor`` with global rank ``root_rank``'s: the transfer and its finisher."""
     _check_tensor(tensor, "broadcast")
-    group, _, _ = _members(process_set)
+    group, size, _ = _members(process_set)
     if root_rank not in (process_set.ranks or []):
         raise ValueError(f"root_rank={root_rank} is not in {process_set}")
     if not _communicates(process_set):
         return None, lambda: tensor
+    _agree("broadcast", tensor, group, size, root_rank)
     wire = _movable(tensor)
     with torch.no_grad():
         work = dist.broadcast(wire, src=root_rank, group=group, async_op=True)

@@ -38,8 +38,8 @@ class _Averaging:
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.process_set = process_set
-        self._names = _names_of(self.param_groups, named_parameters)
-        self._delay = {p: backward_passes_per_step for p in self._names}
+        self._parameter_names = _names_of(self.param_groups, named_parameters)
+        self._delay = {p: backward_passes_per_step for p in self._parameter_names}
         self._handles: Dict[torch.Tensor, Tuple[Optional[int], Any]] = {}
         self._requires_update: set = set()
         self._synchronized = False
