@@ -92,7 +92,7 @@ class _World:
         self.next_id = 1
         self.distributed = False  # a torch default group runs the collectives
         self.timeout: Any = None  # the session's collective timeout, also for the process sets' groups
-        self.check = False  # ud.init(debug=True): every allreduce first compares shapes across ranks
+        self.check = False  # ud.init(debug=True): gradient allreduces also compare shapes across ranks
 
 
 _world = _World()
@@ -247,8 +247,9 @@ def _check_tensor(tensor: Any, what: str) -> None:
 
 
 def allreduce_start_(tensor: torch.Tensor, op: int, prescale_factor: float, postscale_factor: float,
-                     process_set: ProcessSet) -> Tuple[Any, Callable[[], torch.Tensor]]:
-    """Reduce ``tensor`` in place: the transfer started, and what finishes it (returns ``tensor``)."""
+                     process_set: ProcessSet, check: bool = True) -> Tuple[Any, Callable[[], torch.Tensor]]:
+    """Reduce ``tensor`` in place: the transfer started, and what finishes it (returns ``tensor``). With
+    ``check`` (and always under ``ud.init(debug=True)``) the ranks first compare shape, dtype and op."""
     _check_tensor(tensor, "allreduce")
     group, size, _ = _members(process_set)
     summing = op in (Average, Sum)
@@ -256,7 +257,7 @@ def allreduce_start_(tensor: torch.Tensor, op: int, prescale_factor: float, post
         scale_(tensor, prescale_factor)
     work = None
     if _communicates(process_set):
-        if _world.check:
+        if check or _world.check:
             _agree("allreduce", tensor, group, size, op)
         wire = tensor.to(torch.int32) if tensor.dtype in (torch.bool, torch.int16) else tensor  # gloo: no int16
         work = dist.all_reduce(wire, op=getattr(dist.ReduceOp, _TORCH_OP[op]), group=group, async_op=True)
@@ -279,6 +280,14 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
     _claim(name)
     work, finish = allreduce_start_(tensor, resolve_op(op, average), prescale_factor, postscale_factor, process_set)
     return _handle([work], finish, name)
+
+
+def gradient_allreduce_async_(tensor: torch.Tensor, op: int, prescale_factor: float, postscale_factor: float,
+                              process_set: ProcessSet) -> int:
+    """:func:`allreduce_async_` for ``DistributedOptimizer``'s gradients, without the shape comparison
+    (every rank's parameters have the same shapes; ``ud.init(debug=True)`` compares them anyway)."""
+    work, finish = allreduce_start_(tensor, op, prescale_factor, postscale_factor, process_set, check=False)
+    return _handle([work], finish)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,

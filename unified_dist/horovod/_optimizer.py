@@ -73,8 +73,7 @@ class _Averaging:
         wire, ctx = self._compression.compress(p.grad)
         pre, post = ((1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
                      if self.op == Average else (1.0, 1.0))
-        handle = _ops.allreduce_async_(wire, op=self.op, prescale_factor=pre, postscale_factor=post,
-                                       process_set=self.process_set)
+        handle = _ops.gradient_allreduce_async_(wire, self.op, pre, post, self.process_set)
         return handle, ctx
 
     def synchronize(self) -> None:

@@ -43,7 +43,7 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) 
     _ops.reset()
     _ops._world.rank, _ops._world.size, _ops._world.distributed = rank, world, distributed and world > 1
     _ops._world.timeout = facade.current_backend().config.timeout
-    _ops._world.check = facade.current_backend().config.debug
+    _ops._world.check = facade.current_backend().config.debug  # also DistributedOptimizer's gradients
     global_process_set.ranks = list(range(world))
     global_process_set._group = None
     hosts = facade.all_gather_object(socket.gethostname()) if world > 1 else [socket.gethostname()]
