@@ -161,6 +161,22 @@ def reducescatter_average_and_sum():
 
 
 @check
+def mismatched_shapes_are_an_error_on_every_rank():
+    """Horovod refuses ranks that disagree on a tensor's shape or dtype (never a silent mix of bytes)."""
+    r = hvd.rank()
+    if hvd.size() == 1:
+        return
+    for call in (lambda: hvd.allreduce(torch.ones(r + 2)), lambda: hvd.broadcast(torch.ones(r + 2), 0),
+                 lambda: hvd.allreduce(torch.ones(2, dtype=torch.float32 if r == 0 else torch.int32), op=hvd.Sum)):
+        try:
+            call()
+        except RuntimeError:
+            continue
+        raise AssertionError("a mismatch across ranks did not raise")
+    same(hvd.allreduce(x_of(r), op=hvd.Sum), sum(every(x_of)), 1e-6)  # and the job goes on
+
+
+@check
 def barrier_returns():
     hvd.barrier()
 

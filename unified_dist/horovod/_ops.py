@@ -479,6 +479,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     if not _communicates(process_set):
         out = tensor.detach().clone()
         return _handle([], lambda: (out, torch.tensor(send, dtype=torch.int32)))
+    _agree("alltoall", tensor[:0], group, size)  # dtype and every dimension after the first
     counts = torch.tensor(send, dtype=torch.int64, device=_group_device(group))
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)
