@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -41,15 +41,19 @@ class _Averaging:
         self._parameter_names = _names_of(self.param_groups, named_parameters)
         self._delay = {p: backward_passes_per_step for p in self._parameter_names}
         self._handles: Dict[torch.Tensor, Tuple[Optional[int], Any]] = {}
-        self._requires_update: set = set()
+        self._order: List[torch.Tensor] = []  # the one order in which every rank sends its gradients
+        self._ready: set = set()  # accumulated backward_passes_per_step times, waiting for their turn
+        self._sent = 0  # how many of _order this step has sent
         self._synchronized = False
         self._should_synchronize = True
         if process_set.included() and _ops._world.size > 1:
             for group in self.param_groups:
                 for p in group["params"]:
                     if p.requires_grad:
-                        self._requires_update.add(p)
+                        self._order.append(p)
                         p.register_post_accumulate_grad_hook(self._make_hook())
+            self._order.reverse()  # backward usually reaches the last parameters first
+        self._requires_update = set(self._order)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before a reduction."""
@@ -59,13 +63,25 @@ class _Averaging:
 
     def _make_hook(self) -> Any:
         def hook(p: torch.Tensor) -> None:
-            if p in self._handles and self._handles[p][0] is not None and self._delay[p] <= 0:
+            if self._delay[p] <= 0:
                 raise AssertionError("Gradients were computed more than backward_passes_per_step times before "
                                      "call to step(). Increase backward_passes_per_step to accumulate gradients "
                                      "locally.")
             self._delay[p] -= 1
-            self._handles[p] = self._start(p) if self._delay[p] == 0 else (None, None)
+            self._handles.setdefault(p, (None, None))  # zero_grad() now refuses, as Horovod's does
+            if self._delay[p] == 0:
+                self._ready.add(p)
+                self._send_ready()
         return hook
+
+    def _send_ready(self) -> None:
+        """Send the ready gradients that are next in :attr:`_order`: every rank sends in that one order
+        (torch.distributed pairs collectives by order), also when their backward passes reach the
+        parameters in different orders or not at all (those wait for :meth:`synchronize`)."""
+        while self._sent < len(self._order) and self._order[self._sent] in self._ready:
+            p = self._order[self._sent]
+            self._handles[p] = self._start(p)
+            self._sent += 1
 
     def _start(self, p: torch.Tensor) -> Tuple[int, Any]:
         if p.grad is None:
@@ -81,16 +97,19 @@ class _Averaging:
         if not self.process_set.included():
             self._synchronized = True
             return
-        for p in self._requires_update - set(self._handles):
+        for p in self._order[self._sent:]:  # in order; zeros for a gradient this rank never computed
             self._handles[p] = self._start(p)
-        for p, (handle, _) in list(self._handles.items()):
-            if handle is None:
-                self._handles[p] = self._start(p)
-        for p, (handle, ctx) in self._handles.items():
+        for p in self._order:
+            handle, ctx = self._handles[p]
             p.grad.set_(self._compression.decompress(synchronize(handle), ctx))
             self._delay[p] = self.backward_passes_per_step
-        self._handles.clear()
+        self._forget_step()
         self._synchronized = True
+
+    def _forget_step(self) -> None:
+        self._handles.clear()
+        self._ready.clear()
+        self._sent = 0
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -123,7 +142,7 @@ class _Averaging:
         super().zero_grad(set_to_none=set_to_none)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self._handles = {}
+        self._forget_step()
         self._synchronized = False
         self._should_synchronize = True
         self.set_backward_passes_per_step(self.backward_passes_per_step)
