@@ -307,6 +307,24 @@ def distributed_optimizer_fp16_compression():
 
 
 @check
+def ranks_reaching_different_parameters_reduce_correctly():
+    """Rank r's loss reaches only head r % 2 (Horovod's test_force_allreduce case): each head's gradient is
+    the average of the ranks that reached it and zeros from the others."""
+    n = hvd.size()
+    heads = torch.nn.ModuleList([torch.nn.Linear(3, 1, bias=False) for _ in range(2)])
+    with torch.no_grad():
+        for head in heads:
+            head.weight.fill_(1.0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(heads.parameters(), lr=0.1),
+                                   named_parameters=heads.named_parameters())
+    heads[hvd.rank() % 2](x_of(hvd.rank())).sum().backward()
+    opt.step()
+    for k, head in enumerate(heads):
+        grad = sum((x_of(r) for r in range(n) if r % 2 == k), torch.zeros(3)) / n
+        same(head.weight.detach().reshape(-1), torch.ones(3) - 0.1 * grad, 1e-6)
+
+
+@check
 def synchronize_then_skip_synchronize():
     n = hvd.size()
     model = torch.nn.Linear(3, 1, bias=False)
