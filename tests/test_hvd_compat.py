@@ -79,14 +79,12 @@ def test_average_and_op_together_are_refused_as_horovod_does():
     assert _ops.resolve_op(None, False) == _ops.Sum and _ops.resolve_op(None, None) == _ops.Average
 
 
-def test_timeline_sparse_and_mpi_communicators_are_refused():
+def test_timeline_and_mpi_communicators_are_refused():
     import unified_dist.horovod as hvd
     from unified_dist.horovod import _ops, _topology
 
     with pytest.raises(_ops.NotOffHorovod, match="torch.profiler"):
         hvd.start_timeline("/tmp/timeline.json")
-    with pytest.raises(_ops.NotOffHorovod, match="to_dense"):
-        hvd.sparse_allreduce_async(None, "x", hvd.Sum)
     with pytest.raises(_ops.NotOffHorovod, match=r"ProcessSet\(\[0, 1\]\)"):
         hvd.ProcessSet(object())
     with pytest.raises(_ops.NotOffHorovod, match="ProcessSet"):

@@ -12,7 +12,7 @@ srun, mpirun, ``ud.launch`` and horovodrun. Which engine answers is the facade's
   :mod:`._functions` (state broadcasts), :mod:`._optimizer` (``DistributedOptimizer``),
   :mod:`._topology` (``init``, sizes, ranks, build queries), :mod:`.compression`.
 
-What only Horovod's engine provides (``Adasum``, the timeline, sparse allreduce, MPI communicators) is a
+What only Horovod's engine provides (``Adasum``, the timeline, MPI communicators) is a
 one-line :class:`~unified_dist.horovod._ops.NotOffHorovod` error naming the alternative, never a silent
 substitute. ``docs/horovod-migration.md`` maps every name.
 """

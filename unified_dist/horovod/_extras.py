@@ -1,4 +1,5 @@
-"""``hvd.join``, ``hvd.SyncBatchNorm`` and the names only Horovod's own engine provides (refused)."""
+"""``hvd.join``, ``hvd.SyncBatchNorm``, ``hvd.sparse_allreduce_async`` and the names only Horovod's own engine
+provides (refused)."""
 from __future__ import annotations
 
 import time
@@ -48,7 +49,17 @@ def stop_timeline() -> None:
                         "torch.profiler.profile() (it records the torch.distributed collectives)")
 
 
-def sparse_allreduce_async(tensor: Any, name: Any, op: int, process_set: Any = global_process_set) -> int:
-    """Refused: sparse gradients."""
-    raise NotOffHorovod("hvd.sparse_allreduce_async reduces sparse tensors with Horovod's engine; reduce "
-                        "tensor.to_dense() with hvd.allreduce_async, or use dense embeddings (sparse=False)")
+def sparse_allreduce_async(tensor: torch.Tensor, name: Any, op: int, process_set: Any = global_process_set) -> Any:
+    """Start reducing a sparse ``tensor`` (Horovod's contract: returns a *function* that waits and returns the
+    sparse result): every member's indices and values are gathered, so the result holds every member's
+    entries (uncoalesced: repeated indices add up), values divided by the set's size for ``Average``."""
+    if op not in (_ops.Average, _ops.Sum):
+        raise ValueError("sparse_allreduce_async takes op=hvd.Average or hvd.Sum")
+    indices = synchronize(_ops.allgather_async(tensor._indices().transpose(0, 1).contiguous(),
+                                               process_set=process_set))
+    values = synchronize(_ops.allgather_async(tensor._values(), process_set=process_set))
+
+    def result() -> torch.Tensor:
+        scaled = values / len(process_set.ranks) if op == _ops.Average else values
+        return torch.sparse_coo_tensor(indices.transpose(0, 1), scaled, tensor.size())
+    return result

@@ -31,9 +31,11 @@ class _Averaging:
     """Mixed in before the user's optimizer class (see :func:`DistributedOptimizer`)."""
 
     def __init__(self, params: Any, named_parameters: Any, compression: Any, backward_passes_per_step: int,
-                 op: int, gradient_predivide_factor: float, process_set: Any) -> None:
+                 op: int, gradient_predivide_factor: float, process_set: Any, sparse_as_dense: bool) -> None:
         super().__init__(params)  # the user's class, on the original param group dicts
         self._compression = compression
+        self._sparse_as_dense = sparse_as_dense
+        self._sparse: set = set()  # parameters whose sparse gradient travels dense
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -86,6 +88,13 @@ class _Averaging:
     def _start(self, p: torch.Tensor) -> Tuple[int, Any]:
         if p.grad is None:
             p.grad = torch.zeros_like(p.data)
+        if p.grad.is_sparse:
+            if not self._sparse_as_dense:
+                from ._extras import sparse_allreduce_async
+
+                return sparse_allreduce_async(p.grad, None, self.op, self.process_set), None
+            p.grad = p.grad.to_dense()
+            self._sparse.add(p)
         wire, ctx = self._compression.compress(p.grad)
         pre, post = ((1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
                      if self.op == Average else (1.0, 1.0))
@@ -101,8 +110,13 @@ class _Averaging:
             self._handles[p] = self._start(p)
         for p in self._order:
             handle, ctx = self._handles[p]
-            p.grad.set_(self._compression.decompress(synchronize(handle), ctx))
             self._delay[p] = self.backward_passes_per_step
+            if callable(handle):  # a sparse gradient's reduction (sparse_allreduce_async)
+                p.grad.zero_().add_(handle())
+                continue
+            p.grad.set_(self._compression.decompress(synchronize(handle), ctx))
+            if p in self._sparse:  # back to the layout the optimizer expects (SparseAdam)
+                p.grad = p.grad.to_sparse()
         self._forget_step()
         self._synchronized = True
 
@@ -177,7 +191,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     """``optimizer`` made to reduce gradients across ranks before each step (module docstring).
 
     ``groups``/``num_groups`` (Horovod's fused groups) only change how Horovod batches its messages,
-    not the result: accepted and ignored. Sparse gradients are refused."""
+    not the result: accepted and ignored. Sparse gradients are gathered (``sparse_allreduce_async``), or
+    reduced dense with ``sparse_as_dense=True``."""
     op = resolve_op(op, None)
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -186,4 +201,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     base = optimizer.__class__
     cls = type(base.__name__, (_Averaging, base), {"__module__": __name__})
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, process_set)
+               gradient_predivide_factor, process_set, sparse_as_dense)
