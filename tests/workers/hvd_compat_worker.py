@@ -48,7 +48,8 @@ def every(fn):
 @check
 def topology_matches_the_launcher():
     expected_size = int(os.environ["EXPECTED_SIZE"])
-    rank_var = os.environ.get("RANK") or os.environ.get("HOROVOD_RANK") or "0"
+    rank_var = next((os.environ[k] for k in ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+                     if k in os.environ), "0")
     assert hvd.is_initialized()
     assert (hvd.size(), hvd.rank()) == (expected_size, int(rank_var)), (hvd.size(), hvd.rank())
     assert (hvd.local_size(), hvd.local_rank()) == (expected_size, int(rank_var))  # one host
