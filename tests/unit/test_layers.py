@@ -8,7 +8,8 @@
 - the experiment trackers (``trackers/``), which ask the session which rank writes;
 - the public API (``facade.py``, ``saving.py``, ``elastic.py``, ``spawn.py``): the functions users call,
   which reach the session and delegate;
-- the peers' APIs over it (``accelerate/``: Accelerate's ``Accelerator`` on every launcher);
+- the peers' APIs over it (``accelerate/``: Accelerate's ``Accelerator`` on every launcher;
+  ``horovod/``: ``horovod.torch``'s API on every launcher);
 - the tools built on the public API (``cli/``, ``testing/``, ``__main__``).
 
 Nothing imports a floor above its own, at module level or inside a function (a function-level
@@ -21,7 +22,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "unified_dist"
 FLOORS = ("ground", "detection", "data", "checkpoint", "parallel", "backends", "collectives", "training",
-          "session", "trackers", "api", "accelerate", "tools")
+          "session", "trackers", "api", "accelerate", "horovod", "tools")
 """Bottom to top. A subpackage's floor is its folder's name here; cli/ and testing/ are tools."""
 TOOLS = ("cli", "testing")
 API = {"facade", "saving", "elastic", "spawn"}

@@ -282,6 +282,14 @@ def run(command: Command) -> NoReturn:
     os.execvpe(command.argv[0], list(command.argv), env)
 
 
+def with_horovod_api(command: Command, environ: Mapping[str, str] = os.environ) -> Command:
+    """``command`` with :mod:`unified_dist.horovod.redirect`'s directory first on ``PYTHONPATH``, so that the
+    launched script's ``import horovod.torch`` is :mod:`unified_dist.horovod` (real Horovod under horovodrun)."""
+    from ..horovod.redirect import pythonpath
+
+    return replace(command, env={**command.env, "PYTHONPATH": pythonpath(environ)})
+
+
 # ---------------------------------------------------------------------- subcommand
 def add_arguments(parser) -> None:
     """The ``launch`` subcommand's options."""
@@ -302,6 +310,9 @@ def add_arguments(parser) -> None:
                              "GLOO_SOCKET_IFNAME for torch/accelerate)")
     for name in settings.FLAGS:
         _add_setting_flag(parser, settings.TABLE[name])
+    parser.add_argument("--horovod-api", action="store_true",
+                        help="the script's `import horovod.torch` imports unified_dist.horovod (Horovod's API on any "
+                             "backend); under --backend horovod it stays real Horovod (docs/horovod-migration.md)")
     parser.add_argument("--dry-run", action="store_true", help="print the command on stdout; do not run it")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs="...", help="arguments for the script")
@@ -336,6 +347,8 @@ def main(args) -> int:
     cuda = torch.cuda.is_available()
     check_precision(plan, cuda)
     command = build(plan, cuda=cuda)
+    if args.horovod_api:
+        command = with_horovod_api(command)
     if args.dry_run:
         print(command.line())
         return 0

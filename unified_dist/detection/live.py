@@ -23,7 +23,8 @@ def probe() -> Optional[Live]:
 
 def _horovod() -> Optional[Live]:
     hvd = sys.modules.get("horovod.torch")
-    if hvd is None or not hvd.is_initialized():
+    # unified_dist.horovod may answer for horovod.torch (its shim): it is not a running Horovod
+    if hvd is None or getattr(hvd, "__unified_dist_shim__", False) or not hvd.is_initialized():
         return None
     return Live("horovod", hvd.size(), hvd.rank(), hvd.local_rank())
 
