@@ -48,6 +48,8 @@ CHECKS = (  # name, seconds it may take, what it checks (docs/gpus.md lists thes
     ("compile_speedup", 180, "`init(compile=...)` (inductor) against eager: step times, and the same weights"),
     ("fp16_grad_scaling", 60, "fp16 with the facade's GradScaler and SGD, Adam, AdamW: within 10% of a float64 run"),
     ("cuda_rng_states", 30, "`ud.save`/`ud.load` of `ud.RNG` hold CUDA's generator states: the same draws again"),
+    ("async_save_from_cuda", 60, "`ud.save(..., async_save=True)` of a model on the GPU: the file holds the weights "
+                                 "of the call while the next step changes them; blocked time against a blocking save"),
     ("torch_sync_batchnorm", 90, "torch's CUDA SyncBatchNorm, 2 ranks on one GPU over gloo: equal to BatchNorm "
                                  "on the whole batch"),
     ("horovod_sync_batchnorm", 90, "Horovod's CUDA SyncBatchNorm under `horovodrun -np 2`: equal to BatchNorm on "

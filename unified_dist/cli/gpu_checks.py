@@ -413,6 +413,45 @@ def cuda_rng_states(device: torch.device) -> Outcome:
                        f"draws on {dev} after ud.load of a saved ud.RNG")
 
 
+@check
+def async_save_from_cuda(device: torch.device) -> Outcome:
+    """``ud.save(..., async_save=True)`` of a model on the device: the file holds the weights of the call
+    even though the next optimizer step changes them in place while it is written; figure: the time the
+    call blocked training against a blocking save of the same state."""
+    width = 2048 if device.type == "cuda" else 64  # 6 x 4.2 M parameters (100 MB) on a GPU
+
+    def layers() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(width, width) for _ in range(6)])
+    with session(device) as dev, tempfile.TemporaryDirectory() as tmp:
+        model, opt = ud.prepare(*with_optimizer(layers()))
+        x = torch.randn(32, width, generator=torch.Generator().manual_seed(1)).to(dev)
+
+        def step() -> None:
+            ud.backward(model(x).square().mean())
+            opt.step()
+            opt.zero_grad()
+        step()
+        start = time.perf_counter()
+        ud.save({"model": model}, os.path.join(tmp, "blocking.pt"))
+        blocking = time.perf_counter() - start
+        at_call = [p.detach().double().cpu() for p in model.parameters()]
+        start = time.perf_counter()
+        ud.save({"model": model}, os.path.join(tmp, "async.pt"), async_save=True)
+        blocked = time.perf_counter() - start
+        step()  # in place, while the write may still run
+        ud.barrier()  # a settling point: the write is done (or its failure raised)
+        moved = max(float((p.detach().double().cpu() - q).abs().max()) for p, q in zip(model.parameters(), at_call))
+        fresh = layers()
+        ud.load(os.path.join(tmp, "async.pt"), {"model": fresh})
+        error = max(float((p.detach().double() - q).abs().max()) for p, q in zip(fresh.parameters(), at_call))
+        figure = {"max_difference": error, "moved_by_next_step": moved, "blocked_s": blocked,
+                  "blocking_save_s": blocking, "blocked_over_blocking": blocked / blocking}
+        return Outcome(error == 0.0 and moved > 0, figure, {"max_difference": 0.0},
+                       f"{6 * width * (width + 1) / 1e6:.1f} M parameters on {dev}: the file against the weights "
+                       "at the call (the next step moved them)")
+
+
 # ---------------------------------------------------------------------- synchronised BatchNorm, two ranks
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 RANK_TIMEOUT_S = 150.0
