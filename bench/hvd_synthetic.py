@@ -12,7 +12,7 @@ Worker (started by a launcher)::
 
     python bench/hvd_synthetic.py --out FILE --expect shim|real
 
-Driver (one invocation, both stacks alternating, ``bench/results/hvd_synthetic.json``)::
+Driver (one invocation, every side of ``SIDES`` in rotating order, ``bench/results/hvd_synthetic.json``)::
 
     OMP_NUM_THREADS=1 python bench/hvd_synthetic.py --drive [--rounds 3]
 """
@@ -31,6 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 IMPLEMENTATION = {"shim": "unified_dist.horovod", "real": "horovod.torch"}
 """What ``hvd.__name__`` is for each side: the run fails if the launched script got the other one."""
+SIDES = ("shim", "real", "real_cycle")
+"""unified_dist.horovod under torchrun; real Horovod under horovodrun with its defaults (the headline
+ratio's denominator); real Horovod with ``--cycle-time-ms`` set to the cycle unified_dist's own Horovod
+backend gives CPU jobs (``CPU_CYCLE_MS``), to show how much of the gap is that one setting."""
 
 
 def model_and_batch(batch_size: int, classes: int = 10):
@@ -100,11 +104,12 @@ def _report(hvd, model, per_iter: list, args) -> None:
 
 def launch_argv(side: str, out: Path, args) -> tuple:
     """``(argv, env)`` of one run: torchrun x 2 with the redirect for ``shim``, horovodrun x 2 --gloo
-    for ``real`` (its gloo rendezvous takes a free port of its own); one thread per process."""
+    for ``real`` and ``real_cycle`` (its gloo rendezvous takes a free port of its own); one thread per process."""
+    from unified_dist.backends.buckets import CPU_CYCLE_MS
     from unified_dist.horovod import redirect
     from unified_dist.testing.launchers import BIN, child_env, free_port
 
-    script = [str(Path(__file__).resolve()), "--out", str(out), "--expect", side, "--batch-size",
+    script = [str(Path(__file__).resolve()), "--out", str(out), "--expect", side.split("_")[0], "--batch-size",
               str(args.batch_size), "--warmup", str(args.warmup), "--iters", str(args.iters),
               "--batches-per-iter", str(args.batches_per_iter)]
     env = child_env()
@@ -112,7 +117,8 @@ def launch_argv(side: str, out: Path, args) -> tuple:
         env["PYTHONPATH"] = redirect.pythonpath(env)
         return [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
                 "--master_port", str(free_port()), *script], env
-    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", "python", *script], env
+    cycle = ["--cycle-time-ms", str(CPU_CYCLE_MS)] if side == "real_cycle" else []
+    return [str(BIN / "horovodrun"), "-np", "2", "-H", "localhost:2", "--gloo", *cycle, "python", *script], env
 
 
 def _shown(argv: list, env) -> str:
@@ -126,7 +132,7 @@ def _shown(argv: list, env) -> str:
 
 
 def drive(args) -> dict:
-    """``args.rounds`` rounds, each running both sides (the first side alternates between rounds)."""
+    """``args.rounds`` rounds, each running every side of :data:`SIDES` (the order rotates by round)."""
     import provenance
     from unified_dist.testing.launchers import run
 
@@ -134,11 +140,11 @@ def drive(args) -> dict:
     record["settings"] = {k: getattr(args, k) for k in ("batch_size", "warmup", "iters", "batches_per_iter",
                                                         "rounds")}
     record["settings"]["omp_num_threads"] = 1
-    runs = {"shim": [], "real": []}
+    runs = {side: [] for side in SIDES}
     commands = {}
     out = Path(tempfile.mkdtemp(prefix="hvd_synthetic_")) / "run.json"
     for r in range(args.rounds):
-        for side in (("shim", "real") if r % 2 == 0 else ("real", "shim")):
+        for side in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:
             argv, env = launch_argv(side, out, args)
             commands[side] = _shown(argv, env if side == "shim" else None)
             out.unlink(missing_ok=True)
@@ -153,7 +159,8 @@ def drive(args) -> dict:
     median = {side: statistics.median(x["images_per_s_total"] for x in runs[side]) for side in runs}
     record.update(commands=commands, runs=runs, summary={
         "shim_images_per_s": median["shim"], "real_images_per_s": median["real"],
-        "ratio": median["shim"] / median["real"]})
+        "real_cycle_images_per_s": median["real_cycle"], "ratio": median["shim"] / median["real"],
+        "ratio_vs_real_cycle": median["shim"] / median["real_cycle"]})
     return provenance.finish(record)
 
 
@@ -179,7 +186,8 @@ def main(argv=None) -> None:
     out.write_text(json.dumps(record, indent=1) + "\n")
     s = record["summary"]
     print(f"unified_dist.horovod {s['shim_images_per_s']:.1f} / real Horovod {s['real_images_per_s']:.1f} "
-          f"images/s = {s['ratio']:.3f}; wrote {out}")
+          f"images/s = {s['ratio']:.3f} (with a {s['real_cycle_images_per_s']:.1f} images/s Horovod at the CPU cycle: "
+          f"{s['ratio_vs_real_cycle']:.3f}); wrote {out}")
 
 
 if __name__ == "__main__":
