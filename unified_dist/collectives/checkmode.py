@@ -21,7 +21,7 @@ from .. import nested
 from ..errors import CollectiveError
 
 _PAYLOAD = 2048
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # unified_dist/
 
 
 class CollectiveMismatch(CollectiveError):
