@@ -72,7 +72,7 @@ class StopSignals:
 
     def _record(self, number: int, frame: Any) -> None:
         if not self.asked:  # the program does not stop on request: the signal does what it always did,
-            from .accumulation.background_save import flush_quietly  # once the checkpoint being written is whole
+            from ..checkpoint.background import flush_quietly  # once the checkpoint being written is whole
 
             flush_quietly()
             signal.signal(number, signal.SIG_DFL)
