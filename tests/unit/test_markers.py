@@ -67,7 +67,7 @@ def test_a_launcher_is_a_launch_even_alone(tmp_path):
 @pytest.mark.distributed
 def test_an_unmarked_test_that_launches_fails(pytester):
     """The guard itself, in a session of its own: same conftest, one test marked, one not."""
-    pytester.makeconftest((Path(__file__).parent / "conftest.py").read_text())
+    pytester.makeconftest((Path(__file__).parents[1] / "conftest.py").read_text())
     pytester.makeini("[pytest]\nmarkers =\n    distributed: launches\n    horovod: horovodrun\n")
     pytester.makepyfile(test_launching=f"""
         import subprocess

@@ -31,8 +31,8 @@ Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
 
 
-class HorovodInternalError(RuntimeError):
-    """A collective failed (Horovod's name for it; raised where Horovod raises it)."""
+class HorovodInternalError(UnifiedDistError):
+    """A collective failed (Horovod's name for it, a RuntimeError as there; raised where Horovod raises it)."""
 
 
 class NotOffHorovod(UnifiedDistError, NotImplementedError):
