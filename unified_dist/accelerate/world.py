@@ -18,7 +18,6 @@ installs stop-signal handlers that a plain Accelerate script does not have. Here
 """
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
 import warnings
@@ -51,12 +50,7 @@ def join(timeout: Optional[datetime.timedelta] = None) -> int:
     state) already runs in this process, and refuses one that runs alone among several processes."""
     import torch.distributed as dist
 
-    from ..backends.process_group import (
-        destroy_at_exit,
-        export_rendezvous,
-        join_default_group,
-        note_group_joined_elsewhere,
-    )
+    from ..backends.process_group import export_rendezvous, join_default_group, note_group_joined_elsewhere
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
@@ -72,9 +66,6 @@ def join(timeout: Optional[datetime.timedelta] = None) -> int:
     # a torchrun restart needs a per-attempt store (else Accelerate joins through torch's env:// itself)
     if not join_default_group(timeout or datetime.timedelta(minutes=30), always=False):
         note_group_joined_elsewhere()
-    # the group (joined here, or by the Accelerator next) is destroyed at a clean exit: left to interpreter
-    # shutdown, gloo's threads can abort the process ("terminate called without an active exception")
-    atexit.register(destroy_at_exit, True)
     return found.world_size
 
 

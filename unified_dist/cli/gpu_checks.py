@@ -516,6 +516,10 @@ def _sync_bn_rank(stack: str, device: torch.device, out: Path) -> None:
     if rank == 0:
         kind = type(model[1])
         _write(out / "rank0.json", {"error": error, "class": f"{kind.__module__}.{kind.__name__}"})
+    if stack == "torch":  # left to interpreter exit, gloo's threads abort the process now and then (SIGABRT)
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
 
 
 def _two_ranks(stack: str, device: torch.device) -> Outcome:
