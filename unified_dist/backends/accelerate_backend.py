@@ -11,7 +11,7 @@ import torch
 
 from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
-from .base import Config, stop_ddp_buffer_sync, weighted
+from .base import Config, stop_ddp_buffer_sync
 from .buckets import ddp_kwargs
 from .process_group import note_group_joined_elsewhere, withdraw_rendezvous
 from .torch_group import TorchGroupBackend
@@ -159,7 +159,8 @@ class AccelerateBackend(TorchGroupBackend):
             _restore_accumulation_plugin(self._plugin_before)
 
     def _wrap_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
-        return stop_ddp_buffer_sync(_only_autocast_when_asked(self.accelerator.prepare_model(model), model))
+        with _forward_left_to_the_facade(self.accelerator):
+            return stop_ddp_buffer_sync(self.accelerator.prepare_model(model))
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
@@ -169,17 +170,16 @@ class AccelerateBackend(TorchGroupBackend):
         return super().unwrap(self.accelerator.unwrap_model(model))
 
     def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None, weight: Fraction = Fraction(1)) -> None:
-        # Accelerate divides by gradient_accumulation_steps itself: give it the rest of the weight
-        self.accelerator.backward(weighted(loss, weight * self.config.gradient_accumulation_steps))
+        """As every backend: ``loss * weight``, scaled by the fp16 loss scale (Accelerate's scaler, the one its
+        optimizers step and update). Not ``accelerator.backward``: it divides by Accelerate's accumulation
+        count, which the facade's ``weight`` already accounts for."""
+        super().backward(loss, scaler if scaler is not None else self.accelerator.scaler, weight)
 
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
         return self._fsdp.no_sync(model) or self.accelerator.no_sync(model)
 
     def set_sync_gradients(self, sync: bool) -> None:
         self.accelerator.sync_gradients = sync  # AcceleratedOptimizer skips step() when False
-
-    def autocast(self) -> ContextManager:
-        return self.accelerator.autocast()
 
     def make_grad_scaler(self) -> Optional[Any]:
         return None  # AcceleratedOptimizer owns the scaler
@@ -220,16 +220,19 @@ def _without_parallelism_config() -> Iterator[None]:
             os.environ["ACCELERATE_USE_PARALLELISM_CONFIG"] = saved
 
 
-def _only_autocast_when_asked(prepared: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
-    """Undo what Accelerate's ``prepare_model`` does to ``model.forward`` under mixed precision (run
-    every forward in autocast and convert the outputs to float32), so that mixed precision means the
-    same as under torchrun and horovodrun: autocast inside ``ud.autocast()`` only, outputs in the
-    dtype autocast gives. Otherwise an evaluation outside ``ud.autocast()`` would run in bf16 under
-    ``accelerate launch`` and in float32 under every other launcher. Returns ``prepared``."""
-    original = vars(model).pop("_original_forward", None)
-    if original is not None:
-        if getattr(original, "__func__", None) is type(model).forward and original.__self__ is model:
-            vars(model).pop("forward", None)  # the class's own forward again
-        else:
-            model.forward = original  # the user's own instance-level forward
-    return prepared
+@contextlib.contextmanager
+def _forward_left_to_the_facade(accelerator: Any) -> Iterator[None]:
+    """While Accelerate prepares a model: its mixed precision off for that call only, so ``prepare_model``
+    wraps the model in DDP without putting every ``forward`` in autocast (with outputs cast to float32).
+
+    Mixed precision means one thing on every backend (:class:`~unified_dist.backends.precision.Precision`):
+    autocast inside ``ud.autocast()`` only, outputs in the dtype autocast gives. With Accelerate's wrapper an
+    evaluation outside ``ud.autocast()`` would run in bf16 under ``accelerate launch`` and in float32 under
+    every other launcher. Everything else of the mode stays Accelerate's: its state, its fp16 ``GradScaler``
+    (stepped by its ``AcceleratedOptimizer``)."""
+    amp = accelerator.native_amp
+    accelerator.native_amp = False
+    try:
+        yield
+    finally:
+        accelerator.native_amp = amp

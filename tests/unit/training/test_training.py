@@ -90,6 +90,23 @@ def test_accelerate_backend_unscales_through_accelerate_before_clipping():
     assert backend.accelerator.scaler.calls == ["unscale_"]
 
 
+def test_accelerate_backend_backward_scales_by_accelerates_scaler_and_weights_like_every_backend():
+    """``loss * weight`` times Accelerate's fp16 loss scale, whatever Accelerate's accumulation count:
+    not ``accelerator.backward``, which would divide by that count again (k = 4 here)."""
+    from fractions import Fraction
+
+    class Scaling(FakeScaler):
+        def scale(self, loss):
+            return loss * SCALE
+
+    backend = AccelerateBackend.__new__(AccelerateBackend)
+    backend.config, backend.accelerator = Config(gradient_accumulation_steps=4), FakeAccelerator()
+    backend.accelerator.scaler = Scaling()
+    param = torch.nn.Parameter(torch.ones(2))
+    backend.backward((param * torch.tensor([1.0, 2.0])).sum(), None, Fraction(1, 4))
+    assert param.grad.tolist() == [SCALE / 4, 2 * SCALE / 4]
+
+
 class FakeDistributedOptimizer(torch.optim.SGD):
     """horovod.torch.DistributedOptimizer's synchronize()/skip_synchronize() protocol."""
 
