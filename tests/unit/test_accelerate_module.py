@@ -121,21 +121,44 @@ def test_the_runner_without_a_script_says_how_to_call_it():
         main([])
 
 
-def test_the_runner_makes_accelerate_accelerator_the_joined_one(tmp_path, monkeypatch):
+def test_the_runner_makes_accelerates_names_the_joined_ones(tmp_path, monkeypatch):
+    """``from accelerate import Accelerator, PartialState`` and ``from accelerate.accelerator import
+    Accelerator`` (Accelerate's own test scripts import it so) read unified_dist's classes."""
     import accelerate
+    import accelerate.accelerator
 
-    from unified_dist.accelerate import Accelerator
+    from unified_dist.accelerate import Accelerator, PartialState
     from unified_dist.accelerate.__main__ import main
 
     script = tmp_path / "probe.py"
-    script.write_text("from accelerate import Accelerator\nimport sys\nsys.modules['__probe__'] = Accelerator\n")
-    monkeypatch.setattr(accelerate, "Accelerator", accelerate.Accelerator)  # restored after the test
+    script.write_text("import sys\nfrom accelerate import Accelerator, PartialState\n"
+                      "from accelerate.accelerator import Accelerator as FromTheModule\n"
+                      "sys.modules['__probe__'] = (Accelerator, PartialState, FromTheModule)\n")
+    for module, name in ((accelerate, "Accelerator"), (accelerate, "PartialState"),
+                         (accelerate.accelerator, "Accelerator")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "__probe__", raising=False)
     main([str(script)])
-    assert sys.modules["__probe__"] is Accelerator
+    assert sys.modules["__probe__"] == (Accelerator, PartialState, Accelerator)
     assert os.path.dirname(str(script)) == sys.path[0]
+
+
+def test_the_first_partial_state_joins_the_launchers_world_over_gloo_on_a_cpu(fresh_accelerate, monkeypatch):
+    """Accelerate's ``PartialState()`` runs each of several processes alone on a machine without CUDA;
+    unified_dist's joins first and asks for ``cpu=True`` (here the join is stubbed to a world of 2, and
+    Accelerate's constructor records what it is given)."""
+    import accelerate
+
+    from unified_dist.accelerate import accelerator
+
+    given, joined = [], []
+    monkeypatch.setattr(accelerator.world, "join", lambda timeout=None: joined.append(timeout) or 2)
+    monkeypatch.setattr(accelerator.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(accelerate.PartialState, "__init__", lambda self, cpu=False, **kw: given.append(cpu))
+    accelerator.PartialState()
+    assert joined == [None] and given == [True]
 
 
 def test_ud_calls_after_the_accelerator_keep_its_accumulation(fresh_accelerate):

@@ -3,8 +3,9 @@
 
 :class:`Accelerator` is Accelerate's own ``Accelerator`` (a subclass) whose processes are the
 launcher's, whichever launcher that was (horovodrun, srun, mpirun, torchrun, ``accelerate launch``,
-python). Every other name of the ``accelerate`` package is forwarded unchanged (``DistributedType``,
-``PartialState``...), so a line importing several names can change its module only;
+python). :class:`PartialState` is Accelerate's too, joined the same way when it is the process's first
+state. Every other name of the ``accelerate`` package is forwarded unchanged (``DistributedType``,
+``AcceleratorState``...), so a line importing several names can change its module only;
 :mod:`unified_dist.accelerate.utils` and :mod:`unified_dist.accelerate.logging` do the same for
 ``accelerate.utils`` (``set_seed``) and ``accelerate.logging`` (``get_logger``).
 ``python -m unified_dist.accelerate script.py`` runs a script with no line changed (see ``__main__``).
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .accelerator import Accelerator
+from .accelerator import Accelerator, PartialState
 
 
 def __getattr__(name: str) -> Any:
@@ -26,4 +27,4 @@ def __getattr__(name: str) -> Any:
     return getattr(accelerate, name)
 
 
-__all__ = ["Accelerator"]
+__all__ = ["Accelerator", "PartialState"]

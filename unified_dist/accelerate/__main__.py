@@ -1,8 +1,10 @@
 """``python -m unified_dist.accelerate script.py [args]``: run an Accelerate script with no line changed.
 
-``accelerate.Accelerator`` (the name ``from accelerate import Accelerator`` reads) is replaced by
-:class:`unified_dist.accelerate.Accelerator` for this process, then ``script.py`` runs as ``__main__``
-with its arguments. Any launcher can start it: ``torchrun --nproc_per_node 2 -m unified_dist.accelerate
+``accelerate.Accelerator`` (also as ``accelerate.accelerator.Accelerator``) and ``accelerate.PartialState``
+(the names ``from accelerate import ...`` reads) are replaced by :class:`unified_dist.accelerate.Accelerator` and
+:class:`unified_dist.accelerate.PartialState` for this process, then ``script.py`` runs as ``__main__``
+with its arguments. (A script importing ``PartialState`` from ``accelerate.state`` gets Accelerate's own.)
+Any launcher can start it: ``torchrun --nproc_per_node 2 -m unified_dist.accelerate
 script.py``, ``horovodrun -np 2 -H localhost:2 --gloo python -m unified_dist.accelerate script.py``,
 ``srun``/``mpirun ... python -m unified_dist.accelerate script.py``.
 """
@@ -17,10 +19,13 @@ def main(argv: list) -> None:
     if not argv or argv[0].startswith("-"):
         raise SystemExit("usage: python -m unified_dist.accelerate script.py [script arguments]")
     import accelerate
+    import accelerate.accelerator
 
-    from .accelerator import Accelerator
+    from .accelerator import Accelerator, PartialState
 
     accelerate.Accelerator = Accelerator  # what `from accelerate import Accelerator` now reads
+    accelerate.accelerator.Accelerator = Accelerator  # and `from accelerate.accelerator import Accelerator`
+    accelerate.PartialState = PartialState
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` would
     runpy.run_path(argv[0], run_name="__main__")

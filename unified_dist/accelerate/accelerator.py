@@ -29,6 +29,8 @@ from . import world
 _PARAMETERS = inspect.signature(accelerate.Accelerator.__init__)
 _LIVE: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
 """The Accelerators of this process (a script may build several, e.g. one per run), for :func:`_leave`."""
+_exit_handler: list = []
+"""Whether :func:`leave_at_exit` is registered (once per process)."""
 
 
 class Accelerator(accelerate.Accelerator):
@@ -55,8 +57,7 @@ class Accelerator(accelerate.Accelerator):
         self._ud_log_with = given.pop("log_with")
         self._ud_trackers_started = False
         super().__init__(**given)
-        if not _LIVE:
-            atexit.register(_leave, True)
+        leave_at_exit()
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ trackers (unified_dist.trackers)
@@ -104,6 +105,29 @@ class Accelerator(accelerate.Accelerator):
             self._ud_trackers_started = False
         _leave(False)  # the DDP reducers go before the group they hold
         super().end_training()
+
+
+class PartialState(accelerate.PartialState):
+    """Accelerate's ``PartialState`` (a subclass: the same process-wide state), over the launcher's
+    processes when it is the first state of the process: :func:`world.join` runs first, and on a machine
+    without CUDA several processes get ``cpu=True`` (gloo, ``MULTI_CPU``), where Accelerate's own would
+    run each process alone (``DistributedType.NO``: ``PartialState()`` reads no ``ACCELERATE_USE_CPU``).
+    Scripts built on ``PartialState()`` (Accelerate's ``test_utils/scripts/test_ops.py``) thus get the
+    launcher's world under horovodrun, srun, mpirun and torchrun alike."""
+
+    def __init__(self, cpu: bool = False, **kwargs: Any) -> None:
+        if not accelerate.PartialState._shared_state:  # the first state of this process
+            size = world.join(kwargs.get("timeout"))
+            if size > 1 and not torch.cuda.is_available():
+                cpu = True
+            leave_at_exit()
+        super().__init__(cpu, **kwargs)
+
+
+def leave_at_exit() -> None:
+    """Register :func:`_leave` (reducers, then the group) for a clean interpreter exit; once per process."""
+    if not _exit_handler:
+        _exit_handler.append(atexit.register(_leave, True))
 
 
 def _leave(destroy: bool) -> None:
