@@ -47,6 +47,8 @@ CHECKS = (  # name, seconds it may take, what it checks (docs/gpus.md lists thes
                                       "(\"warn\")`): 0 when accumulating, at most 1 when synchronising"),
     ("compile_speedup", 180, "`init(compile=...)` (inductor) against eager: step times, and the same weights"),
     ("fp16_grad_scaling", 60, "fp16 with the facade's GradScaler and SGD, Adam, AdamW: within 10% of a float64 run"),
+    ("accelerate_mixed_precision", 60, "fp16 under the Accelerate backend: the torch backend's weights and skipped "
+                                       "steps (Accelerate's GradScaler); float32 outside `ud.autocast()`"),
     ("cuda_rng_states", 30, "`ud.save`/`ud.load` of `ud.RNG` hold CUDA's generator states: the same draws again"),
     ("async_save_from_cuda", 60, "`ud.save(..., async_save=True)` of a model on the GPU: the file holds the weights "
                                  "of the call while the next step changes them; blocked time against a blocking save"),

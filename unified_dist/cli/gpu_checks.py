@@ -394,6 +394,46 @@ def fp16_grad_scaling(device: torch.device) -> Outcome:
 
 
 @check
+def accelerate_mixed_precision(device: torch.device) -> Outcome:
+    """Under the Accelerate backend (one process), fp16 (bf16 in the dry run) trains as under the torch
+    backend: after 8 AdamW steps the same weights (figure: max |difference|) and the same steps applied
+    (Accelerate's GradScaler, stepped by its optimizer; ``ud.backward`` scales the loss as on every
+    backend); a forward outside ``ud.autocast()`` computes in float32 (Accelerate's always-on forward
+    autocast is not put on the model), inside in the mode's dtype."""
+    from ..session import current
+
+    mode = precision_for(device)
+    data = batches(8)
+    runs: Dict[str, Any] = {}
+    for backend in ("torch", "accelerate"):
+        ud.init(backend, mixed_precision=mode)
+        try:
+            model, opt = ud.prepare(*with_optimizer(net(), "AdamW", lr=1e-2, eps=0.1))
+            applied = []
+            for batch in data:
+                before = current().sync.loss_scale()
+                train(model, opt, [batch], ud.device())
+                after = current().sync.loss_scale()
+                applied.append(before is None or bool(after >= before))
+            x = data[0][0].to(ud.device())
+            with ud.autocast():
+                inside = model(x).dtype
+            runs[backend] = ([p.detach().float().cpu() for p in ud.unwrap(model).parameters()], applied,
+                             str(model(x).dtype), str(inside), before is not None)
+        finally:
+            ud.shutdown()
+    (torch_params, torch_applied, *_), (params, applied, outside, inside, scaled) = runs["torch"], runs["accelerate"]
+    difference = max(float((a - b).abs().max()) for a, b in zip(params, torch_params))
+    expected = "torch.float16" if mode == "fp16" else "torch.bfloat16"
+    figure = {"max_difference": difference, "applied": applied.count(True), "torch_applied": torch_applied.count(True),
+              "outside_autocast": outside, "inside_autocast": inside, "loss_scaled": scaled}
+    passed = (difference <= 1e-6 and applied == torch_applied and outside == "torch.float32"
+              and inside == expected and scaled == (mode == "fp16"))
+    return Outcome(passed, figure, {"max_difference": 1e-6},
+                   f"mixed_precision={mode!r}: ud.init('accelerate') against ud.init('torch'), 8 AdamW steps")
+
+
+@check
 def cuda_rng_states(device: torch.device) -> Outcome:
     """``ud.save({"rng": ud.RNG})`` then ``ud.load``: the device's generator draws the same numbers
     again (on a GPU the saved states include CUDA's)."""

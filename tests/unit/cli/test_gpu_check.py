@@ -87,6 +87,10 @@ def test_the_dry_run_runs_every_check_compares_and_records(dry_run):
     assert set(checks["fp16_grad_scaling"]["figure"]) == {"SGD", "Adam", "AdamW"}
     assert checks["compile_speedup"]["figure"]["max_param_difference"] <= 1e-3
     assert checks["cuda_rng_states"]["figure"] == {"same_draws": True, "cuda_states_saved": False}
+    # the Accelerate backend in bf16 (the dry run's mode) against the torch backend: the same weights
+    assert checks["accelerate_mixed_precision"]["figure"] == {
+        "max_difference": 0.0, "applied": 8, "torch_applied": 8, "outside_autocast": "torch.float32",
+        "inside_autocast": "torch.bfloat16", "loss_scaled": False}
 
 
 def test_docs_render_the_newest_results_file_or_the_checks_not_yet_run(dry_run, tmp_path):
