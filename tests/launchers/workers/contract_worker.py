@@ -1454,6 +1454,18 @@ def run_suite(suite, out, adopt=False, init_method=None, rank=None, world_size=N
     with open(os.path.join(out, f"{suite}_rank{identity['rank']}.json"), "w") as f:
         json.dump({"identity": identity, "local_rank_variables": launcher_saw, "results": results,
                    "measured": MEASURED}, f)
+    if adopt and not init_method:  # (the spawned workers destroy theirs in _spawned)
+        _stop_native_stack()
+
+
+def _stop_native_stack():
+    """End the stack this process started itself, as its user would: a gloo group left to interpreter
+    exit can abort the process ("terminate called without an active exception") after all its work."""
+    if os.environ.get("HOROVOD_RANK"):
+        import horovod.torch as hvd
+        hvd.shutdown()
+    elif torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _spawned(rank, world_size, port, suite, out, then=None):
