@@ -111,13 +111,38 @@ def test_wandb_offline_run_reads_back_what_was_logged(tmp_path, monkeypatch):
     assert back == {"runs": 1, "metrics": EXPECTED, "hparams": {**FLAT, "extra": 3}}
 
 
+def test_trackio_local_store_reads_back_what_was_logged(tmp_path, monkeypatch):
+    """trackio's local SQLite store (no server, no Space): the values with their steps, and the
+    hyper-parameters, including those of a log_hparams before the first log (trackio stores a run's
+    config with its first log); after a log, log_hparams is refused in one line before any tracker writes;
+    a second start with another project_dir in the same process is refused (trackio reads TRACKIO_DIR once)."""
+    _needs("trackio")
+    monkeypatch.delenv("TRACKIO_DIR", raising=False)
+    monkeypatch.setattr(trackers.TrackioTracker, "chosen_dir", None)
+    trackers.start(["trackio", "jsonl"], project_dir=str(tmp_path), project_name="proj", config=CONFIG)
+    trackers.log_hparams({"extra": 3})
+    for values, step in LOGGED:
+        trackers.log(values, step=step)
+    with pytest.raises(trackers.TrackerError, match="trackio stores a run's hyper-parameters with its first log"):
+        trackers.log_hparams({"late": 1})
+    trackers.finish()
+    back = tracker_files.read_trackio(str(tmp_path / "trackio"), "proj")
+    assert back == {"runs": 1, "metrics": EXPECTED, "hparams": {**FLAT, "extra": 3}}
+    assert "late" not in tracker_files.read_jsonl(str(tmp_path / "proj"))["hparams"]  # nothing written anywhere
+    with pytest.raises(trackers.TrackerError, match="trackio already stores this process's runs in"):
+        trackers.start("trackio", project_dir=str(tmp_path / "other"), project_name="proj")
+    trackers.start("trackio", project_dir=str(tmp_path), project_name="quiet", config={"lr": 0.5})
+    trackers.finish()  # a run without logs keeps its hyper-parameters too
+    assert tracker_files.read_trackio(str(tmp_path / "trackio"), "quiet")["hparams"] == {"lr": 0.5}
+
+
 @pytest.mark.parametrize("name,module,line", [("tensorboard", "tensorboard", "pip install tensorboard"),
                                               ("mlflow", "mlflow", "pip install mlflow-skinny"),
                                               ("wandb", "wandb", "pip install wandb"),
                                               ("trackio", "trackio", "pip install trackio")])
 def test_a_missing_library_is_a_one_line_error_with_the_pip_line(name, module, line, monkeypatch, tmp_path):
-    """Whether or not it is installed here (trackio 0.43 is not: it needs pillow<13), a library that cannot
-    be found stops start() before anything is written, in one line naming the install command."""
+    """A library that cannot be found (here each is installed, so it is hidden) stops start() before
+    anything is written, in one line naming the install command."""
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == module else real(m, *a))
     monkeypatch.delitem(sys.modules, module, raising=False)

@@ -144,3 +144,24 @@ def read_wandb(project_dir: str, wait_s: float = 30.0) -> Dict[str, Any]:
             hparams.update({item.key: json.loads(item.value_json) for item in update if not item.key.startswith("_")})
     hparams = {k: v["value"] if isinstance(v, dict) and set(v) <= {"value", "desc"} else v for k, v in hparams.items()}
     return _result(len(files), metrics, hparams)
+
+
+def read_trackio(store: str, project: str) -> Dict[str, Any]:
+    """trackio's local store ``store`` (``project_dir/trackio`` or ``TRACKIO_DIR``): the SQLite file of
+    ``project``, read with ``sqlite3`` (its ``metrics`` rows: run, step, the values as JSON; its ``configs``
+    rows: the run's hyper-parameters as JSON, trackio's own ``_`` keys left out)."""
+    import sqlite3
+
+    path = os.path.join(store, f"{project}.db")
+    if not os.path.exists(path):
+        return _result(0, {}, {})
+    metrics: Dict[str, List[Tuple[int, Any]]] = {}
+    hparams: Dict[str, Any] = {}
+    with sqlite3.connect(path) as db:
+        runs = {run for (run,) in db.execute("SELECT DISTINCT run_id FROM metrics")}
+        for step, values in db.execute("SELECT step, metrics FROM metrics ORDER BY id"):
+            for key, value in json.loads(values).items():
+                metrics.setdefault(key, []).append((step, value))
+        for (config,) in db.execute("SELECT config FROM configs ORDER BY id"):
+            hparams.update({k: v for k, v in json.loads(config).items() if not k.startswith("_")})
+    return _result(len(runs), metrics, hparams)

@@ -45,6 +45,7 @@ import importlib
 import importlib.util
 import json
 import os
+import sys
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -93,9 +94,17 @@ class Tracker:
             raise TrackerNotInstalled(f"the {cls.name} tracker needs the {cls.module} package: "
                                       f"`{cls.install}` (or leave {cls.name} out of log_with)")
 
+    @classmethod
+    def prepare(cls, directory: str) -> None:
+        """On every rank, before anything opens: settle what the library reads from the environment
+        (a mistake is then the same one-line error everywhere). Nothing by default."""
+
     def log(self, values: Dict[str, Union[int, float, str]], step: int) -> None:
         if self.tracker is not None:
             self.write(values, step)
+
+    def check_hparams(self) -> None:
+        """On every rank, before any tracker writes hyper-parameters: refuse what this one cannot store."""
 
     def log_hparams(self, flat: Dict[str, Union[bool, int, float, str]]) -> None:
         if self.tracker is not None and flat:
@@ -249,16 +258,44 @@ class WandBTracker(Tracker):
 
 class TrackioTracker(Tracker):
     """A trackio run (``tracker``: what ``trackio.init`` returns), stored locally in
-    ``project_dir/trackio`` unless ``TRACKIO_DIR`` says otherwise."""
+    ``project_dir/trackio`` (a SQLite file per project) unless ``TRACKIO_DIR`` says otherwise.
+
+    trackio reads ``TRACKIO_DIR`` once per process, when it is first imported: a later start with another
+    ``project_dir`` is refused in one line rather than written into the first one's store."""
 
     name, module, install = "trackio", "trackio", "pip install trackio"
     config_at_open = True
+    chosen_dir: Optional[str] = None
+    """The store this module gave ``TRACKIO_DIR`` (``None``: the user's, or none yet)."""
+
+    @classmethod
+    def prepare(cls, directory: str) -> None:
+        users = os.environ.get("TRACKIO_DIR") if os.environ.get("TRACKIO_DIR") != cls.chosen_dir else None
+        target = os.path.abspath(users or os.path.join(directory, "trackio"))
+        imported = sys.modules.get("trackio.utils")
+        if imported is not None and os.path.abspath(str(imported.TRACKIO_DIR)) != target:
+            raise TrackerError(
+                f"trackio already stores this process's runs in {imported.TRACKIO_DIR} (it reads TRACKIO_DIR once, "
+                f"at import), not {target}: give every run of the process the same project_dir")
+        if users is None:
+            os.environ["TRACKIO_DIR"] = TrackioTracker.chosen_dir = target
 
     def open(self, config, kwargs):
-        os.environ.setdefault("TRACKIO_DIR", os.path.abspath(os.path.join(self.directory, "trackio")))
         import trackio
 
         return trackio.init(project=self.project or "unified_dist", config=config, **kwargs)
+
+    logged = False
+    """Whether values were logged (on every rank): trackio stores a run's config with its first log only."""
+
+    def log(self, values, step):
+        self.logged = True
+        super().log(values, step)
+
+    def check_hparams(self):
+        if self.logged:
+            raise TrackerError("trackio stores a run's hyper-parameters with its first log: pass them as config when "
+                               "the trackers start, or log_hparams before the first log")
 
     def write(self, values, step):
         import trackio
@@ -266,9 +303,13 @@ class TrackioTracker(Tracker):
         trackio.log(values, step=step)
 
     def write_hparams(self, flat):
-        self.tracker.config.update(flat)
+        self.tracker.config.update(flat)  # carried by the first log
 
     def close(self, tracker):
+        if tracker.config and not self.logged:  # no log carried the hyper-parameters: one empty log at step 0 does
+            import trackio
+
+            trackio.log({}, step=0)
         tracker.finish()
 
 
@@ -314,6 +355,8 @@ def start(log_with: Union[str, Sequence[str]], project_dir: Optional[str] = None
     main = session.current_backend().rank == 0
     directory = project_dir if project_dir is not None else settings.TABLE["project_dir"].default
     for name in chosen:
+        KINDS[name].prepare(directory)
+    for name in chosen:
         _started.append(KINDS[name](directory, project_name, flat, (init_kwargs or {}).get(name, {}), main))
     _last_step = None
     if not _exit_hook:
@@ -339,6 +382,8 @@ def log(values: Mapping[str, Any], step: Optional[int] = None) -> None:
 def log_hparams(config: Mapping[str, Any]) -> None:
     """Write the hyper-parameters ``config`` (flattened, see the module docstring) to every started tracker."""
     flat = flatten(config)
+    for tracker in _started:
+        tracker.check_hparams()
     for tracker in _started:
         tracker.log_hparams(flat)
 

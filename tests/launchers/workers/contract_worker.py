@@ -1720,7 +1720,7 @@ def facade_all_reduce_defaults_to_the_mean_where_accelerates_reduce_sums():
 # ----------------------------------------------------------------- issue #41 item 3: experiment trackers
 # Every rank starts the trackers and logs its own values; read back with each library's own reader
 # (unified_dist/testing/tracker_files.py), what was written must be rank 0's values alone, from one
-# writer (one event file, one MLflow run, one W&B run directory, one JSONL file). All four trackers under
+# writer (one event file, one MLflow run, one W&B run directory, one trackio run, one JSONL file). All five under
 # torchrun and horovodrun (the issue's proof); jsonl and tensorboard (well under a second) elsewhere.
 _TRACKERS_EVERYWHERE = ("jsonl", "tensorboard")
 _TRACKERS_FULL = ("torchrun", "horovodrun")
@@ -1735,7 +1735,9 @@ def _tracker_problems(folder, chosen, logged, hparams):
     readers = {"jsonl": (lambda: tracker_files.read_jsonl(os.path.join(folder, "p")), lambda v: v, lambda v: v),
                "tensorboard": (lambda: tracker_files.read_tensorboard(os.path.join(folder, "p")), as_float32, float),
                "mlflow": (lambda: tracker_files.read_mlflow(folder, "p"), float, str),
-               "wandb": (lambda: tracker_files.read_wandb(folder), lambda v: v, lambda v: v)}
+               "wandb": (lambda: tracker_files.read_wandb(folder), lambda v: v, lambda v: v),
+               "trackio": (lambda: tracker_files.read_trackio(os.path.join(folder, "trackio"), "p"), lambda v: v,
+                           lambda v: v)}
     problems = []
     for name in chosen:
         read, metric, param = readers[name]
@@ -1771,7 +1773,7 @@ def trackers_write_from_the_main_process_only(ctx):
     problems = _tracker_problems(folder, chosen, logged, hparams) if r == 0 else None
     problems = ud.broadcast(problems, 0)
     if full_set:
-        assert {"jsonl", "tensorboard", "mlflow", "wandb"} <= set(chosen), f"not installed: {chosen}"
+        assert {"jsonl", "tensorboard", "mlflow", "wandb", "trackio"} <= set(chosen), f"not installed: {chosen}"
     assert held == {name: r == 0 for name in chosen}, f"rank {r} holds library objects {held}"
     assert not problems, "; ".join(problems)
 
