@@ -6,14 +6,15 @@ unified_dist.
 The script is tests/launchers/workers/accelerate_example.py (the shape of Accelerate's ``nlp_example.py`` and
 ``by_feature/checkpointing.py``); the reference is that script as written, under ``accelerate launch``
 with 2 processes, i.e. real Accelerate. The changed copy differs by the import line only (the test
-writes it). Four launches, shared by every assertion:
+writes it). Five launches, shared by every assertion:
 
 1. ``accelerate launch``, changed import: a full run, ``save_state`` after epoch 0 (folder U);
 2. ``accelerate launch``, the script as written (the reference): a full run, ``save_state`` (folder A),
    then a run resumed from folder U (real Accelerate loads unified_dist's folder);
 3. ``torchrun -m unified_dist.accelerate script.py``, the script as written (no line changed): a full
    run, then one resumed from folder A;
-4. ``horovodrun``, changed import: a full run, then one resumed from folder A.
+4. ``horovodrun``, changed import: a full run, then one resumed from folder A;
+5. a real ``srun``, the script as written through the runner: a full run, then one resumed from folder A.
 
 Expected values that are not the reference's are computed here: the learning rate after each epoch
 follows from Accelerate's rule (a prepared scheduler steps once per process per optimizer step), the
@@ -108,6 +109,18 @@ def test_one_import_changed_gives_accelerates_parameters_under_accelerate_launch
 
 def test_one_import_changed_gives_accelerates_parameters_under_horovodrun(runs, horovod_runs):
     check_like_reference(horovod_runs["full"], runs["reference"]["full"], "unified_dist.accelerate.accelerator")
+
+
+def test_the_unchanged_script_gives_accelerates_parameters_under_srun(runs, slurm_cluster):
+    """Launch 5: a real srun (one-node SLURM), the script as written through ``python -m
+    unified_dist.accelerate``, resuming from Accelerate's folder A (mpirun: test_accelerate_own_scripts.py)."""
+    tmp = runs["tmp"]
+    cmd = command("srun", "-m", ["unified_dist.accelerate", str(SCRIPT), "--out", str(tmp / "srun.jsonl"),
+                                 "--resume", str(runs["folders"]["A"])])
+    run(cmd, TIMEOUT, child_env(slurm_cluster)).check()
+    got = results(tmp / "srun.jsonl")
+    check_like_reference(got["full"], runs["reference"]["full"], "unified_dist.accelerate.accelerator")
+    assert got["resume"]["param_sum"] == pytest.approx(runs["reference"]["full"]["param_sum"], rel=1e-6, abs=0)
 
 
 @pytest.mark.horovod
