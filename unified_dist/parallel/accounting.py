@@ -165,12 +165,13 @@ def _tensors(value: Any) -> list:
 
 
 def _group_name(args: Sequence[Any]) -> Optional[str]:
-    """The process group's name among a collective op's arguments (a name, or a boxed group)."""
+    """The process group's name among a collective op's arguments (its last string, or a boxed group)."""
     import torch.distributed as dist
 
+    names = [arg for arg in args if isinstance(arg, str)]
+    if names:  # a functional op: (tensor, [reduce op,] [group size,] group name)
+        return names[-1]
     for arg in args:
-        if isinstance(arg, str):
-            return arg
         if isinstance(arg, torch.ScriptObject):
             try:
                 return dist.ProcessGroup.unbox(arg).group_name
