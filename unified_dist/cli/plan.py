@@ -75,7 +75,9 @@ def simulate(plan: launch.Plan, rank: int) -> Dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ud-plan-") as tmp:
         out = os.path.join(tmp, "plan.json")
         command = [sys.executable, "-m", "unified_dist.cli.plan_worker", out, plan.script, *plan.script_args]
-        done = subprocess.run(command, env=environment(plan, rank), stdout=sys.stderr, stderr=sys.stderr)
+        done = subprocess.run(command, env=environment(plan, rank), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, errors="replace")
+        sys.stderr.write(done.stdout)
         if not os.path.exists(out):
             raise UsageError(f"the simulated rank died (exit status {done.returncode}) before writing its plan; "
                              "its output is above")

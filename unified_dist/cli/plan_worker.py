@@ -113,7 +113,7 @@ class Simulation:
         session.init = _outside_fake(session.init)
         DeviceMesh.__init__ = _outside_fake(DeviceMesh.__init__)
         torch.nn.Module.to = _stay_if_fake(torch.nn.Module.to)
-        TorchBackend._wrap_ddp = self._no_ddp
+        TorchBackend._wrap_ddp = lambda backend, model: self._no_ddp(model)
         prepare = session.Session.prepare
         session.Session.prepare = lambda s, objs: self._prepared(s, prepare(s, objs))
         register_optimizer_step_pre_hook(self._before_step)
@@ -124,7 +124,7 @@ class Simulation:
         self.host.__enter__()
         self.counter.__enter__()
 
-    def _no_ddp(self, backend, model: torch.nn.Module) -> torch.nn.Module:
+    def _no_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
         self.ddp = True
         return model
 
@@ -195,17 +195,17 @@ def _join_fake_world() -> None:
 
 
 def _group_labels() -> Dict[str, str]:
-    """The mesh's process groups by name -> their dimension (for the collectives table)."""
+    """The mesh's process groups by name -> their dimension (for the collectives table); a group that
+    serves several (a ``dp_shard`` that spans the world) is named by all of them: ``dp_shard=world``."""
+    import torch.distributed as dist
+
     from .. import session
 
     mesh = session.current().backend.device_mesh
-    labels = {}
-    if mesh is not None:
-        for dim in mesh.mesh_dim_names:
-            labels[mesh.get_group(dim).group_name] = dim
-    import torch.distributed as dist
-
-    labels[dist.group.WORLD.group_name] = "world"
+    labels: Dict[str, str] = {}
+    named = [(dim, mesh.get_group(dim)) for dim in mesh.mesh_dim_names] if mesh is not None else []
+    for dim, group in [*named, ("world", dist.group.WORLD)]:
+        labels[group.group_name] = f"{labels[group.group_name]}={dim}" if group.group_name in labels else dim
     return labels
 
 
