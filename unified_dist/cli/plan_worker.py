@@ -174,7 +174,7 @@ class Simulation:
         backend = session.current().backend
         models = [backend.unwrap(m) for m in self.models]
         held = rank_bytes(models, optimizer)
-        collectives = self.counter.table()
+        collectives = _relabel(self.counter.table(), _group_labels())
         if self.ddp:
             collectives.append({"kind": "all_reduce", "group": "world (DDP buckets)", "calls": None,
                                 "bytes": held["grads"], "derived": True})
@@ -225,8 +225,6 @@ def simulate(script: str, script_args: List[str]) -> Dict[str, Any]:
                         "plan needs a script that builds a model and steps an optimizer"}
     except _Planned:
         out.update(sim.result)
-        sim.counter.groups = _group_labels()
-        out["collectives"] = _relabel(out["collectives"], sim.counter.groups)
     except Exception as exc:  # the error the real job would meet, as it is
         out["error"] = {"type": type(exc).__name__, "message": " ".join(str(exc).split())}
     out["seconds"] = round(time.perf_counter() - start, 2)

@@ -13,8 +13,8 @@ import math
 
 import pytest
 
-H, F, L, O, B = 6, 10, 3, 5, 4
-"""The tiny net: L blocks of Linear(H, F) -> relu -> Linear(F, H) (residual), then Linear(H, O); batch B."""
+H, F, L, OUT, B = 6, 10, 3, 5, 4
+"""The tiny net: L blocks of Linear(H, F) -> relu -> Linear(F, H) (residual), then Linear(H, OUT); batch B."""
 
 NET = f"""
 import torch
@@ -32,7 +32,7 @@ class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.blocks = torch.nn.ModuleList([Block() for _ in range({L})])
-        self.head = torch.nn.Linear({H}, {O})
+        self.head = torch.nn.Linear({H}, {OUT})
 
     def forward(self, x):
         for block in self.blocks:
@@ -63,7 +63,7 @@ model, optimizer = ud.prepare(model, optimizer)
 """
 
 # (weight shape, bias shape, TP split: 0 rows, 1 columns, None not split) of every Linear
-LINEARS = [((F, H), (F,), 0), ((H, F), (H,), 1)] * L + [((O, H), (O,), None)]
+LINEARS = [((F, H), (F,), 0), ((H, F), (H,), 1)] * L + [((OUT, H), (OUT,), None)]
 
 
 def rows(d: int, parts: int, index: int) -> int:

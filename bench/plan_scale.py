@@ -1,0 +1,99 @@
+"""``unified-dist plan`` measured: time and memory of 512-rank plans of a 1.1 B-parameter Llama, the
+worked example of docs/plan.md (a tiny Llama at 8, 64 and 512 ranks), and the plan of the memory
+benchmark's own worker at 4 ranks against the bytes its real ranks counted
+(bench/results/memory_layouts.json, rank 0).
+
+    python bench/plan_scale.py            # writes bench/results/plan_scale.json
+
+Each plan is one ``python -m unified_dist plan --json`` command, timed from outside (wall seconds);
+its memory is the planning process's peak resident set (``peak_rss_bytes``, from the simulated
+rank itself: the command's parent process only waits).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import provenance
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = "bench/plan_llama.py"
+WORKER = "bench/memory_layouts_worker.py"
+
+SCALE = {  # name -> (nnodes, nproc, flags, script args)
+    "1b_fsdp_512": (64, 8, ["--sharding", "fsdp"], ["--size", "1b"]),
+    "1b_fsdp_tp4_512": (64, 8, ["--sharding", "fsdp", "--tp", "4"], ["--size", "1b"]),
+}
+EXAMPLE = {
+    "tiny_fsdp_8": (1, 8, ["--sharding", "fsdp"], ["--size", "tiny"]),
+    "tiny_hsdp_64": (8, 8, ["--sharding", "fsdp", "--dp-replicate", "8"], ["--size", "tiny"]),
+    "tiny_fsdp_tp_512": (64, 8, ["--sharding", "fsdp", "--tp", "8", "--activation-checkpointing"], ["--size", "tiny"]),
+    "tiny_tp16_512": (64, 8, ["--sharding", "fsdp", "--tp", "16"], ["--size", "tiny"]),
+}
+AGREEMENT = {  # the memory benchmark's layouts at 4 ranks (its worker sets them with ud.init itself)
+    layout: (1, 4, [], ["--model", "llama", "--layouts", layout, "--steps", "1", "--out", "/tmp"])
+    for layout in ("ddp", "fsdp", "hsdp", "fsdp_tp")
+}
+LIMITS = {"seconds": 60.0, "peak_rss_bytes": 4 * 2 ** 30, "agreement": 0.01}
+
+
+def plan(nnodes: int, nproc: int, flags: list, script: str, script_args: list) -> dict:
+    """One ``unified-dist plan --json``: its report plus the command and its wall time."""
+    cmd = [sys.executable, "-m", "unified_dist", "plan", "--json", "--nnodes", str(nnodes), "--nproc", str(nproc),
+           *flags, script, *script_args]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    wall = time.perf_counter() - start
+    crashed = {"error": {"type": "crash", "message": done.stderr[-500:]}}
+    report = json.loads(done.stdout) if done.stdout.strip() else crashed
+    report.update(command=" ".join(cmd[1:]).replace(sys.executable, "python"), wall_s=round(wall, 2))
+    return report
+
+
+def agreement(reports: dict, real_file: Path) -> dict:
+    """Per layout: the plan's rank-0 bytes over the real rank 0's (memory_layouts.json)."""
+    real = json.loads(real_file.read_text())
+    out = {}
+    for layout, report in reports.items():
+        row = next(r for r in real["rows"] if (r["model"], r["processes"], r["layout"]) == ("llama", 4, layout))
+        planned = report["bytes"]["total"]
+        out[layout] = {"planned_total": planned, "real_total": row["bytes_per_rank"][0],
+                       "ratio": planned / row["bytes_per_rank"][0],
+                       "planned_saved": report["saved_for_backward"]["bytes"],
+                       "real_saved": row["saved_for_backward"], "real_commit": real["commit"]}
+    return out
+
+
+def verdict(record: dict) -> dict:
+    scale = record["scale"].values()
+    ratios = [abs(a["ratio"] - 1) for a in record["agreement"].values()]
+    return {
+        "seconds": {"value": max(r["wall_s"] for r in scale), "limit": LIMITS["seconds"]},
+        "peak_rss_bytes": {"value": max(r["peak_rss_bytes"] for r in scale), "limit": LIMITS["peak_rss_bytes"]},
+        "agreement": {"value": max(ratios), "limit": LIMITS["agreement"]},
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "plan_scale.json"))
+    args = p.parse_args()
+    record = {**provenance.start(), "limits": LIMITS}
+    record["scale"] = {name: plan(n, g, flags, LLAMA, a) for name, (n, g, flags, a) in SCALE.items()}
+    record["example"] = {name: plan(n, g, flags, LLAMA, a) for name, (n, g, flags, a) in EXAMPLE.items()}
+    worker = {name: plan(n, g, flags, WORKER, a) for name, (n, g, flags, a) in AGREEMENT.items()}
+    record["agreement"] = agreement(worker, ROOT / "bench" / "results" / "memory_layouts.json")
+    record["verdict"] = {k: {**v, "met": v["value"] is not None and v["value"] <= v["limit"]}
+                         for k, v in verdict(record).items()}
+    Path(args.out).write_text(json.dumps(provenance.finish(record), indent=1))
+    for name, v in record["verdict"].items():
+        print(f"{name}: {v['value']:.4g} (limit {v['limit']:.4g}, {'met' if v['met'] else 'MISSED'})")
+    return 0 if all(v["met"] for v in record["verdict"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
