@@ -139,6 +139,7 @@ def test_plan_at_world_4_holds_what_each_rank_holds(plan, name):
         assert kinds[("all_reduce", "dp_replicate")]["calls"] == L + 1
     if name == "fsdp_tp":  # each row-wise Linear all-reduces its (B, H) output over the TP ranks in forward, each
         # column-wise one its input's (B, H) gradient in backward, except the first block's (its input needs none)
+        assert {kind for kind, _ in kinds} == {"all_gather", "reduce_scatter", "all_reduce"}  # not prepare's scatter
         tp_reduce = kinds[("all_reduce", "tp")]
         assert (tp_reduce["calls"], tp_reduce["bytes"]) == (2 * L - 1, (2 * L - 1) * B * H * 4)
 
