@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -37,6 +38,9 @@ def add_arguments(parser) -> None:
     launch.add_arguments(parser, backend_required=False)
     parser.add_argument("--rank", type=int, default=0, metavar="R", help="the global rank to simulate (default 0)")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--compare-checkpointing", action="store_true",
+                        help="plan a second time with activation checkpointing switched the other way (needs "
+                             "--sharding fsdp) and give the saved-for-backward bytes of both")
 
 
 def plan_of(args) -> launch.Plan:
@@ -112,6 +116,10 @@ def render(report: Dict[str, Any]) -> List[str]:
     ac = "on" if report["activation_checkpointing"] else "off"
     lines.append(f"saved for backward by the first micro-batch (activation checkpointing {ac}): "
                  + (size(saved["bytes"]) if saved else "not seen (no forward of a prepared model)"))
+    if "saved_for_backward_other" in report:
+        other = report["saved_for_backward_other"]
+        lines.append(f"  with activation checkpointing {'off' if ac == 'on' else 'on'}: "
+                     + (size(other["bytes"]) if other else "the job would fail (plan it to see why)"))
     lines.append("collectives of the first optimizer step (kind, process group, calls, bytes):")
     for row in report["collectives"]:
         calls = "derived" if row.get("derived") else f"{row['calls']} calls"
@@ -120,10 +128,27 @@ def render(report: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def with_other_checkpointing(plan: launch.Plan, report: Dict[str, Any]) -> Dict[str, Any]:
+    """``report`` plus ``saved_for_backward_other``: the first micro-batch's saved bytes with activation
+    checkpointing switched the other way (a second simulation), ``None`` where that run failed."""
+    other = not report["activation_checkpointing"]
+    again = simulate(replace(plan, settings={**plan.settings, "activation_checkpointing": other}), report["rank"])
+    if not again["error"] and again["activation_checkpointing"] != other:
+        raise UsageError("--compare-checkpointing: the script sets activation_checkpointing in its own ud.init, "
+                         "which the flag cannot change; plan it twice with the script's setting changed")
+    saved = None if again["error"] else again["saved_for_backward"]
+    return {**report, "saved_for_backward_other": saved}
+
+
 def main(args) -> int:
     """Simulate the rank and print its plan; exit status 1 when the job would stop with an error."""
     plan = plan_of(args)
+    if args.compare_checkpointing and plan.setting("sharding") != "fsdp":
+        raise UsageError("--compare-checkpointing needs --sharding fsdp (activation checkpointing applies to the "
+                         "blocks FSDP2 shards)")
     report = simulate(plan, args.rank)
+    if args.compare_checkpointing and not report["error"]:
+        report = with_other_checkpointing(plan, report)
     if args.json:
         print(json.dumps(report, indent=1))
     else:

@@ -11,9 +11,9 @@ How the world is simulated, and why each piece is needed:
   every rank-dependent choice (the mesh, the shards) is the real rank's.
 - torch's ``FakeTensorMode`` is active while the script runs: every tensor the script and the library
   create has its real shape, dtype and device but no data, so a 1 B-parameter model costs nothing.
-  The device mesh and ``ud.init`` run outside it (their rank tables are real data); a module whose
-  parameters are fake stays where it is when moved to the device it already reports (torch cannot
-  swap a fake parameter); a value the host reads from a fake tensor (``loss.item()``) is 0.
+  The device mesh and ``ud.init`` run outside it (their rank tables are real data); a module
+  moved to the device all its tensors already report stays as it is (torch would swap each fake
+  parameter for itself, and cannot); a value the host reads from a fake tensor (``loss.item()``) is 0.
 - The first optimizer step runs outside the fake mode (its step counter is a real scalar), on the
   fake shards; right after it the rank's bytes are counted and the script is stopped.
 - DDP's reducer cannot run on fake tensors: a DDP model stays unwrapped, and DDP's all-reduce per step
@@ -65,24 +65,22 @@ def _outside_fake(function):
     return run
 
 
-def _stay_if_fake(to):
-    """``Module.to`` that leaves a module of fake parameters where it is when asked only for a device."""
-    from torch._subclasses.fake_tensor import FakeTensor
+def _stay_if_there(to):
+    """``Module.to`` that returns a module at once when asked only for the device all its parameters
+    and buffers already report (torch would try to swap each fake parameter for itself, and fail)."""
 
     def moved(self, *args, **kwargs):
-        params = list(self.parameters())
-        dtype_asked = any(isinstance(a, torch.dtype) for a in (*args, *kwargs.values()))
-        if params and not dtype_asked and all(isinstance(p, FakeTensor) or _is_fake_dtensor(p) for p in params):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if device is not None and dtype is None and memory_format is None and tensors \
+                and all(_same_device(t.device, device) for t in tensors):
             return self
         return to(self, *args, **kwargs)
     return moved
 
 
-def _is_fake_dtensor(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor) and isinstance(t._local_tensor, FakeTensor)
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    return have.type == want.type and (want.index is None or have.index == want.index)
 
 
 class Simulation:
@@ -112,7 +110,7 @@ class Simulation:
 
         session.init = _outside_fake(session.init)
         DeviceMesh.__init__ = _outside_fake(DeviceMesh.__init__)
-        torch.nn.Module.to = _stay_if_fake(torch.nn.Module.to)
+        torch.nn.Module.to = _stay_if_there(torch.nn.Module.to)
         TorchBackend._wrap_ddp = lambda backend, model: self._no_ddp(model)
         prepare = session.Session.prepare
         session.Session.prepare = lambda s, objs: self._prepared(s, prepare(s, objs))

@@ -112,7 +112,7 @@ def plan(cli_in_process, tmp_path):
 
 LAYOUTS = {  # name -> (flags, rank, its shard index, shards, its TP rank, tp)
     "ddp": ((), 0, 0, 1, 0, 1),
-    "fsdp": (("--sharding", "fsdp", "--activation-checkpointing"), 3, 3, 4, 0, 1),
+    "fsdp": (("--sharding", "fsdp", "--activation-checkpointing", "--compare-checkpointing"), 3, 3, 4, 0, 1),
     "hsdp": (("--sharding", "fsdp", "--dp-replicate", "2"), 1, 1, 2, 0, 1),
     "fsdp_tp": (("--sharding", "fsdp", "--tp", "2"), 1, 0, 2, 1, 2),
 }
@@ -135,6 +135,8 @@ def test_plan_at_world_4_holds_what_each_rank_holds(plan, name):
         assert scatter["bytes"] == padded_bytes(4, True) + padded_bytes(4, False)
         # checkpointed blocks keep only their inputs; the head keeps its input (the last block's output)
         assert report["saved_for_backward"]["bytes"] == (L + 1) * B * H * 4
+        # without: each block's input (for w1), its (B, F) relu output (for relu and w2), and the head's input
+        assert report["saved_for_backward_other"]["bytes"] == (L * (B * H + B * F) + B * H) * 4
     if name == "hsdp":  # gradients are reduce-scattered inside a replica, then all-reduced across replicas
         assert kinds[("all_reduce", "dp_replicate")]["calls"] == L + 1
     if name == "fsdp_tp":  # each row-wise Linear all-reduces its (B, H) output over the TP ranks in forward, each
