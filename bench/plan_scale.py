@@ -1,7 +1,7 @@
 """``unified-dist plan`` measured: time and memory of 512-rank plans of a 1.1 B-parameter Llama, the
 worked example of docs/plan.md (a tiny Llama at 8, 64 and 512 ranks), and the plan of the memory
-benchmark's own worker at 4 ranks against the bytes its real ranks counted
-(bench/results/memory_layouts.json, rank 0).
+benchmark's own worker (BERT and Llama, DDP, FSDP, HSDP 2 x 2, FSDP x TP 2 x 2) at 4 ranks against
+the bytes its real ranks counted (bench/results/memory_layouts.json, rank 0): held and saved for backward.
 
     python bench/plan_scale.py            # writes bench/results/plan_scale.json
 
@@ -31,12 +31,13 @@ SCALE = {  # name -> (nnodes, nproc, flags, script args)
 EXAMPLE = {
     "tiny_fsdp_8": (1, 8, ["--sharding", "fsdp"], ["--size", "tiny"]),
     "tiny_hsdp_64": (8, 8, ["--sharding", "fsdp", "--dp-replicate", "8"], ["--size", "tiny"]),
-    "tiny_fsdp_tp_512": (64, 8, ["--sharding", "fsdp", "--tp", "8", "--activation-checkpointing"], ["--size", "tiny"]),
+    "tiny_fsdp_tp_512": (64, 8, ["--sharding", "fsdp", "--tp", "8", "--activation-checkpointing",
+                                 "--compare-checkpointing"], ["--size", "tiny"]),
     "tiny_tp16_512": (64, 8, ["--sharding", "fsdp", "--tp", "16"], ["--size", "tiny"]),
 }
 AGREEMENT = {  # the memory benchmark's layouts at 4 ranks (its worker sets them with ud.init itself)
-    layout: (1, 4, [], ["--model", "llama", "--layouts", layout, "--steps", "1", "--out", "/tmp"])
-    for layout in ("ddp", "fsdp", "hsdp", "fsdp_tp")
+    f"{model}_{layout}": (1, 4, [], ["--model", model, "--layouts", layout, "--steps", "1", "--out", "/tmp"])
+    for model in ("bert", "llama") for layout in ("ddp", "fsdp", "hsdp", "fsdp_tp")
 }
 LIMITS = {"seconds": 60.0, "peak_rss_bytes": 4 * 2 ** 30, "agreement": 0.01}
 
@@ -55,22 +56,24 @@ def plan(nnodes: int, nproc: int, flags: list, script: str, script_args: list) -
 
 
 def agreement(reports: dict, real_file: Path) -> dict:
-    """Per layout: the plan's rank-0 bytes over the real rank 0's (memory_layouts.json)."""
+    """Per model and layout: the plan's rank-0 bytes over the real rank 0's (memory_layouts.json)."""
     real = json.loads(real_file.read_text())
     out = {}
-    for layout, report in reports.items():
-        row = next(r for r in real["rows"] if (r["model"], r["processes"], r["layout"]) == ("llama", 4, layout))
+    for name, report in reports.items():
+        model, _, layout = name.partition("_")
+        row = next(r for r in real["rows"] if (r["model"], r["processes"], r["layout"]) == (model, 4, layout))
         planned = report["bytes"]["total"]
-        out[layout] = {"planned_total": planned, "real_total": row["bytes_per_rank"][0],
-                       "ratio": planned / row["bytes_per_rank"][0],
-                       "planned_saved": report["saved_for_backward"]["bytes"],
-                       "real_saved": row["saved_for_backward"], "real_commit": real["commit"]}
+        out[name] = {"planned_total": planned, "real_total": row["bytes_per_rank"][0],
+                     "ratio": planned / row["bytes_per_rank"][0],
+                     "planned_saved": report["saved_for_backward"]["bytes"], "real_saved": row["saved_for_backward"],
+                     "saved_ratio": report["saved_for_backward"]["bytes"] / row["saved_for_backward"],
+                     "real_commit": real["commit"]}
     return out
 
 
 def verdict(record: dict) -> dict:
     scale = record["scale"].values()
-    ratios = [abs(a["ratio"] - 1) for a in record["agreement"].values()]
+    ratios = [abs(a[key] - 1) for a in record["agreement"].values() for key in ("ratio", "saved_ratio")]
     return {
         "seconds": {"value": max(r["wall_s"] for r in scale), "limit": LIMITS["seconds"]},
         "peak_rss_bytes": {"value": max(r["peak_rss_bytes"] for r in scale), "limit": LIMITS["peak_rss_bytes"]},
