@@ -132,7 +132,7 @@ class Simulation:
             if isinstance(obj, torch.nn.Module):
                 self.models.append(obj)
                 regions = session.backend.compile_regions(obj)
-                obj.register_forward_pre_hook(lambda m, a, s=session, r=regions: self._forward_starts(m, r))
+                obj.register_forward_pre_hook(lambda m, a, r=regions: self._forward_starts(m, r))
                 obj.register_forward_hook(lambda m, a, o: self._forward_ends())
         return out
 
@@ -144,7 +144,17 @@ class Simulation:
             self.counter.reset()  # the step's collectives only (not init's and prepare's)
         if self.saved is None and self._saving is None:
             blocks = regions if regions is not None else blocks_to_shard(model)
-            self._saving = SavedBytes(model, blocks).__enter__()
+            self._saving = SavedBytes(model, blocks, twins=self._fake_twin).__enter__()
+
+    def _fake_twin(self, param: torch.Tensor) -> list:
+        """The fake copy the fake mode makes of a real parameter (one a script loaded from a file) when an
+        operation uses it: what the forward saves of that parameter."""
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(param, (FakeTensor, DTensor)):
+            return []
+        return [self.fake.from_tensor(param)]
 
     def _forward_ends(self) -> None:
         if self._saving is not None and self.saved is None:

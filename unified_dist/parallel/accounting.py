@@ -84,11 +84,13 @@ class SavedBytes:
     closure, which no saved-tensor hook sees) to run its forward again in backward, and a
     checkpointed block's own saved tensors go to the checkpoint's hooks, not these. Without
     checkpointing, a block's input is saved by its first operation anyway (the storage is counted
-    once), so adding it costs the plain run nothing."""
+    once), so adding it costs the plain run nothing. ``twins(p)`` gives tensors that stand for parameter
+    ``p`` in the forward (under a fake mode, the fake copy of a real parameter); they are parameters too."""
 
-    def __init__(self, model: torch.nn.Module, watched_blocks=()):
+    def __init__(self, model: torch.nn.Module, watched_blocks=(), twins=None):
         self.model = model
         self.blocks = list(watched_blocks)
+        self.twins = twins or (lambda p: [])  # other tensors that stand for parameter p (a fake copy of it)
         self.seen: set = set()
         self.bytes = 0
         self.count = 0
@@ -96,7 +98,8 @@ class SavedBytes:
         self._hooks: Any = None
 
     def _param_keys(self):
-        return {storage_key(t) for p in self.model.parameters() for t in _plain_tensors(p)}
+        return {storage_key(t) for p in self.model.parameters() for alias in (p, *self.twins(p))
+                for t in _plain_tensors(alias)}
 
     def _add(self, t: torch.Tensor, params=None) -> None:
         if not isinstance(t, torch.Tensor):
