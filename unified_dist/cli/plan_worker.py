@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..parallel.accounting import CollectiveCounter, SavedBytes, rank_bytes
+from ..parallel.accounting import CollectiveCounter, SavedBytes, group_labels, rank_bytes
 
 
 class _Planned(BaseException):
@@ -98,6 +98,8 @@ class Simulation:
         self.result: Dict[str, Any] = {}
         self._saving: Optional[SavedBytes] = None
         self._counting_from_forward = False
+        self._in_prepared_step = False
+        self._labels: Dict[str, str] = {}
 
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
@@ -114,6 +116,7 @@ class Simulation:
         TorchBackend._wrap_ddp = lambda backend, model: self._no_ddp(model)
         prepare = session.Session.prepare
         session.Session.prepare = lambda s, objs: self._prepared(s, prepare(s, objs))
+        self._wrap_prepared_step()
         register_optimizer_step_pre_hook(self._before_step)
         register_optimizer_step_post_hook(self._after_step)
 
@@ -132,7 +135,8 @@ class Simulation:
             if isinstance(obj, torch.nn.Module):
                 self.models.append(obj)
                 regions = session.backend.compile_regions(obj)
-                obj.register_forward_pre_hook(lambda m, a, r=regions: self._forward_starts(m, r))
+                # first of the pre-forward hooks: FSDP2's (all-gather of the root) and the buffers' broadcast count
+                obj.register_forward_pre_hook(lambda m, a, r=regions: self._forward_starts(m, r), prepend=True)
                 obj.register_forward_hook(lambda m, a, o: self._forward_ends())
         return out
 
@@ -171,9 +175,32 @@ class Simulation:
         self.counter.__enter__()
 
     def _after_step(self, optimizer, args, kwargs) -> None:
-        self.counter.__exit__(None, None, None)
+        """Count what the rank holds; stop here, or, inside ``ud.prepare``'s optimizer, once its step
+        (with the buffers' broadcast that follows the update) returns."""
         self.result = self.report(optimizer)
+        if not self._in_prepared_step:
+            self._stop()
+
+    def _stop(self) -> None:
+        self.counter.__exit__(None, None, None)
+        self.result["collectives"] = _relabel(self.counter.table(), self._labels)
         raise _Planned()
+
+    def _wrap_prepared_step(self) -> None:
+        from ..training.accumulation import PreparedOptimizer
+
+        step = PreparedOptimizer.step
+
+        def planned_step(optimizer, *args, **kwargs):
+            self._in_prepared_step = True
+            try:
+                result = step(optimizer, *args, **kwargs)
+            finally:
+                self._in_prepared_step = False
+            if self.result:
+                self._stop()
+            return result
+        PreparedOptimizer.step = planned_step
 
     def report(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         """What this rank holds after its first optimizer step and what it sent during it."""
@@ -182,12 +209,12 @@ class Simulation:
         backend = session.current().backend
         models = [backend.unwrap(m) for m in self.models]
         held = rank_bytes(models, optimizer)
-        collectives = _relabel(self.counter.table(), _group_labels())
+        self._labels = group_labels(backend.device_mesh)
         if self.ddp:
-            collectives.append({"kind": "all_reduce", "group": "world (DDP buckets)", "calls": None,
-                                "bytes": held["grads"], "derived": True})
+            self._labels["derived"] = "world (DDP buckets)"
+            self.counter.add("all_reduce", "derived", held["grads"], calls=None)
         layout, config = backend.layout, backend.config
-        return {"bytes": held, "saved_for_backward": self.saved, "collectives": collectives,
+        return {"bytes": held, "saved_for_backward": self.saved,
                 "model_parameters": sum(p.numel() for m in models for p in m.parameters()),
                 "layout": {"dp_replicate": layout.replicate, "dp_shard": layout.shard, "tp": layout.tp},
                 "ddp": self.ddp, "activation_checkpointing": bool(config.sharding.activation_checkpointing),
@@ -200,21 +227,6 @@ def _join_fake_world() -> None:
 
     dist.init_process_group("fake", store=FakeStore(), rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]))
-
-
-def _group_labels() -> Dict[str, str]:
-    """The mesh's process groups by name -> their dimension (for the collectives table); a group that
-    serves several (a ``dp_shard`` that spans the world) is named by all of them: ``dp_shard=world``."""
-    import torch.distributed as dist
-
-    from .. import session
-
-    mesh = session.current().backend.device_mesh
-    labels: Dict[str, str] = {}
-    named = [(dim, mesh.get_group(dim)) for dim in mesh.mesh_dim_names] if mesh is not None else []
-    for dim, group in [*named, ("world", dist.group.WORLD)]:
-        labels[group.group_name] = f"{labels[group.group_name]}={dim}" if group.group_name in labels else dim
-    return labels
 
 
 def simulate(script: str, script_args: List[str]) -> Dict[str, Any]:

@@ -183,6 +183,18 @@ def _group_name(args: Sequence[Any]) -> Optional[str]:
     return None
 
 
+def group_labels(mesh: Any = None) -> Dict[str, str]:
+    """Process-group name -> the ``mesh`` dimension it serves, and the default group's -> ``"world"``; a
+    group that serves several (a ``dp_shard`` that spans the world) is named by all: ``dp_shard=world``."""
+    import torch.distributed as dist
+
+    labels: Dict[str, str] = {}
+    named = [(dim, mesh.get_group(dim)) for dim in mesh.mesh_dim_names] if mesh is not None else []
+    for dim, group in [*named, ("world", dist.group.WORLD)]:
+        labels[group.group_name] = f"{labels[group.group_name]}={dim}" if group.group_name in labels else dim
+    return labels
+
+
 class CollectiveCounter(TorchDispatchMode):
     """Counts the collectives this process calls while active, by kind and process group: calls and
     bytes (the size of the message as :data:`KINDS` says). ``groups`` names process groups
@@ -212,9 +224,15 @@ class CollectiveCounter(TorchDispatchMode):
         if factor is not None:
             size *= int(args[factor])
         group = _group_name([*args, *kwargs.values()])
-        label = self.groups.get(group, group or "?")
-        entry = self.counts.setdefault((kind, label), {"calls": 0, "bytes": 0})
-        entry["calls"] += 1
+        self.add(kind, self.groups.get(group, group or "?"), size)
+
+    def add(self, kind: str, group: str, size: int, calls: Optional[int] = 1) -> None:
+        """Count ``calls`` collectives of ``kind`` over ``group`` moving ``size`` bytes in all; ``calls=None``:
+        bytes known without the calls (marked ``derived`` in :meth:`table`)."""
+        entry = self.counts.setdefault((kind, group), {"calls": 0, "bytes": 0})
+        if calls is None:
+            entry["derived"] = True
+        entry["calls"] = None if calls is None or entry["calls"] is None else entry["calls"] + calls
         entry["bytes"] += size
 
     def table(self) -> list:
@@ -222,4 +240,5 @@ class CollectiveCounter(TorchDispatchMode):
         return [{"kind": kind, "group": group, **entry} for (kind, group), entry in sorted(self.counts.items())]
 
 
-__all__ = ["CollectiveCounter", "KINDS", "SavedBytes", "local_tensor", "rank_bytes", "storage_key", "tensor_bytes"]
+__all__ = ["CollectiveCounter", "KINDS", "SavedBytes", "group_labels", "local_tensor", "rank_bytes", "storage_key",
+           "tensor_bytes"]

@@ -128,10 +128,11 @@ def test_plan_at_world_4_holds_what_each_rank_holds(plan, name):
     kinds = {(row["kind"], row["group"]): row for row in report["collectives"]}
     if name == "ddp":
         assert report["ddp"] and kinds[("all_reduce", "world (DDP buckets)")]["bytes"] == report["bytes"]["grads"]
-    if name == "fsdp":  # forward gathers every block and the root, backward the blocks again; one reduce-scatter each
+    if name == "fsdp":  # forward gathers the root and every block, backward all again (each is resharded after
+        # forward); one reduce-scatter each
         gather, scatter = kinds[("all_gather", "dp_shard=world")], kinds[("reduce_scatter", "dp_shard=world")]
-        assert (gather["calls"], scatter["calls"]) == (2 * L + 1, L + 1)
-        assert gather["bytes"] == 2 * padded_bytes(4, True) + padded_bytes(4, False)
+        assert (gather["calls"], scatter["calls"]) == (2 * (L + 1), L + 1)
+        assert gather["bytes"] == 2 * (padded_bytes(4, True) + padded_bytes(4, False))
         assert scatter["bytes"] == padded_bytes(4, True) + padded_bytes(4, False)
         # checkpointed blocks keep only their inputs; the head keeps its input (the last block's output)
         assert report["saved_for_backward"]["bytes"] == (L + 1) * B * H * 4
