@@ -1,7 +1,9 @@
 """``unified-dist plan`` measured: time and memory of 512-rank plans of a 1.1 B-parameter Llama, the
 worked example of docs/plan.md (a tiny Llama at 8, 64 and 512 ranks), and the plan of the memory
 benchmark's own worker (BERT and Llama, DDP, FSDP, HSDP 2 x 2, FSDP x TP 2 x 2) at 4 ranks against
-the bytes its real ranks counted (bench/results/memory_layouts.json, rank 0): held and saved for backward.
+the bytes its real ranks counted (bench/results/memory_layouts.json, rank 0): held and saved for backward;
+and the collectives of one step of a tiny Llama planned and counted on real rank 0 under torchrun x 4
+(bench/plan_real_worker.py: the same dispatch-mode counter on the real process group).
 
     python bench/plan_scale.py            # writes bench/results/plan_scale.json
 
@@ -13,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +44,10 @@ AGREEMENT = {  # the memory benchmark's layouts at 4 ranks (its worker sets them
     f"{model}_{layout}": (1, 4, [], ["--model", model, "--layouts", layout, "--steps", "1", "--out", "/tmp"])
     for model in ("bert", "llama") for layout in ("ddp", "fsdp", "hsdp", "fsdp_tp")
 }
-LIMITS = {"seconds": 60.0, "peak_rss_bytes": 4 * 2 ** 30, "agreement": 0.01}
+REAL = "bench/plan_real_worker.py"
+REAL_LAYOUTS = ("ddp", "fsdp", "hsdp", "fsdp_tp")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+LIMITS = {"seconds": 60.0, "peak_rss_bytes": 4 * 2 ** 30, "agreement": 0.01, "collectives_differing": 0}
 
 
 def plan(nnodes: int, nproc: int, flags: list, script: str, script_args: list) -> dict:
@@ -71,6 +79,34 @@ def agreement(reports: dict, real_file: Path) -> dict:
     return out
 
 
+def per_kind(rows: list) -> dict:
+    """Bytes per collective kind (DDP's derived all-reduce included), and calls (``None`` where derived)."""
+    out = {kind: {"bytes": 0, "calls": 0} for kind in KINDS}
+    for row in rows:
+        entry = out.setdefault(row["kind"], {"bytes": 0, "calls": 0})
+        entry["bytes"] += row["bytes"]
+        entry["calls"] = None if row["calls"] is None or entry["calls"] is None else entry["calls"] + row["calls"]
+    return out
+
+
+def collectives(tmp: Path) -> dict:
+    """Per layout: the tiny Llama's step collectives planned at 4 ranks (rank 0) and counted on real rank 0
+    (one ``torchrun`` x 4 launch of bench/plan_real_worker.py), bytes per kind."""
+    cmd = ["torchrun", "--standalone", "--nproc_per_node", "4", REAL, "--layouts", ",".join(REAL_LAYOUTS),
+           "--out", str(tmp)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "bench")])}
+    subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=True)
+    real = json.loads((tmp / "rank0.json").read_text())
+    out = {"command": "OMP_NUM_THREADS=1 " + " ".join(cmd)}
+    for layout in REAL_LAYOUTS:
+        planned = plan(1, 4, [], REAL, ["--layouts", layout, "--out", str(tmp)])
+        mine, theirs = per_kind(planned["collectives"]), per_kind(real[layout]["collectives"])
+        out[layout] = {"planned": mine, "real": theirs, "held_planned": planned["bytes"]["total"],
+                       "held_real": real[layout]["bytes"]["total"],
+                       "differing": sorted(k for k in KINDS if mine[k]["bytes"] != theirs[k]["bytes"])}
+    return out
+
+
 def verdict(record: dict) -> dict:
     scale = record["scale"].values()
     ratios = [abs(a[key] - 1) for a in record["agreement"].values() for key in ("ratio", "saved_ratio")]
@@ -78,6 +114,8 @@ def verdict(record: dict) -> dict:
         "seconds": {"value": max(r["wall_s"] for r in scale), "limit": LIMITS["seconds"]},
         "peak_rss_bytes": {"value": max(r["peak_rss_bytes"] for r in scale), "limit": LIMITS["peak_rss_bytes"]},
         "agreement": {"value": max(ratios), "limit": LIMITS["agreement"]},
+        "collectives_differing": {"value": sum(len(record["collectives"][name]["differing"]) for name in REAL_LAYOUTS),
+                                  "limit": LIMITS["collectives_differing"]},
     }
 
 
@@ -90,6 +128,11 @@ def main() -> int:
     record["example"] = {name: plan(n, g, flags, LLAMA, a) for name, (n, g, flags, a) in EXAMPLE.items()}
     worker = {name: plan(n, g, flags, WORKER, a) for name, (n, g, flags, a) in AGREEMENT.items()}
     record["agreement"] = agreement(worker, ROOT / "bench" / "results" / "memory_layouts.json")
+    tmp = Path(tempfile.mkdtemp(prefix="ud-plan-real-"))
+    try:
+        record["collectives"] = collectives(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     record["verdict"] = {k: {**v, "met": v["value"] is not None and v["value"] <= v["limit"]}
                          for k, v in verdict(record).items()}
     Path(args.out).write_text(json.dumps(provenance.finish(record), indent=1))
