@@ -14,8 +14,10 @@ How the world is simulated, and why each piece is needed:
   The device mesh and ``ud.init`` run outside it (their rank tables are real data); a module
   moved to the device all its tensors already report stays as it is (torch would swap each fake
   parameter for itself, and cannot); a value the host reads from a fake tensor (``loss.item()``) is 0.
-- The first optimizer step runs outside the fake mode (its step counter is a real scalar), on the
-  fake shards; right after it the rank's bytes are counted and the script is stopped.
+- The collectives are counted from the first forward of a prepared model (before FSDP2's own hooks)
+  to the end of the first optimizer step. That step runs outside the fake mode (its step counter is a
+  real scalar), on the fake shards; the rank's bytes are counted right after torch's step, and the
+  script is stopped once ``ud.prepare``'s optimizer returns (it broadcasts the buffers after the update).
 - DDP's reducer cannot run on fake tensors: a DDP model stays unwrapped, and DDP's all-reduce per step
   is given as the gradients' bytes (what DDP's buckets reduce), marked ``derived``.
 
