@@ -64,12 +64,14 @@ def plan_of(args) -> launch.Plan:
 
 def environment(plan: launch.Plan, rank: int, base=os.environ) -> Dict[str, str]:
     """The simulated rank's variables: torchrun's for ``rank`` of ``nnodes x nproc``, the
-    ``UNIFIED_DIST_*`` variable of each setting flag, and this package first on ``PYTHONPATH``."""
+    ``UNIFIED_DIST_*`` variable of each setting flag, no visible GPU, and this package first on ``PYTHONPATH``."""
     env = {k: v for k, v in base.items() if not k.startswith(FOREIGN_PREFIXES)}
     package_root = str(Path(__file__).resolve().parents[2])
     env.update(settings.flag_environment(plan.settings))
-    env.update(RANK=str(rank), WORLD_SIZE=str(plan.nproc * plan.nnodes), LOCAL_RANK=str(rank % plan.nproc),
-               LOCAL_WORLD_SIZE=str(plan.nproc), GROUP_RANK=str(rank // plan.nproc),
+    # the simulated rank computes on the CPU: its shards, activations and messages have the same sizes
+    # there, and fake parameters cannot move to a GPU
+    env.update(CUDA_VISIBLE_DEVICES="", RANK=str(rank), WORLD_SIZE=str(plan.nproc * plan.nnodes),
+               LOCAL_RANK=str(rank % plan.nproc), LOCAL_WORLD_SIZE=str(plan.nproc), GROUP_RANK=str(rank // plan.nproc),
                PYTHONPATH=os.pathsep.join([package_root, *filter(None, [base.get("PYTHONPATH")])]))
     return env
 
