@@ -247,11 +247,30 @@ def simulate(script: str, script_args: List[str]) -> Dict[str, Any]:
                         "plan needs a script that builds a model and steps an optimizer"}
     except _Planned:
         out.update(sim.result)
-    except Exception as exc:  # the error the real job would meet, as it is
-        out["error"] = {"type": type(exc).__name__, "message": " ".join(str(exc).split())}
+    except SystemExit as exc:
+        out["error"] = {"type": "PlanError", "message": f"the script exited (status {exc.code!r}) before its first "
+                        "optimizer step; its output is above"}
+    except Exception as exc:  # the error the real job would meet, as it is, unless the simulation caused it
+        out["error"] = _error(exc)
     out["seconds"] = round(time.perf_counter() - start, 2)
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
+
+
+def _error(exc: Exception) -> Dict[str, str]:
+    """``exc`` as the plan reports it: the job's own error as it is; one that only fake tensors raise
+    (an operation whose output depends on values) as the simulation's limit, not the job's."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedFakeTensorException,
+    )
+
+    message = " ".join(str(exc).split())
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException)):
+        return {"type": "PlanError", "message": f"the script cannot be simulated: {type(exc).__name__}: {message} "
+                "(an operation whose result depends on tensor values, which a plan does not compute)"}
+    return {"type": type(exc).__name__, "message": message}
 
 
 def _relabel(rows: List[Dict[str, Any]], labels: Dict[str, str]) -> List[Dict[str, Any]]:
@@ -265,6 +284,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(out_path, "w") as f:
         json.dump(report, f, indent=1)
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)  # the script was stopped mid-way: no exit hooks of a job that never ran (they would communicate)
 
 

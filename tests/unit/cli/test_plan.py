@@ -170,3 +170,12 @@ def test_plan_refuses_what_it_cannot_simulate(cli_in_process, tmp_path):
     assert done.returncode == 2 and "plan simulates the torch backend" in done.stderr
     done = cli_in_process("plan", "--nproc", "4", "--rank", "4", "train.py", cwd=tmp_path)
     assert done.returncode == 2 and "--rank must be in 0..3" in done.stderr
+
+
+def test_plan_says_when_the_simulation_not_the_job_fails(plan):
+    """An operation whose output shape depends on values (``nonzero``) cannot run on fake tensors: that is
+    the plan's limit, reported as such, never as the job's error."""
+    script = NET.replace("loss = model(", "torch.nonzero(torch.randn(3) > 0)\nloss = model(")
+    code, report, _ = plan(script)
+    assert code == 1 and report["error"]["type"] == "PlanError"
+    assert report["error"]["message"].startswith("the script cannot be simulated: DynamicOutputShapeException")
