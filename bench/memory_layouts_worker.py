@@ -20,7 +20,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterable, Optional
 
 import torch
 
@@ -45,43 +44,8 @@ BATCH = {"bert": (16, 64), "llama": (2, 64)}  # (sequences, tokens) per data-par
 
 
 # ------------------------------------------------------------------------------------------ counting
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """What this rank stores of ``t``: a DTensor's local shard, any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _storage_key(t: torch.Tensor):
-    storage = t.untyped_storage()
-    return (t.device.type, storage.data_ptr(), storage.nbytes())
-
-
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of ``tensors`` as this rank holds them: each local tensor's ``numel * element_size``;
-    the same tensor twice (a tied weight's gradient) once. Views into one flat buffer (DDP's
-    gradient buckets, FSDP2's reduce-scatter output) are different tensors and each counts."""
-    seen, total = set(), 0
-    for t in tensors:
-        local = local_tensor(t)
-        key = (local.device.type, local.data_ptr(), local.numel(), local.dtype)
-        if local.numel() and key in seen:
-            continue
-        seen.add(key)
-        total += local.numel() * local.element_size()
-    return total
-
-
-def rank_bytes(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, int]:
-    """This rank's bytes of parameters, gradients and optimizer state (every tensor in
-    ``optimizer.state``: AdamW's exp_avg, exp_avg_sq and step)."""
-    params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    state = [] if optimizer is None else [v for entry in optimizer.state.values() for v in entry.values()
-                                          if isinstance(v, torch.Tensor)]
-    out = {"params": tensor_bytes(params), "grads": tensor_bytes(grads), "optimizer": tensor_bytes(state)}
-    out["total"] = out["params"] + out["grads"] + out["optimizer"]
-    return out
+# The counting itself is unified_dist.parallel.accounting's (``unified-dist plan`` counts the same way).
+from unified_dist.parallel.accounting import SavedBytes, local_tensor, rank_bytes, tensor_bytes  # noqa: E402,F401
 
 
 def blocks(model: torch.nn.Module):
@@ -92,83 +56,6 @@ def blocks(model: torch.nn.Module):
     if names:
         return [m for m in model.modules() if m is not model and type(m).__name__ in names]
     return [c for m in model.modules() if isinstance(m, torch.nn.ModuleList) for c in m]
-
-
-def _plain_tensors(t: torch.Tensor) -> list:
-    """The plain tensors holding ``t``'s data on this rank: a DTensor's local shard, the inner
-    tensors of any other wrapper subclass (e.g. the ``AsyncCollectiveTensor`` a tensor-parallel
-    row-wise layer returns, which has no storage of its own), else ``t``. No autograd node is
-    recorded (it runs inside a pack hook)."""
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        if isinstance(t, DTensor):
-            return _plain_tensors(t.to_local())
-    if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return [p for name in names for p in _plain_tensors(getattr(t, name))]
-    return [t]
-
-
-class SavedBytes:
-    """Bytes that a forward keeps for backward, counted with ``torch.autograd.graph.saved_tensors_hooks``:
-    the storage each saved tensor keeps alive (its local shard's, for a DTensor), each storage once
-    (``x`` and ``x.t()`` saved by two operations are one); parameters (their storage, sharded or
-    gathered) excluded, they are counted as parameters;
-    plus the inputs of each block in ``blocks``: a checkpointed block holds them (in its recompute
-    closure, which no saved-tensor hook sees) to run its forward again in backward, and a
-    checkpointed block's own saved tensors go to the checkpoint's hooks, not these. Without
-    checkpointing, a block's input is saved by its first operation anyway (the storage is counted
-    once), so adding it costs the plain run nothing."""
-
-    def __init__(self, model: torch.nn.Module, watched_blocks=()):
-        self.model = model
-        self.blocks = list(watched_blocks)
-        self.seen = set()
-        self.bytes = 0
-        self.count = 0
-        self._handles = []
-        self._hooks = None
-
-    def _param_keys(self):
-        return {_storage_key(t) for p in self.model.parameters() for t in _plain_tensors(p)}
-
-    def _add(self, t: torch.Tensor, params=None) -> None:
-        if not isinstance(t, torch.Tensor):
-            return
-        for local in _plain_tensors(t):
-            if local.untyped_storage().nbytes() == 0:
-                continue
-            key = _storage_key(local)
-            if key in self.seen or key in (params if params is not None else self._param_keys()):
-                continue
-            self.seen.add(key)
-            self.bytes += local.untyped_storage().nbytes()
-            self.count += 1
-
-    def _pack(self, t):
-        self._add(t)
-        return t
-
-    def _block_inputs(self, module, args, kwargs):
-        params = self._param_keys()
-        for value in [*args, *kwargs.values()]:
-            for t in (value if isinstance(value, (tuple, list)) else (value,)):
-                self._add(t, params)
-
-    def __enter__(self):
-        for block in self.blocks:
-            self._handles.append(block.register_forward_pre_hook(self._block_inputs, with_kwargs=True))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        return False
 
 
 # ------------------------------------------------------------------------------------------ models

@@ -291,9 +291,10 @@ def with_horovod_api(command: Command, environ: Mapping[str, str] = os.environ) 
 
 
 # ---------------------------------------------------------------------- subcommand
-def add_arguments(parser) -> None:
-    """The ``launch`` subcommand's options."""
-    parser.add_argument("--backend", required=True, choices=BACKENDS,
+def add_arguments(parser, backend_required: bool = True) -> None:
+    """The ``launch`` subcommand's options (``unified-dist plan`` takes the same; there ``--backend``
+    may be left out)."""
+    parser.add_argument("--backend", required=backend_required, choices=BACKENDS,
                         help="the backend, started by its launcher: "
                         + ", ".join(f"{name} ({LAUNCHER_OF[name]})" for name in BACKENDS))
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="processes per node (default 1)")

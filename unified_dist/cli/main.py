@@ -6,7 +6,7 @@ import os
 import sys
 from typing import List, NoReturn, Optional, Tuple
 
-from . import env_report, launch, parity, selftest
+from . import env_report, launch, parity, plan, selftest
 from .errors import UsageError
 
 PROG = "unified-dist"
@@ -14,6 +14,7 @@ PROG = "unified-dist"
 SUBCOMMANDS = (
     ("env", env_report, "report versions, working backends, Horovod's build, devices, and what would run here"),
     ("launch", launch, "run a script under torchrun, accelerate launch or horovodrun with the right flags"),
+    ("plan", plan, "run a script as one simulated rank of a large world and print what that rank holds and sends"),
     ("test", selftest, "self-test every collective and a training step under each installed launcher"),
     ("parity", parity, "run one training script under several launchers and compare their metrics step by step"),
 )

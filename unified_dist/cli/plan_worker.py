@@ -1,0 +1,292 @@
+"""One simulated rank of ``unified-dist plan``: runs the user's script in this process, as rank
+``RANK`` of ``WORLD_SIZE``, up to and including its first optimizer step, and writes what the rank
+would hold and send (a JSON file).
+
+    python -m unified_dist.cli.plan_worker OUT.json SCRIPT [ARGS...]   # RANK, WORLD_SIZE, ... set
+
+How the world is simulated, and why each piece is needed:
+
+- torch's fake process group (``init_process_group("fake")``) is joined before the script runs, so
+  ``ud.init`` adopts it as a group the process joined itself: every collective returns at once, and
+  every rank-dependent choice (the mesh, the shards) is the real rank's.
+- torch's ``FakeTensorMode`` is active while the script runs: every tensor the script and the library
+  create has its real shape, dtype and device but no data, so a 1 B-parameter model costs nothing.
+  The device mesh and ``ud.init`` run outside it (their rank tables are real data); a module
+  moved to the device all its tensors already report stays as it is (torch would swap each fake
+  parameter for itself, and cannot); a value the host reads from a fake tensor (``loss.item()``) is 0.
+- The collectives are counted from the first forward of a prepared model (before FSDP2's own hooks)
+  to the end of the first optimizer step. That step runs outside the fake mode (its step counter is a
+  real scalar), on the fake shards; the rank's bytes are counted right after torch's step, and the
+  script is stopped once ``ud.prepare``'s optimizer returns (it broadcasts the buffers after the update).
+- DDP's reducer cannot run on fake tensors: a DDP model stays unwrapped, and DDP's all-reduce per step
+  is given as the gradients' bytes (what DDP's buckets reduce), marked ``derived``.
+
+An exception the script raises (a layout that does not divide the world, a TP plan that does not fit
+the heads) is the error the real job would meet: it is written as it is, type and one-line message.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import runpy
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..parallel.accounting import CollectiveCounter, SavedBytes, group_labels, rank_bytes
+
+
+class _Planned(BaseException):
+    """Stops the script after its first optimizer step (a BaseException: a script's ``except
+    Exception`` must not swallow it)."""
+
+
+class _HostReads(TorchDispatchMode):
+    """Answers 0 (or False) where the host reads a number out of a fake tensor (``.item()``,
+    ``.tolist()``): the plan computes no values, only shapes."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            return False if args[0].dtype == torch.bool else (0.0 if args[0].is_floating_point() else 0)
+        return func(*args, **(kwargs or {}))
+
+
+def _outside_fake(function):
+    """``function`` run with the fake mode suspended (its tensors are real: rank tables, settings)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def run(*args, **kwargs):
+        with unset_fake_temporarily():
+            return function(*args, **kwargs)
+    return run
+
+
+def _stay_if_there(to):
+    """``Module.to`` that returns a module at once when asked only for the device all its parameters
+    and buffers already report (torch would try to swap each fake parameter for itself, and fail)."""
+
+    def moved(self, *args, **kwargs):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if device is not None and dtype is None and memory_format is None and tensors \
+                and all(_same_device(t.device, device) for t in tensors):
+            return self
+        return to(self, *args, **kwargs)
+    return moved
+
+
+def _same_device(have: torch.device, want: torch.device) -> bool:
+    return have.type == want.type and (want.index is None or have.index == want.index)
+
+
+class Simulation:
+    """The patches and modes of one simulated rank; :meth:`report` is what it counted."""
+
+    def __init__(self) -> None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.host = _HostReads()
+        self.counter = CollectiveCounter()
+        self.models: List[torch.nn.Module] = []
+        self.saved: Optional[Dict[str, Any]] = None
+        self.ddp = False
+        self.result: Dict[str, Any] = {}
+        self._saving: Optional[SavedBytes] = None
+        self._counting_from_forward = False
+        self._in_prepared_step = False
+        self._labels: Dict[str, str] = {}
+
+    # ------------------------------------------------------------------ set-up
+    def install(self) -> None:
+        """Patch what cannot run on fake tensors (see the module doc) and hook the first step."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        from .. import session
+        from ..backends.torch_ddp import TorchBackend
+
+        session.init = _outside_fake(session.init)
+        DeviceMesh.__init__ = _outside_fake(DeviceMesh.__init__)
+        torch.nn.Module.to = _stay_if_there(torch.nn.Module.to)
+        TorchBackend._wrap_ddp = lambda backend, model: self._no_ddp(model)
+        prepare = session.Session.prepare
+        session.Session.prepare = lambda s, objs: self._prepared(s, prepare(s, objs))
+        self._wrap_prepared_step()
+        register_optimizer_step_pre_hook(self._before_step)
+        register_optimizer_step_post_hook(self._after_step)
+
+    def enter(self) -> None:
+        self.fake.__enter__()
+        self.host.__enter__()
+        self.counter.__enter__()
+
+    def _no_ddp(self, model: torch.nn.Module) -> torch.nn.Module:
+        self.ddp = True
+        return model
+
+    def _prepared(self, session, out: list) -> list:
+        """Remember the models ``ud.prepare`` returned; count from their first forward on."""
+        for obj in out:
+            if isinstance(obj, torch.nn.Module):
+                self.models.append(obj)
+                regions = session.backend.compile_regions(obj)
+                # first of the pre-forward hooks: FSDP2's (all-gather of the root) and the buffers' broadcast count
+                obj.register_forward_pre_hook(lambda m, a, r=regions: self._forward_starts(m, r), prepend=True)
+                obj.register_forward_hook(lambda m, a, o: self._forward_ends())
+        return out
+
+    def _forward_starts(self, model: torch.nn.Module, regions) -> None:
+        from ..parallel.sharding import blocks_to_shard
+
+        if not self._counting_from_forward:
+            self._counting_from_forward = True
+            self.counter.reset()  # the step's collectives only (not init's and prepare's)
+        if self.saved is None and self._saving is None:
+            blocks = regions if regions is not None else blocks_to_shard(model)
+            self._saving = SavedBytes(model, blocks, twins=self._fake_twin).__enter__()
+
+    def _fake_twin(self, param: torch.Tensor) -> list:
+        """The fake copy the fake mode makes of a real parameter (one a script loaded from a file) when an
+        operation uses it: what the forward saves of that parameter."""
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(param, (FakeTensor, DTensor)):
+            return []
+        return [self.fake.from_tensor(param)]
+
+    def _forward_ends(self) -> None:
+        if self._saving is not None and self.saved is None:
+            self._saving.__exit__(None, None, None)
+            self.saved = {"bytes": self._saving.bytes, "tensors": self._saving.count}
+            self._saving = None
+
+    # ------------------------------------------------------------------ the step
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        """Leave the fake mode for the step (its step counter must be a real scalar)."""
+        self.counter.__exit__(None, None, None)
+        self.host.__exit__(None, None, None)
+        self.fake.__exit__(None, None, None)
+        self.counter.__enter__()
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        """Count what the rank holds; stop here, or, inside ``ud.prepare``'s optimizer, once its step
+        (with the buffers' broadcast that follows the update) returns."""
+        self.result = self.report(optimizer)
+        if not self._in_prepared_step:
+            self._stop()
+
+    def _stop(self) -> None:
+        self.counter.__exit__(None, None, None)
+        self.result["collectives"] = _relabel(self.counter.table(), self._labels)
+        raise _Planned()
+
+    def _wrap_prepared_step(self) -> None:
+        from ..training.accumulation import PreparedOptimizer
+
+        step = PreparedOptimizer.step
+
+        def planned_step(optimizer, *args, **kwargs):
+            self._in_prepared_step = True
+            try:
+                result = step(optimizer, *args, **kwargs)
+            finally:
+                self._in_prepared_step = False
+            if self.result:
+                self._stop()
+            return result
+        PreparedOptimizer.step = planned_step
+
+    def report(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """What this rank holds after its first optimizer step and what it sent during it."""
+        from .. import session
+
+        backend = session.current().backend
+        models = [backend.unwrap(m) for m in self.models]
+        held = rank_bytes(models, optimizer)
+        self._labels = group_labels(backend.device_mesh)
+        if self.ddp:
+            self._labels["derived"] = "world (DDP buckets)"
+            self.counter.add("all_reduce", "derived", held["grads"], calls=None)
+        layout, config = backend.layout, backend.config
+        return {"bytes": held, "saved_for_backward": self.saved,
+                "model_parameters": sum(p.numel() for m in models for p in m.parameters()),
+                "layout": {"dp_replicate": layout.replicate, "dp_shard": layout.shard, "tp": layout.tp},
+                "ddp": self.ddp, "activation_checkpointing": bool(config.sharding.activation_checkpointing),
+                "mixed_precision": config.mixed_precision}
+
+
+def _join_fake_world() -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def simulate(script: str, script_args: List[str]) -> Dict[str, Any]:
+    """Run ``script`` as the simulated rank; the report (with ``error`` set when it failed)."""
+    start = time.perf_counter()
+    _join_fake_world()
+    sim = Simulation()
+    sim.install()
+    out: Dict[str, Any] = {"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]), "error": None}
+    sys.argv = [script, *script_args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    try:
+        sim.enter()
+        runpy.run_path(script, run_name="__main__")
+        out["error"] = {"type": "PlanError", "message": "the script ended before its first optimizer step; "
+                        "plan needs a script that builds a model and steps an optimizer"}
+    except _Planned:
+        out.update(sim.result)
+    except SystemExit as exc:
+        out["error"] = {"type": "PlanError", "message": f"the script exited (status {exc.code!r}) before its first "
+                        "optimizer step; its output is above"}
+    except Exception as exc:  # the error the real job would meet, as it is, unless the simulation caused it
+        out["error"] = _error(exc)
+    out["seconds"] = round(time.perf_counter() - start, 2)
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def _error(exc: Exception) -> Dict[str, str]:
+    """``exc`` as the plan reports it: the job's own error as it is; one that only fake tensors raise
+    (an operation whose output depends on values) as the simulation's limit, not the job's."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedFakeTensorException,
+    )
+
+    message = " ".join(str(exc).split())
+    if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException)):
+        return {"type": "PlanError", "message": f"the script cannot be simulated: {type(exc).__name__}: {message} "
+                "(an operation whose result depends on tensor values, which a plan does not compute)"}
+    return {"type": type(exc).__name__, "message": message}
+
+
+def _relabel(rows: List[Dict[str, Any]], labels: Dict[str, str]) -> List[Dict[str, Any]]:
+    return [{**row, "group": labels.get(row["group"], row["group"])} for row in rows]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out_path, script, script_args = argv[0], argv[1], argv[2:]
+    report = simulate(script, script_args)
+    with open(out_path, "w") as f:
+        json.dump(report, f, indent=1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the script was stopped mid-way: no exit hooks of a job that never ran (they would communicate)
+
+
+if __name__ == "__main__":
+    main()
