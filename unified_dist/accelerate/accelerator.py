@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import gc
 import inspect
 import weakref
 from typing import Any, Optional
@@ -29,8 +28,8 @@ from . import world
 _PARAMETERS = inspect.signature(accelerate.Accelerator.__init__)
 _LIVE: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
 """The Accelerators of this process (a script may build several, e.g. one per run), for :func:`_leave`."""
-_exit_handler: list = []
-"""Whether :func:`leave_at_exit` is registered (once per process)."""
+_exit_handler_registered = False
+"""Whether :func:`leave_at_exit` registered :func:`_leave` (once per process)."""
 
 
 class Accelerator(accelerate.Accelerator):
@@ -126,8 +125,10 @@ class PartialState(accelerate.PartialState):
 
 def leave_at_exit() -> None:
     """Register :func:`_leave` (reducers, then the group) for a clean interpreter exit; once per process."""
-    if not _exit_handler:
-        _exit_handler.append(atexit.register(_leave, True))
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        _exit_handler_registered = True
+        atexit.register(_leave, True)
 
 
 def _leave(destroy: bool) -> None:
@@ -140,13 +141,10 @@ def _leave(destroy: bool) -> None:
     exception", SIGABRT) after all its Python code ran: one torchrun job in three on a 2-core machine
     with torch 2.13. Local: it sends nothing, so a peer that already left cannot block it.
     """
+    from ..backends.ddp_lifetime import release_reducers
     from ..backends.process_group import destroy_at_exit
 
-    for accelerator in list(_LIVE):
-        for model in getattr(accelerator, "_models", ()):
-            if isinstance(model, torch.nn.parallel.DistributedDataParallel) and hasattr(model, "reducer"):
-                del model.reducer
-    gc.collect()
+    release_reducers([model for accelerator in list(_LIVE) for model in getattr(accelerator, "_models", ())])
     if destroy:
         destroy_at_exit(True)
 

@@ -26,8 +26,14 @@ class DdpTracker:
 
     def release(self) -> None:
         """Free every tracked reducer (those wrappers cannot train afterwards), then collect garbage."""
-        for model in list(self._models):
-            if hasattr(model, "reducer"):
-                del model.reducer
+        release_reducers(list(self._models))
         self._models = weakref.WeakSet()
-        gc.collect()
+
+
+def release_reducers(models) -> None:
+    """Free the reducer of each ``DistributedDataParallel`` among ``models`` (it cannot train afterwards;
+    other modules are left alone), then collect garbage, so the process group they held can go."""
+    for model in models:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and hasattr(model, "reducer"):
+            del model.reducer
+    gc.collect()
