@@ -172,7 +172,7 @@ class Session:
         if self.sync.sync_gradients and self.exchanges:
             window, self._finite = self._finite, None
             self._exchange(window)
-        self.backend.backward(loss, self.sync.scaler, self.sync.loss_weight())
+        self.backend.backward(loss, self.sync.loss_scaler(), self.sync.loss_weight())
 
     @property
     def exchanges(self) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import replace
-from fractions import Fraction
 from typing import Any, ContextManager, Iterator, Optional
 
 import torch
@@ -169,12 +168,6 @@ class AccelerateBackend(TorchGroupBackend):
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return super().unwrap(self.accelerator.unwrap_model(model))
 
-    def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None, weight: Fraction = Fraction(1)) -> None:
-        """As every backend: ``loss * weight``, scaled by the fp16 loss scale (Accelerate's scaler, the one its
-        optimizers step and update). Not ``accelerator.backward``: it divides by Accelerate's accumulation
-        count, which the facade's ``weight`` already accounts for."""
-        super().backward(loss, scaler if scaler is not None else self.accelerator.scaler, weight)
-
     def no_sync(self, model: torch.nn.Module) -> ContextManager:
         return self._fsdp.no_sync(model) or self.accelerator.no_sync(model)
 
@@ -185,7 +178,9 @@ class AccelerateBackend(TorchGroupBackend):
         return None  # AcceleratedOptimizer owns the scaler
 
     def native_loss_scaler(self) -> Optional[Any]:
-        return self.accelerator.scaler  # one for every optimizer; each AcceleratedOptimizer.step() updates it
+        # one for every optimizer; each AcceleratedOptimizer.step() updates it. ud.backward scales by it through
+        # the base backward (loss * weight), not accelerator.backward, which would divide by the accumulation again
+        return self.accelerator.scaler
 
     def finalize_gradients(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
         # fp16: the gradients are still multiplied by Accelerate's loss scale (its own GradScaler);

@@ -91,11 +91,16 @@ class GradientSync:
             if self.sync_gradients:
                 window.samples = None
 
+    def loss_scaler(self) -> Optional[Any]:
+        """The fp16 ``GradScaler`` every ``ud.backward`` scales by (``None`` without loss scaling): the facade's
+        shared one, or the one the backend's library keeps and steps (Accelerate's)."""
+        return self.scaler if self.scaler is not None else self.backend.native_loss_scaler()
+
     def loss_scale(self) -> Optional[torch.Tensor]:
         """The fp16 loss scale every ``ud.backward`` multiplies by now (a copy, on the device; ``None`` without
-        loss scaling): the facade's shared scaler's, or the one the backend's library keeps (Accelerate's)."""
-        scaler = self.scaler if self.scaler is not None else self.backend.native_loss_scaler()
-        scale = getattr(scaler, "_scale", None)  # GradScaler keeps it as a tensor: reading it needs no host sync
+        loss scaling): :meth:`loss_scaler`'s."""
+        # GradScaler keeps it as a tensor: reading it needs no host sync
+        scale = getattr(self.loss_scaler(), "_scale", None)
         return scale.clone() if isinstance(scale, torch.Tensor) else None
 
     def rescale_others(self, stepped: "PreparedOptimizer", before: Optional[torch.Tensor]) -> None:

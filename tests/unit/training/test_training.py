@@ -103,7 +103,8 @@ def test_accelerate_backend_backward_scales_by_accelerates_scaler_and_weights_li
     backend.config, backend.accelerator = Config(gradient_accumulation_steps=4), FakeAccelerator()
     backend.accelerator.scaler = Scaling()
     param = torch.nn.Parameter(torch.ones(2))
-    backend.backward((param * torch.tensor([1.0, 2.0])).sum(), None, Fraction(1, 4))
+    sync = GradientSync(backend, LoaderStack())  # what ud.backward hands the backend
+    backend.backward((param * torch.tensor([1.0, 2.0])).sum(), sync.loss_scaler(), Fraction(1, 4))
     assert param.grad.tolist() == [SCALE / 4, 2 * SCALE / 4]
 
 
