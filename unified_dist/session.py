@@ -107,6 +107,9 @@ class Session:
                 if self.sync.scaler is None:  # one loss scale for every optimizer, as Accelerate's one scaler
                     self.sync.scaler = backend.make_grad_scaler()
                 prepared = PreparedOptimizer(inner, self.sync, self.sync.scaler)
+                if self.stops is not None:  # training: a signal before the first ask is held (training.preemption)
+                    self.stops.hold_from(lambda: self.sync.optimizer_steps)
+                    self.sync.stops = self.stops
                 self.optimizers.append(prepared)
                 self.prepared_from[id(obj)] = prepared
                 out[i] = prepared
@@ -391,6 +394,8 @@ def shutdown() -> None:
             session.stops.uninstall()
         with collectives.translated(session.backend, "shutdown"):  # its barrier: a rank still training times out
             session.backend.shutdown()
+        if session.stops is not None:  # a signal held for a program that never asked acts at the session's end
+            session.stops.release_held()
         if failure is not None:
             raise failure
 
@@ -427,5 +432,7 @@ def _shutdown_at_exit() -> None:
     if _session is not None and not _session.failed:
         with contextlib.suppress(Exception):
             _session.backend.leave_at_exit()
+    if _session is not None and _session.stops is not None:  # a held signal the program never asked about
+        _session.stops.release_held()
     if failed_write:  # a checkpoint the program believes written is not: the exit status says so
         os._exit(1)

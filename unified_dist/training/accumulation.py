@@ -27,6 +27,7 @@ from ..backends.base import Backend
 from ..data.loaders import LoaderStack
 from ..errors import UnifiedDistError
 from .buffers import ModelBuffers
+from .preemption import StopSignals
 
 
 class _Window:
@@ -60,6 +61,8 @@ class GradientSync:
         self._window: Optional[_Window] = None  # the window of the current (or last) accumulate block
         self.scaler: Any = None  # the fp16 loss scaler every prepared optimizer shares (None: the backend's, or none)
         self.optimizers: List["PreparedOptimizer"] = []  # every optimizer prepared in this session
+        self.optimizer_steps = 0  # optimizer steps taken in this process, by every optimizer (a resume keeps it)
+        self.stops: Optional[StopSignals] = None  # the session's stop signals, told when an optimizer step begins
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
@@ -228,6 +231,8 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self._sync.loaders.note_training()  # the current loader's pass is no peek (unified_dist.data.loaders.Epochs)
         if not self._sync.sync_gradients:
             return None
+        if self._sync.stops is not None:  # a stop signal held through the last step, never asked about, acts now
+            self._sync.stops.step_begins()
         if closure is None:
             self._refuse_unweighted_gradients()
         self._opt_called = True  # what torch's LR schedulers check before warning
@@ -243,6 +248,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
                 self.scaler.update()
         self._sync.rescale_others(self, scale)
         self._sync.buffers.after_step(self.optimizer)  # every rank takes rank 0's buffers (training.buffers)
+        self._sync.optimizer_steps += 1
         return result
 
     def _refuse_unweighted_gradients(self) -> None:

@@ -41,8 +41,9 @@ def test_stop_signals_default_to_usr1_and_term_and_refuse_what_cannot_be_caught(
         config_from({}, {"UNIFIED_DIST_STOP_SIGNALS": "TERM,KILL"}, cuda=False)
 
 
-def _loop(model, opt, micro_steps, signal_at=None, asks=True):
-    """Micro-steps of a loop with accumulation; returns the micro-step at which should_stop() turned True."""
+def _loop(model, opt, micro_steps, signal_at=None, asks=True, first_ask=0):
+    """Micro-steps of a loop with accumulation; returns the micro-step at which should_stop() turned True.
+    ``first_ask``: the micro-step of the first ``should_stop()`` (a loop that logs or evaluates before it asks)."""
     for micro in range(micro_steps):
         with ud.accumulate(model):
             ud.backward(model(torch.ones(2, 2)).sum())
@@ -50,7 +51,7 @@ def _loop(model, opt, micro_steps, signal_at=None, asks=True):
             opt.zero_grad()
         if micro == signal_at:
             os.kill(os.getpid(), signal.SIGUSR1)
-        if asks and ud.should_stop():
+        if asks and micro >= first_ask and ud.should_stop():
             return micro
     return None
 
@@ -78,6 +79,57 @@ def test_a_signal_inside_a_window_stops_at_that_windows_step(single):
     model = torch.nn.Linear(2, 1)
     model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     assert _loop(model, opt, 12, signal_at=6) == 7
+
+
+def test_a_signal_between_a_step_and_the_first_ask_is_held_and_stops_at_the_next_step(single):
+    """Accumulation 2, an optimizer prepared: SIGUSR1 right after the first optimizer step (micro-step 1),
+    before the program's first should_stop() (micro-step 3), is held, not the default action that would
+    end this test run; the first ask is False (the step's exchange ran before the signal) and the stop
+    comes at the next optimizer step, micro-step 3."""
+    ud.init(backend="single", gradient_accumulation_steps=2)
+    model = torch.nn.Linear(2, 1)
+    model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert _loop(model, opt, 8, signal_at=1, first_ask=2) == 3
+
+
+_HELD = """
+import os, signal, sys, torch
+import unified_dist as ud
+ud.init(backend="single")
+model = torch.nn.Linear(2, 1)
+model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+def step(n):
+    with ud.accumulate(model):
+        ud.backward(model(torch.ones(2, 2)).sum())
+        opt.step()
+        opt.zero_grad()
+    print("step", n, "taken", opt.steps_taken, flush=True)
+step(1)
+os.kill(os.getpid(), signal.SIGTERM)
+print("held", flush=True)
+if sys.argv[1] == "steps":
+    step(2)
+    step(3)
+elif sys.argv[1] == "shutdown":
+    ud.shutdown()
+print("went on", flush=True)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("end,said", [
+    ("steps", ["step 1 taken 1", "held", "step 2 taken 2"]),  # dies as step 3 begins, before it updates
+    ("shutdown", ["step 1 taken 1", "held"]),  # no step came: ud.shutdown gives the default action
+    ("exit", ["step 1 taken 1", "held", "went on"]),  # nor shutdown: the interpreter's exit does
+])
+def test_a_held_signal_the_program_never_asks_about_ends_it_after_the_next_step(tmp_path, end, said):
+    """An optimizer is prepared and the program never asks: SIGTERM after step 1 is held through the end of
+    step 2, then the process dies of it (as without unified_dist) when step 3 begins, or at the session's
+    end if no step comes (in a child process: the death is the point)."""
+    script = tmp_path / "s.py"
+    script.write_text(_HELD)
+    done = subprocess.run([sys.executable, str(script), end], capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGTERM and done.stdout.splitlines() == said, done
 
 
 @pytest.mark.distributed
