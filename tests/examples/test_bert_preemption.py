@@ -1,8 +1,10 @@
 """The BERT example stops on a preemption signal and resumes exactly (docs/preemption.md).
 
-`python train.py` on the 2-layer BERT of test_bert_hotpath.py: SIGTERM after its first logged step ->
-it stops at the next optimizer step, writes that step's checkpoint and exits 75 (ud.requeue outside
-SLURM); `--resume auto` then finishes the run with the weights of an uninterrupted run (one process,
+`python train.py` on the 2-layer BERT of test_bert_hotpath.py: SIGTERM after its first optimizer step is
+logged and before the loop first asks ud.should_stop() (the run paused there by pause_before_ask.py until the
+signal is recorded: no race with the machine's speed) -> the signal is held, the first ask is False, and the
+run stops at optimizer step 2, writes that step's checkpoint and exits 75 (ud.requeue outside SLURM);
+`--resume auto` then finishes the run with the weights of an uninterrupted run (one process,
 the same order of float32 sums: equal within 1e-6, as the other resume tests of the example)."""
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from test_bert_hotpath import _missing, _tiny_bert  # pytest puts this folder on
 from unified_dist.testing.launchers import ROOT, child_env, command, kill_session, launch
 
 EXAMPLE = ROOT / "examples" / "bert_sentiment"
+PAUSE = str(Path(__file__).with_name("pause_before_ask.py"))
 pytestmark = [pytest.mark.example, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")]
 ARGS = ["--limit-train", "512", "--limit-eval", "32", "--max-length", "16", "--batch-size", "8", "--eval-batch-size",
@@ -34,16 +37,18 @@ def _weights(out: Path) -> dict:
 def test_sigterm_stops_saves_exits_75_and_resume_auto_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
     model = str(_tiny_bert(tmp_path / "tiny-bert"))
     out = tmp_path / "stopped"
-    argv = command("python", str(EXAMPLE / "train.py"), [*ARGS, "--model", model, "--output-dir", str(out)])
+    marker = tmp_path / "asking"
+    argv = command("python", PAUSE, [str(marker), "1", str(EXAMPLE / "train.py"), *ARGS, "--model", model,
+                                     "--output-dir", str(out)])
     log = tmp_path / "stopped.log"
     with open(log, "w") as handle:
         proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=handle, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    metrics = out / "metrics.jsonl"
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 240  # a failure's bound, not a pace: the run waits for the signal
         while proc.poll() is None and time.monotonic() < deadline:
-            if metrics.exists() and '"train"' in metrics.read_text():  # its first optimizer step is logged
+            if Path(f"{marker}.rank0").exists():  # step 1 logged; the first ud.should_stop() waits for the signal
+                assert '"train"' in (out / "metrics.jsonl").read_text()
                 proc.send_signal(signal.SIGTERM)
                 break
             time.sleep(0.02)
@@ -56,7 +61,7 @@ def test_sigterm_stops_saves_exits_75_and_resume_auto_ends_with_the_uninterrupte
     said = [line for line in output.splitlines() if line.startswith("stop signal: saved step ")]
     assert len(said) == 1, output[-3000:]
     stopped = int(said[0].split()[4].rstrip(";"))
-    assert 1 <= stopped < 40
+    assert stopped == 2  # held through step 1's first ask, agreed at the next optimizer step
     assert (out / "checkpoints" / f"checkpoint-{stopped:09d}.pt").exists()
     assert not (out / "final_model").exists()
     launch("python", str(EXAMPLE / "train.py"), [*ARGS, "--model", model, "--output-dir", str(out)],

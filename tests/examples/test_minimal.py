@@ -82,14 +82,17 @@ def test_the_readme_diff_is_the_diff_of_the_two_scripts(readme: str) -> None:
         assert f"`train.py` ({lines} lines)" in text
 
 
-LONG = 3000  # optimizer steps: long enough (seconds) that a signal lands mid-run
+LONG = 300  # optimizer steps of the stopped run; the signal lands after step 100 on any machine (see below)
+PAUSE = str(ROOT / "tests" / "examples" / "pause_before_ask.py")
 STEP_LINE = re.compile(r"^step (\d+): loss", re.M)
 
 
 def test_sigterm_to_torchrun_stops_saves_and_the_relaunch_on_one_process_ends_with_the_uninterrupted_weights(
         tmp_path: Path) -> None:
     """docs/preemption.md with the porting guide's few lines: SIGTERM to torchrun mid-run (torchrun forwards it
-    to both workers) -> both stop at one step and the checkpoint of that step is written (torchrun itself then
+    to both workers; each worker, paused by pause_before_ask.py before its 100th ud.should_stop(), goes on once
+    it has recorded the signal, so the signal lands after step 100 whatever the machine's speed) -> both stop
+    at step 101 and the checkpoint of that step is written (torchrun itself then
 ends with its SignalException, not with the workers' status);
     `python train.py` (1 process, batch 32: the same global batches) resumes it and ends with the weights of
     an uninterrupted 1-process run (float32 summation order: 1e-6, as above)."""
@@ -100,30 +103,30 @@ ends with its SignalException, not with the workers' status);
     from unified_dist.testing.launchers import child_env, command, kill_session
 
     out = tmp_path / "stopped"
-    argv = command("torchrun", SCRIPT, ["--steps", str(LONG), "--batch-size", "16", "--output-dir", str(out)])
-    proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    lines = []
+    marker = tmp_path / "asking"
+    argv = command("torchrun", PAUSE, [str(marker), "100", SCRIPT, "--steps", str(LONG), "--batch-size", "16",
+                                       "--output-dir", str(out)])
+    log = tmp_path / "stopped.log"
+    with open(log, "w") as handle:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=handle, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("step 100:"):
-                proc.send_signal(signal.SIGTERM)
-                break
-        rest, _ = proc.communicate(timeout=TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT  # a failure's bound, not a pace: the workers wait for the signal
+        ready = [Path(f"{marker}.rank{r}") for r in (0, 1)]
+        while proc.poll() is None and time.monotonic() < deadline and not all(p.exists() for p in ready):
+            time.sleep(0.02)
+        if all(p.exists() for p in ready):
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=TIMEOUT)
     finally:
         if proc.poll() is None:
             kill_session(proc.pid)
-    output = "".join(lines) + rest
+    output = log.read_text()
     assert proc.returncode != 0, output[-3000:]  # torchrun was told to stop: it does not report success
     saved = sorted((out / "checkpoints").glob("checkpoint-*.pt"))
     assert len(saved) == 1, output[-3000:]
     stopped = int(saved[0].stem.split("-")[1])
-    assert 100 <= stopped < LONG, stopped
+    assert stopped == 101, stopped  # step 100's exchange came before the signal: the next step stops
     resumed = _train_long("python", 1, 32, out)
     reference = _train_long("python", 1, 32, tmp_path / "uninterrupted")
     for name, value in reference["model"].items():

@@ -7,11 +7,17 @@ gradient_accumulation_steps=2, ``ud.should_stop()`` after every micro-step) unde
 
 - torchrun x 2, SIGTERM to torchrun; while rank 0 writes the stop checkpoint it gets a second SIGTERM
   halfway through the bytes; then torchrun x 1 resumes (2 ranks -> 1);
+- torchrun x 2, a loop that first asks after its third optimizer step: rank 1 sends itself SIGTERM between
+  that step and the first ask; the signal is held, and both ranks stop at the next step and exit 75;
 - accelerate launch x 2 --max_restarts 1, SIGTERM to rank 1 only: both ranks stop at one step and exit
   75, and the elastic agent runs them again (what exit 75 is for), which resume and finish;
 - horovodrun x 2 --gloo, SIGTERM to horovodrun; then horovodrun x 2 resumes;
 - a real one-node SLURM (tools/slurm_cluster.sh): ``sbatch --requeue`` a 2-task job, ``scancel --signal=USR1``
   → the job saves, requeues itself (Restarts=1), runs again, resumes and finishes.
+
+No timing races: the test signals once every rank wrote its ready file, and the ranks then wait (a poll
+for the files, no timed sleep) until each signalled rank has recorded its signal, so the stop is agreed
+at step READY + 1 on any machine.
 
 Every run also counts the backend's collective primitives per micro-step: none on a micro-step that only
 accumulates, one (the step's exchange) on each optimizer step. The expected weights come from plain
@@ -133,7 +139,7 @@ def stopped_together(out: Path, tag: str, ranks: int, output: str) -> int:
     steps = {r: s["step"] for r, s in stops.items()}
     assert len(set(steps.values())) == 1, f"ranks stopped at different optimizer steps: {steps}"
     step = steps[0]
-    assert READY < step < TOTAL, step
+    assert step == READY + 1, step  # the ranks waited for the signal after the ready step: the next step stops
     assert all(s["steps_taken"] == step and s["world"] == ranks for s in stops.values()), stops
     return step
 
@@ -180,7 +186,7 @@ def dirs(tmp_path):
 
 def test_torchrun_sigterm_then_a_second_signal_during_the_save_then_resume_on_one_process(dirs):
     ck, out = dirs
-    result = run_and_signal(command("torchrun", WORKER, args(ck, out, "tr", "--slow", "--signal-in-save")),
+    result = run_and_signal(command("torchrun", WORKER, args(ck, out, "tr", "--wait-for-signal", "0,1", "--signal-in-save")),
                             out, "tr", 2, "launcher")
     assert not result.timed_out, result.output[-3000:]
     # torchrun forwards the signal, waits for its workers, and exits 1 with its SignalException
@@ -205,9 +211,27 @@ def test_torchrun_sigterm_then_a_second_signal_during_the_save_then_resume_on_on
     one_exchange_per_optimizer_step(out, "tr1", 1)
 
 
+def test_torchrun_a_signal_to_one_rank_before_the_first_ask_is_held_and_both_stop_at_the_next_step(dirs):
+    """The loop asks ud.should_stop() only after its ready checkpoint (optimizer step 3), as a program that
+    logs or evaluates first; rank 1 sends itself SIGTERM between that step and its first ask. Held (not the
+    default action, which would end rank 1 with -15 and nothing saved), it stops both ranks at step 4:
+    both save, and both leave with 75 (docs/preemption.md)."""
+    ck, out = dirs
+    result = run(command("torchrun", WORKER, args(ck, out, "early", "--first-ask-after-ready",
+                                                   "--signal-self-at-ready", "1")), TIMEOUT)
+    assert not result.timed_out, result.output[-3000:]
+    stop = stopped_together(out, "early", 2, result.output)
+    assert read(out, "early_stop_rank0")["received"] == [] and read(out, "early_stop_rank1")["received"] == [
+        signal.SIGTERM], result.output[-3000:]
+    assert [read(out, f"early_exit_rank{r}")["code"] for r in (0, 1)] == [75, 75], result.output[-3000:]
+    assert result.returncode == 1, (result.returncode, result.output[-3000:])  # torchrun: a worker exited 75
+    one_exchange_per_optimizer_step(out, "early", 2)
+    assert sorted(checkpoints(ck)) == [READY, stop]
+
+
 def test_accelerate_a_signal_to_one_rank_stops_both_and_max_restarts_runs_them_again(dirs):
     ck, out = dirs
-    cmd = command("accelerate", WORKER, args(ck, out, "ac", "--slow"))
+    cmd = command("accelerate", WORKER, args(ck, out, "ac", "--wait-for-signal", "1"))
     cmd[cmd.index("launch") + 1:cmd.index("launch") + 1] = ["--max_restarts", "1"]
     result = run_and_signal(cmd, out, "ac", 2, "rank1")
     assert not result.timed_out, result.output[-3000:]
@@ -224,7 +248,7 @@ def test_accelerate_a_signal_to_one_rank_stops_both_and_max_restarts_runs_them_a
 
 def test_horovodrun_sigterm_then_resume(dirs):
     ck, out = dirs
-    result = run_and_signal(command("horovodrun", WORKER, args(ck, out, "hv", "--slow")), out, "hv", 2, "launcher")
+    result = run_and_signal(command("horovodrun", WORKER, args(ck, out, "hv", "--wait-for-signal", "0,1")), out, "hv", 2, "launcher")
     assert not result.timed_out, result.output[-3000:]
     # within horovodrun's 5 s grace every worker saved and left with status 75, as each records itself
     # (horovodrun's own log of the workers' statuses is not read: after its SIGTERM it sometimes lost it)
@@ -258,7 +282,7 @@ def test_slurm_usr1_saves_requeues_the_job_and_the_second_run_resumes(dirs, slur
     script = out / "job.sh"
     script.write_text("#!/bin/bash\n#SBATCH --requeue\n#SBATCH --ntasks=2\n#SBATCH --time=10\n"
                       f"#SBATCH --output={out}/slurm-%j.out\n"
-                      f"srun {BIN / 'python'} {WORKER} {' '.join(args(ck, out, 'sl', '--slow'))}\n")
+                      f"srun {BIN / 'python'} {WORKER} {' '.join(args(ck, out, 'sl', '--wait-for-signal', '0,1'))}\n")
     submitted = subprocess.run(["sbatch", "--parsable", f"--chdir={ROOT}", str(script)], env=env,
                                capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr

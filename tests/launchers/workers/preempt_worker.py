@@ -2,15 +2,18 @@
 run under a real launcher by tests/launchers/test_preemption_under_launchers.py.
 
     <launcher> tests/launchers/workers/preempt_worker.py --dir CKPT_DIR --out OUT_DIR --tag NAME
-                                               [--slow] [--signal-in-save]
+                                               [--wait-for-signal RANKS] [--signal-in-save]
+                                               [--first-ask-after-ready] [--signal-self-at-ready RANK]
 
 The loop: a float64 ``Linear(3, 1)``, AdamW, a prepared map-style DataLoader of ``ROWS`` rows (global
 micro-batch ``GLOBAL`` rows, whatever the world size), ``gradient_accumulation_steps=2``, and
 ``ud.should_stop()`` after every micro-step. On start it resumes from ``ud.latest_checkpoint(CKPT_DIR)``
 (model, optimizer, loader position, every rank's RNG, step). A run that did not resume saves a
-checkpoint at optimizer step ``READY_STEP`` and then writes OUT_DIR/<tag>_ready.json (every rank's pid):
-the test sends its signal then; with ``--slow`` every later micro-step sleeps ``SLEEP`` s, so the stop
-lands mid-run. On stop: OUT_DIR/<tag>_stop_rank<R>.json (the step), ``ud.save_checkpoint``, ``ud.requeue()``.
+checkpoint at optimizer step ``READY_STEP`` and then writes OUT_DIR/<tag>_ready_rank<R>.json (its pid):
+the test sends its signal then. With ``--wait-for-signal 0,1`` every rank then waits, without a timed
+sleep, until each listed rank has received its stop signal (each writes OUT_DIR/<tag>_signalled_rank<R>.json
+once it has): the stop is agreed at the next optimizer step, ``READY_STEP + 1``, however slow the machine.
+On stop: OUT_DIR/<tag>_stop_rank<R>.json (the step), ``ud.save_checkpoint``, ``ud.requeue()``.
 At the end: OUT_DIR/<tag>_done_rank<R>.json with the final weights.
 
 Every run writes OUT_DIR/<tag>_calls_rank<R>.json: for each micro-step, whether it synchronised
@@ -18,6 +21,10 @@ gradients and how many backend primitives (all_reduce_, all_gather_*, broadcast_
 
 ``--signal-in-save``: while rank 0 writes the stop checkpoint, halfway through the bytes, it sends
 itself SIGTERM (a second stop signal): the checkpoint must still be complete.
+
+``--first-ask-after-ready``: the loop calls ``ud.should_stop()`` only after the ready checkpoint (a program
+that logs or evaluates before it first asks); ``--signal-self-at-ready R``: rank R sends itself SIGTERM right
+after the ready checkpoint, before that first ask (docs/preemption.md: held to the end of the next step).
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ import unified_dist as ud
 from unified_dist import session
 
 ROWS, GLOBAL, ACCUMULATION, TOTAL_STEPS = 40, 4, 2, 60  # 40 rows = 5 optimizer steps of 8 rows per epoch
-READY_STEP, SLEEP = 3, 0.3
+READY_STEP = 3
 LR, WEIGHT_DECAY = 0.05, 0.01
 PRIMITIVES = ("all_reduce_", "all_gather_equal", "all_gather_uneven", "broadcast_", "broadcast_object", "barrier")
 
@@ -86,11 +93,25 @@ def signal_halfway_through_save(marker):
         raw = buffer.getvalue()
         f.write(raw[:len(raw) // 2])
         f.flush()
+        stops = session.current().stops
+        before = len(stops.received)
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.2)  # a Python handler runs between bytecodes: the signal is handled here, mid-write
+        while len(stops.received) == before:  # os.kill runs the Python handler at once; wait for it regardless
+            time.sleep(0.001)
         write(marker, {"written": len(raw) // 2, "of": len(raw), "received": session.current().stops.received})
         f.write(raw[len(raw) // 2:])
     torch.save = save
+
+
+def wait_for_signals(out, tag, rank, ranks):
+    """Return once every rank of ``ranks`` has received a stop signal: each writes its ``signalled`` file when
+    its signal is recorded (the test sends the signals after it saw the ready files)."""
+    mine = os.path.join(out, f"{tag}_signalled_rank{rank}.json")
+    wanted = [os.path.join(out, f"{tag}_signalled_rank{r}.json") for r in ranks]
+    while not all(os.path.exists(path) for path in wanted):
+        if rank in ranks and not os.path.exists(mine) and session.current().stops.pending:
+            write(mine, {"received": list(session.current().stops.received)})
+        time.sleep(0.01)  # polls for the files, whatever the time they take
 
 
 def main():
@@ -98,8 +119,11 @@ def main():
     parser.add_argument("--dir", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--tag", required=True)
-    parser.add_argument("--slow", action="store_true")
+    parser.add_argument("--wait-for-signal", default="", help="ranks, e.g. 0,1: after the ready checkpoint every "
+                        "rank waits until these ranks received their stop signal")
     parser.add_argument("--signal-in-save", action="store_true")
+    parser.add_argument("--first-ask-after-ready", action="store_true")
+    parser.add_argument("--signal-self-at-ready", type=int, default=None)
     args = parser.parse_args()
 
     ud.init(gradient_accumulation_steps=ACCUMULATION, timeout=60)
@@ -140,7 +164,7 @@ def main():
                 optimizer.step()
                 optimizer.zero_grad()
             synced = ud.sync_gradients()
-            stop = ud.should_stop()
+            stop = ud.should_stop() if ready or resumed_from or not args.first_ask_after_ready else False
             micro_steps.append([synced, calls[0] - before])
             if synced:
                 step += 1
@@ -164,8 +188,10 @@ def main():
                 ud.save_checkpoint(state, args.dir, step)
                 write(os.path.join(args.out, f"{tag}_ready_rank{rank}.json"), {"pid": os.getpid(), "world": world})
                 ready = True
-            if args.slow and ready and not session.current().stops.pending:
-                time.sleep(SLEEP)  # until this rank gets a signal (then the stop comes at full speed)
+                if args.signal_self_at_ready == rank:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                if args.wait_for_signal:
+                    wait_for_signals(args.out, tag, rank, [int(r) for r in args.wait_for_signal.split(",")])
             if step == TOTAL_STEPS:
                 break
     dump_calls()
