@@ -59,3 +59,19 @@ def test_accelerates_own_script_passes_over_the_launchers_world(launcher, script
     assert not re.search(r"Num processes: 1\b|DistributedType\.NO\b", out), out[-3000:]
     if script != "test_sync":
         assert "DistributedType.MULTI_CPU  Backend: gloo" in out, out[-3000:]
+
+
+def test_accelerates_own_partial_state_under_mpirun_is_one_launch_line(mpirun_available, tmp_path):
+    """Issue #50 item 5: ``accelerate.state.PartialState`` (Accelerate's own, which the runner does not
+    replace) under mpirun joins torch's ``env://`` before anything exported mpirun's rendezvous; each
+    rank ends in one LaunchError line naming the fix, and torch's ``MASTER_ADDR expected`` never shows.
+    Fails in seconds (torch checks the variables before it connects); the other launchers' variables:
+    tests/unit/test_accelerate_module.py::test_the_runner_turns_torchs_raw_rendezvous_error_into_one_launch_line."""
+    probe = tmp_path / "own_state.py"
+    probe.write_text("from accelerate.state import PartialState\nPartialState(cpu=True)\nprint('joined')\n")
+    result = launch("mpirun", "-m", ["unified_dist.accelerate", str(probe)], nproc=2, timeout=60)
+    out = result.output
+    assert not result.timed_out and result.returncode != 0, out[-3000:]
+    line = "LaunchError: mpirun started this process, but a process group was joined at own_state.py:2"
+    assert out.count(line) == 2, out[-3000:]
+    assert "expected, but not set" not in out and "joined\n" not in out, out[-3000:]

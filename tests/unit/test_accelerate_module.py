@@ -227,3 +227,60 @@ def test_end_training_frees_the_reducers_first(fresh_accelerate, monkeypatch):
     monkeypatch.setattr(accelerator, "_leave", lambda destroy: calls.append(destroy))
     accelerator.Accelerator(cpu=True).end_training()
     assert calls == [False]
+
+
+@pytest.fixture
+def restored_environ():
+    """``os.environ`` as it was, after the test (Accelerate's state writes ``RANK``, ``MASTER_PORT``...)."""
+    before = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(before)
+
+
+OWN_STATE = "from accelerate.state import PartialState\nPartialState(cpu=True)\n"
+BARE_GROUP = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+LAUNCHER_ENVIRONMENTS = {
+    "mpirun": {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+               "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+    "srun": {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+             "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODELIST": "localhost", "SLURM_STEP_NODELIST": "localhost"},
+    "horovodrun": {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "2",
+                   "HOROVOD_CONTROLLER": "gloo"},
+}
+RAW_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+
+
+@pytest.mark.parametrize("launcher,script,variable", [
+    ("mpirun", OWN_STATE, "MASTER_ADDR"), ("mpirun", BARE_GROUP, "RANK"), ("srun", BARE_GROUP, "RANK"),
+    ("horovodrun", BARE_GROUP, "RANK")])
+def test_the_runner_turns_torchs_raw_rendezvous_error_into_one_launch_line(
+        launcher, script, variable, fresh_accelerate, restored_environ, tmp_path, monkeypatch):
+    """Issue #50 item 5: under a launcher whose variables torch does not read, a script that joins torch's
+    ``env://`` itself (Accelerate's own ``accelerate.state.PartialState``, a bare ``init_process_group``)
+    ends in one :class:`LaunchError` line naming the launcher, the variable and the fix, never torch's
+    ``... MASTER_ADDR expected, but not set`` (nor any of its rendezvous errors, chained or not). The
+    processes here carry the launcher's variables without the launcher: torch fails before it connects.
+    A real mpirun launch: tests/launchers/test_accelerate_own_scripts.py."""
+    import accelerate
+
+    from unified_dist.accelerate.__main__ import main
+    from unified_dist.errors import LaunchError
+
+    for key in [k for k in os.environ if k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_", "MV2_"))
+                or k in (*RAW_RENDEZVOUS, "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")]:
+        del os.environ[key]
+    os.environ.update(LAUNCHER_ENVIRONMENTS[launcher])
+    probe = tmp_path / "probe.py"
+    probe.write_text(script)
+    for name in ("Accelerator", "PartialState"):
+        monkeypatch.setattr(accelerate, name, getattr(accelerate, name))  # the runner replaces them
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(LaunchError) as raised:
+        main([str(probe)])
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith(f"{launcher} started this process"), line
+    assert "at probe.py:2 " in line and f", and {variable} is not set" in line, line
+    assert "create unified_dist.accelerate.Accelerator() or PartialState() first" in line, line
+    assert "expected, but not set" not in line and raised.value.__suppress_context__ and raised.value.__cause__ is None
