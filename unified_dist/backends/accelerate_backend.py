@@ -12,7 +12,7 @@ from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
 from .base import Config, stop_ddp_buffer_sync
 from .buckets import ddp_kwargs
-from .process_group import note_group_joined_elsewhere, rendezvous_errors, withdraw_rendezvous
+from .process_group import note_group_joined_elsewhere, withdraw_rendezvous
 from .torch_group import TorchGroupBackend
 
 
@@ -102,8 +102,7 @@ class AccelerateBackend(TorchGroupBackend):
         joined = self._join_group(detection, always=False, export=detection.master_addr is not None)
         self.config = config = _running_accumulation(_running_precision(config))
         self._plugin_before = _accumulation_plugin()  # the user's Accelerator's, put back at shutdown
-        # the facade builds the mesh itself, on every device; Accelerate may join torch's env:// here
-        with _without_parallelism_config(), rendezvous_errors(detection.launcher):
+        with _without_parallelism_config():  # the facade builds the mesh itself, on every device
             self.accelerator = Accelerator(
                 # Without cpu=True, Accelerate ignores a multi-process launch on a GPU-less machine
                 # (DistributedType.NO, each process alone); with it, it uses gloo (MULTI_CPU).

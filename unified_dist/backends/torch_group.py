@@ -27,7 +27,6 @@ from .process_group import (
     export_rendezvous,
     gather_stacked,
     join_default_group,
-    rendezvous_errors,
 )
 
 
@@ -54,8 +53,7 @@ class TorchGroupBackend(Backend):
             return False
         if export:
             self._exported = export_rendezvous(detection)
-        with rendezvous_errors(detection.launcher):  # never torch's raw ``MASTER_ADDR expected``
-            return join_default_group(self.config.timeout, always=always)
+        return join_default_group(self.config.timeout, always=always)
 
     def leave_at_exit(self) -> None:
         self._ddp.release()
