@@ -80,6 +80,8 @@ def worker(args) -> None:
     model, opt = ud.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-4))
     state = {"model": model, "optimizer": opt, "step": 0}
     _step(model, opt, width, ud)  # warm-up
+    if args.reserve:  # the staging copy is made in the background while the blocking saves run
+        ud.reserve_async_save(state)
     rows, step = [], 0
     for mode in ("sync", "async"):
         folder = os.path.join(args.dir, mode)
@@ -110,6 +112,26 @@ def worker(args) -> None:
             json.dump({"params": params, "checkpoint_bytes": size, "saves": rows, "idle_write_s": idle,
                        "plain_step_s": plain, "world_size": ud.world_size(), "backend": ud.backend_name()}, f)
     ud.shutdown()
+
+
+def _launch(args, folder: str, reserve: bool) -> dict:
+    """One torchrun launch of the worker; its figures."""
+    from run import launch_command
+    from unified_dist.testing.launchers import run
+
+    worker_out = os.path.join(folder, "worker.json")
+    if os.path.exists(worker_out):
+        os.unlink(worker_out)
+    argv, env = launch_command("torch", 2, str(Path(__file__).resolve()),
+                               ["--params-m", str(args.params_m), "--saves", str(args.saves), "--dir",
+                                os.path.join(folder, f"run-{reserve:d}"), "--worker-out", worker_out]
+                               + (["--reserve"] if reserve else []))
+    launched = run(argv, 1800, env=env, cwd=ROOT)
+    if launched.timed_out or not os.path.exists(worker_out):
+        raise SystemExit(f"the torchrun launch failed:\n{launched.output[-3000:]}")
+    got = json.loads(Path(worker_out).read_text())
+    shutil.rmtree(os.path.join(folder, f"run-{reserve:d}"), ignore_errors=True)
+    return got
 
 
 def dd_bytes_per_s(folder: str, nbytes: int) -> dict:
@@ -152,25 +174,36 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="where the checkpoints and dd's file go (default: a new "
                         "folder in the system's temporary directory)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "async_checkpoint.json"))
+    parser.add_argument("--repeats", type=int, default=2, help="launches of each kind for the first save's ratio "
+                        "(default 2: without, then with ud.reserve_async_save, in turn)")
+    parser.add_argument("--reserve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_out:
         return worker(args)
     import provenance
-    from run import launch_command
-    from unified_dist.testing.launchers import run
 
     record = provenance.start()
     folder = args.dir or tempfile.mkdtemp(prefix="async_checkpoint_")
     os.makedirs(folder, exist_ok=True)
-    worker_out = os.path.join(folder, "worker.json")
-    argv, env = launch_command("torch", 2, str(Path(__file__).resolve()),
-                               ["--params-m", str(args.params_m), "--saves", str(args.saves), "--dir", folder,
-                                "--worker-out", worker_out])
-    launched = run(argv, 1800, env=env, cwd=ROOT)
-    if launched.timed_out or not os.path.exists(worker_out):
-        raise SystemExit(f"the torchrun launch failed:\n{launched.output[-3000:]}")
-    record.update(json.loads(Path(worker_out).read_text()))
+    first = []
+    for repeat in range(args.repeats):
+        for reserve in (False, True):
+            got = _launch(args, folder, reserve)
+            sync = statistics.median(r["blocked_s"] for r in got["saves"] if r["mode"] == "sync")
+            first_async = next(r for r in got["saves"] if r["mode"] == "async")
+            later = statistics.median(r["blocked_s"] for r in got["saves"] if r["mode"] == "async"
+                                      and r is not first_async)
+            first.append({"repeat": repeat, "reserved": reserve, "first_async_blocked_s": first_async["blocked_s"],
+                          "later_async_blocked_s": later, "sync_blocked_s": sync,
+                          "first_ratio": first_async["blocked_s"] / sync, "later_ratio": later / sync})
+            if repeat == 0 and not reserve:
+                record.update(got)  # the full figures: the first launch (no reservation)
+    record["first_save"] = {
+        "runs": first,
+        "ratio_without_reserve": statistics.median(r["first_ratio"] for r in first if not r["reserved"]),
+        "ratio_with_reserve": statistics.median(r["first_ratio"] for r in first if r["reserved"]),
+        "later_ratio": statistics.median(r["later_ratio"] for r in first)}
     record["launcher"] = "torchrun --nproc_per_node 2 (CPU, gloo, OMP_NUM_THREADS=1)"
     record["dd"] = dd_bytes_per_s(folder, record["checkpoint_bytes"])
     record["summary"] = summarise(record)
@@ -179,11 +212,12 @@ def main() -> None:
     if not args.dir:
         shutil.rmtree(folder, ignore_errors=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    s = record["summary"]
+    s, first = record["summary"], record["first_save"]
     print(f"blocked per save: sync {s['sync_blocked_s']:.3f} s, async {s['async_blocked_s']:.3f} s "
           f"(ratio {s['blocked_ratio']:.3f}); write {s['write_bytes_per_s'] / 1e6:.0f} MB/s while training "
           f"({s['write_vs_dd']:.2f} of dd's {record['dd']['bytes_per_s'] / 1e6:.0f} MB/s), idle "
-          f"{s['idle_write_vs_dd']:.2f}; results in {args.out}")
+          f"{s['idle_write_vs_dd']:.2f}; first async save / blocking: {first['ratio_without_reserve']:.3f} "
+          f"({first['ratio_with_reserve']:.3f} after ud.reserve_async_save); results in {args.out}")
 
 
 if __name__ == "__main__":

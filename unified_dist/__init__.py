@@ -35,8 +35,8 @@ _FROM: Dict[str, str] = {
                      "main_process_first", "mixed_precision", "prepare", "print", "rank",
                      "requeue", "restore_rng_states", "rng_states", "seed_everything", "sharding_mode",
                      "should_stop", "shutdown", "sync_gradients", "tracker", "unwrap", "world_size"], ".facade"),
-    **dict.fromkeys(["get_state_dict", "latest_checkpoint", "load", "load_sharded", "save", "save_checkpoint",
-                     "save_sharded"], ".saving"),
+    **dict.fromkeys(["get_state_dict", "latest_checkpoint", "load", "load_sharded", "reserve_async_save", "save",
+                     "save_checkpoint", "save_sharded"], ".saving"),
 }
 """Where each public name lives. They are imported on first use (PEP 562), so ``import unified_dist``
 and the ``unified-dist`` command start without importing torch until something needs it."""
@@ -116,5 +116,14 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         unwrap,
         world_size,
     )
-    from .saving import get_state_dict, latest_checkpoint, load, load_sharded, save, save_checkpoint, save_sharded  # noqa: F401
+    from .saving import (  # noqa: F401
+        get_state_dict,
+        latest_checkpoint,
+        load,
+        load_sharded,
+        reserve_async_save,
+        save,
+        save_checkpoint,
+        save_sharded,
+    )
     from .spawn import launch  # noqa: F401

@@ -81,6 +81,25 @@ def _save(obj: Any, path: str, async_save: bool, keep_last: Optional[int]) -> No
         raise UnifiedDistError(f"saving {path} failed on the main process: {error}")
 
 
+def reserve_async_save(obj: Any) -> None:
+    """Make, in a background thread, the CPU copy that the next ``async_save=True`` save of ``obj`` stages
+    into, so that save (the first of a run, say) returns as fast as the later ones: without it, the first
+    save also waits for the operating system to give the process that much new memory.
+
+    Call it on every rank (it sends nothing) once ``obj`` holds the tensors it will hold when saved, e.g.
+    after the first optimizer step, which creates the optimizer's state. It costs what the first async save
+    would keep anyway: one more copy of ``obj``'s tensors in memory on the main process. Training goes on
+    while the copy is made; a save called before it is ready waits for it. Nothing under a sharded model
+    (its async saves gather each tensor on rank 0 instead) and nothing on the other ranks.
+    """
+    backend = current_backend()
+    if backend.config.sharding.splits_model or backend.rank != 0:
+        return
+    specs: list = []
+    checkpoint.to_state(obj, backend.unwrap, lambda t: specs.append((tuple(t.shape), t.dtype)))
+    WRITER.reserve(specs)
+
+
 def _staged(rank: int, sharded: bool) -> Any:
     """How an async save copies each tensor off the live one: into a CPU buffer of its own (the
     previous save's, reused: :meth:`Writer.staging`; a sharded model's full value on rank 0)."""

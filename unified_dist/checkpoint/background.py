@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import CheckpointError, summary
 
@@ -67,6 +67,7 @@ class Writer:
         self.unsettled = False  # an async save was made since the last settling point
         self._group: Any = None  # the gloo group of background sharded writes (see side_group)
         self._buffers: List[Any] = []  # the CPU copies of the last full save's tensors (see staging)
+        self._reserving: Optional[threading.Thread] = None  # allocating buffers ahead of a first save (reserve)
 
     @property
     def in_flight(self) -> bool:
@@ -111,25 +112,51 @@ class Writer:
                                   "previous checkpoint there is intact: free space or fix the path, then save again")
 
     def staging(self) -> Callable[[Any], Any]:
-        """A function that copies each tensor it is given (in the order a save visits them) into a CPU
-        buffer kept from the previous save when one of the same shape and dtype is there: the
-        copy then takes no fresh pages (the kernel's zeroing of new memory cost more than the copy).
-        Call it only once the previous write ended (its buffers are then free): :meth:`submit` and
-        :meth:`settle` make sure of that before a save stages."""
+        """A function that copies each tensor it is given into a CPU buffer kept from the previous save
+        (or made ahead by :meth:`reserve`) when one of the same shape and dtype is there: the copy then
+        takes no fresh pages (the kernel's provision of new memory cost 4 to 10 times the copy, and is
+        what made a first save block longer than a blocking one). Call it only once the previous write
+        ended (its buffers are then free): :meth:`submit` and :meth:`settle` make sure of that before a
+        save stages; a reservation still running is waited for here."""
         import torch
 
-        kept, fresh, index = self._buffers, [], iter(range(1 << 62))
+        self._join_reservation()
+        kept: Dict[Any, List[Any]] = {}
+        for buffer in self._buffers:
+            kept.setdefault((tuple(buffer.shape), buffer.dtype), []).append(buffer)
+        for spare in kept.values():
+            spare.reverse()  # pop() takes them in the order they were kept
+        fresh: List[Any] = []
 
         def copy(t: Any) -> Any:
-            i = next(index)
             t = t.detach()
-            buffer = kept[i] if i < len(kept) else None
-            if buffer is None or (buffer.shape, buffer.dtype) != (t.shape, t.dtype):
-                buffer = torch.empty(t.shape, dtype=t.dtype, device="cpu")  # contiguous, whatever t's layout
+            spare = kept.get((tuple(t.shape), t.dtype))
+            buffer = spare.pop() if spare else torch.empty(t.shape, dtype=t.dtype, device="cpu")  # contiguous
             fresh.append(buffer)
             return buffer.copy_(t)
         self._buffers = fresh
         return copy
+
+    def reserve(self, specs: List[Any]) -> None:
+        """Make, in a thread of its own, a CPU buffer for each ``(shape, dtype)`` of ``specs`` and touch
+        every page of it, so the next save's :meth:`staging` copies into memory the process already has
+        (``ud.reserve_async_save``). Replaces the buffers kept so far; a save made before it ends waits for
+        it. Nothing while a write is in flight: it reads the kept buffers, which the next save reuses."""
+        import torch
+
+        self._join_reservation()
+        if self.in_flight:
+            return
+
+        def make() -> None:
+            self._buffers = [torch.empty(shape, dtype=dtype, device="cpu").zero_() for shape, dtype in specs]
+        self._reserving = threading.Thread(target=make, name="unified_dist reserve", daemon=True)
+        self._reserving.start()
+
+    def _join_reservation(self) -> None:
+        thread, self._reserving = self._reserving, None
+        if thread is not None:
+            thread.join()
 
     def side_group(self, timeout: Any) -> Any:
         """A gloo process group of every rank, for the collectives of background sharded writes (made on
@@ -146,6 +173,7 @@ class Writer:
 
     def forget(self) -> None:
         """Drop the record of the last write (settled, so finished) and the side group (``ud.shutdown``)."""
+        self._join_reservation()
         self.job, self.unsettled, self._buffers = None, False, []
         group, self._group = self._group, None
         if group is not None:
