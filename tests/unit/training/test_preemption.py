@@ -107,13 +107,28 @@ def step(n):
 step(1)
 os.kill(os.getpid(), signal.SIGTERM)
 print("held", flush=True)
-if sys.argv[1] == "steps":
+if sys.argv[1] == "asks":
+    print("first ask", ud.should_stop(), flush=True)  # step 1's exchange came before the signal
+    step(2)
+    print("next ask", ud.should_stop(), flush=True)
+elif sys.argv[1] == "steps":
     step(2)
     step(3)
 elif sys.argv[1] == "shutdown":
     ud.shutdown()
 print("went on", flush=True)
 """
+
+
+@pytest.mark.distributed
+def test_a_held_signal_stops_a_program_that_asks_after_it_at_the_next_step(tmp_path):
+    """SIGTERM between step 1 and the first ask is held (the child lives on), and the stop is agreed at step 2
+    (in a child process: a signal wrongly given its default action must end the child, not the test run)."""
+    script = tmp_path / "s.py"
+    script.write_text(_HELD)
+    done = subprocess.run([sys.executable, str(script), "asks"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.splitlines() == [
+        "step 1 taken 1", "held", "first ask False", "step 2 taken 2", "next ask True", "went on"], done
 
 
 @pytest.mark.distributed
