@@ -168,10 +168,19 @@ def test_rotation_keeps_the_newest_and_never_the_only_good_one(tmp_path):
 
 
 KILL_DURING_SAVE = r"""
-import sys, torch, unified_dist as ud
+import io, sys, torch, unified_dist as ud
 path = sys.argv[1]
+real = torch.save
+def half_then_wait(obj, f, *args, **kwargs):  # the test kills this process mid-write, whatever the disk's speed
+    buffer = io.BytesIO()
+    real(obj, buffer, *args, **kwargs)
+    f.write(buffer.getvalue()[:buffer.tell() // 2])
+    f.flush()
+    print("half written", flush=True)
+    sys.stdin.readline()  # never answered: SIGKILL comes first
+torch.save = half_then_wait
 print("ready", flush=True)
-ud.save({"w": torch.randn(64, 1024, 1024), "tag": "new"}, path)   # 256 MiB: takes a while to write
+ud.save({"w": torch.randn(16, 1024, 1024), "tag": "new"}, path)
 """
 
 
@@ -179,28 +188,22 @@ def test_killing_a_process_mid_save_leaves_the_previous_checkpoint_loadable(tmp_
     import signal
     import subprocess
     import sys
-    import time
 
     from unified_dist.testing.launchers import ROOT, child_env
 
     path = tmp_path / "ckpt.pt"
     ud.save({"w": torch.arange(5.0), "tag": "previous"}, str(path))
     proc = subprocess.Popen([sys.executable, "-c", KILL_DURING_SAVE, str(path)], env=child_env(), cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        deadline = time.time() + 60
-        while time.time() < deadline and not any(p.name.endswith(".tmp") and p.stat().st_size > 10_000_000
-                                                 for p in tmp_path.iterdir()):
-            time.sleep(0.05)
-        assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir()), "never caught it mid-write"
+        assert proc.stdout.readline().strip() == "half written"  # the child now waits, mid-write
+        assert any(p.name.endswith(".tmp") and p.stat().st_size > 10_000_000 for p in tmp_path.iterdir()), \
+            "the half-written file is not a temporary one"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
-    state = ud.load(str(path))  # loadable whatever the moment of the kill
-    if state["tag"] == "previous":
-        assert torch.equal(state["w"], torch.arange(5.0))
-    else:  # the kill landed after the rename: then the new file is whole
-        assert state["tag"] == "new" and state["w"].shape == (64, 1024, 1024)
+    state = ud.load(str(path))  # the kill landed mid-write: the previous checkpoint is still the file
+    assert state["tag"] == "previous" and torch.equal(state["w"], torch.arange(5.0))
