@@ -186,8 +186,8 @@ def dirs(tmp_path):
 
 def test_torchrun_sigterm_then_a_second_signal_during_the_save_then_resume_on_one_process(dirs):
     ck, out = dirs
-    result = run_and_signal(command("torchrun", WORKER, args(ck, out, "tr", "--wait-for-signal", "0,1", "--signal-in-save")),
-                            out, "tr", 2, "launcher")
+    result = run_and_signal(command("torchrun", WORKER, args(ck, out, "tr", "--wait-for-signal", "0,1",
+                                                             "--signal-in-save")), out, "tr", 2, "launcher")
     assert not result.timed_out, result.output[-3000:]
     # torchrun forwards the signal, waits for its workers, and exits 1 with its SignalException
     assert result.returncode == 1, (result.returncode, result.output[-3000:])
@@ -248,7 +248,8 @@ def test_accelerate_a_signal_to_one_rank_stops_both_and_max_restarts_runs_them_a
 
 def test_horovodrun_sigterm_then_resume(dirs):
     ck, out = dirs
-    result = run_and_signal(command("horovodrun", WORKER, args(ck, out, "hv", "--wait-for-signal", "0,1")), out, "hv", 2, "launcher")
+    result = run_and_signal(command("horovodrun", WORKER, args(ck, out, "hv", "--wait-for-signal", "0,1")),
+                            out, "hv", 2, "launcher")
     assert not result.timed_out, result.output[-3000:]
     # within horovodrun's 5 s grace every worker saved and left with status 75, as each records itself
     # (horovodrun's own log of the workers' statuses is not read: after its SIGTERM it sometimes lost it)
