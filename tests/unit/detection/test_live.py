@@ -82,8 +82,10 @@ def test_probe_order_horovod_then_accelerate_then_torch(clean_env, monkeypatch):
 
 
 def _error_file(directory, rank, summary, secondary):
-    (directory / f"error-{rank}.pkl").write_bytes(pickle.dumps((summary, f"Traceback ...\n{summary}\n", secondary)))
-    time.sleep(0.02)  # distinct modification times
+    path = directory / f"error-{rank}.pkl"
+    path.write_bytes(pickle.dumps((summary, f"Traceback ...\n{summary}\n", secondary)))
+    written = len(list(directory.glob("error-*.pkl")))  # distinct modification times, in the order written,
+    os.utime(path, (time.time(), 1_700_000_000 + written))  # whatever the file system's clock resolution
 
 
 def test_launch_reports_the_root_cause_not_a_peers_reaction(tmp_path):
