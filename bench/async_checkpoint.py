@@ -1,6 +1,6 @@
 """How long a checkpoint stops training, blocking and in the background (``async_save=True``).
 
-    python bench/async_checkpoint.py [--params-m 102] [--saves 4] [--dir DIR] [--out FILE]
+    python bench/async_checkpoint.py [--params-m 102] [--saves 4] [--repeats 2] [--dir DIR] [--out FILE]
 
 Launches this file under torchrun with 2 processes (CPU, gloo; one thread each). Each rank builds the
 same model of ``--params-m`` million float32 parameters (a stack of square ``Linear`` layers, DDP
@@ -13,6 +13,12 @@ through ``ud.prepare``) and SGD, and takes training steps; after each step the s
 - for async saves ``write_s``: from the call's return to the end of the background write (rename and
   fsync included), while training went on; and ``steps_during_write``, the step times meanwhile;
 - ``idle_write_s``: one more async save waited for at once (``ud.barrier()``): the write alone.
+
+A process's first async save is special (its staging copy needs new memory from the operating system),
+so the launch is made ``--repeats`` times without and as many times with ``ud.reserve_async_save(state)``
+after the warm-up step, in turn; ``first_save`` records each launch's first async blocked time over the
+median of its own blocking saves (``first_ratio``; ``later_ratio`` for its other async saves) and the
+medians ``ratio_without_reserve``, ``ratio_with_reserve``. The other figures are the first launch's.
 
 Then ``dd if=/dev/zero of=DIR/dd.bin bs=16M count=N conv=fsync`` writes as many bytes as one
 checkpoint to the same directory (the bytes/s the disk gives a plain sequential write). Writes a JSON
