@@ -147,12 +147,18 @@ def test_launch_horovod_api_puts_the_shim_first():
     assert command.argv[0] == "torchrun"
 
 
-def test_a_name_in_flight_is_refused_until_synchronized():
+def test_a_name_is_refused_while_queued_and_free_once_its_operation_ran():
     from unified_dist.horovod import _ops
 
-    handle = _ops._handle([], lambda: "done", "grad.w")
-    with pytest.raises(ValueError, match="'grad.w' is still in flight"):
-        _ops._claim("grad.w")
-    assert _ops.poll(handle) and _ops.synchronize(handle) == "done"
-    _ops._claim("grad.w")  # free again
-    assert _ops.synchronize(handle) is None  # an unknown handle, as in Horovod
+    pending = _ops._Pending([], None, "grad.w", _ops._one)
+    _ops._in_flight["grad.w"] = pending
+    try:
+        assert pending.queued
+        with pytest.raises(ValueError, match="'grad.w' is still in flight"):
+            _ops._claim("grad.w")
+        pending.start([(None, lambda: "done")])  # the ranks agreed and ran it
+        assert not pending.queued and pending.finish() == "done"
+        _ops._claim("grad.w")  # free again, before anyone synchronized it (Horovod frees it when it runs)
+    finally:
+        _ops._in_flight.pop("grad.w", None)
+    assert _ops.synchronize(10 ** 9) is None  # an unknown handle, as in Horovod

@@ -2,7 +2,6 @@
 provides (refused)."""
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
 import torch
@@ -13,15 +12,16 @@ from ._ops import NotOffHorovod, Sum, global_process_set, synchronize
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank has called ``join``; returns the rank that called it last.
+    """This rank is done (Horovod's ``join``); returns, on every rank, the rank that joined last.
 
-    Horovod's joined ranks keep answering the others' allreduces with zeros; here every rank must
-    reach ``join`` without collectives pending on the others (a rank that is still reducing times out
-    with a :class:`~unified_dist.errors.CollectiveTimeout` instead of hanging silently). For uneven
-    data, give every rank the same number of steps (``ud.prepare`` of the loader does)."""
-    arrived = torch.tensor([time.time(), float(_ops._world.rank)], dtype=torch.float64)
-    rows = synchronize(_ops.allgather_async(arrived.reshape(1, 2)))
-    return int(rows[int(torch.argmax(rows[:, 0]))][1].item())
+    Until every rank has joined, a joined rank answers the others' ``hvd`` allreduces (named or not)
+    with zeros, so ``Average`` divides the others' sum by the full size, as Horovod's; any other
+    collective the others issue meanwhile raises :class:`~unified_dist.horovod._ops.HorovodInternalError`
+    on them (Horovod's too). ``DistributedOptimizer``'s gradient reductions are not answered (they skip
+    the negotiation): a rank still stepping fails with the collective timeout, never a wrong value;
+    give every rank the same number of steps (``ud.prepare`` of the loader does). ``device`` is accepted
+    and not needed."""
+    return _ops.join()
 
 
 class SyncBatchNorm(sync_batchnorm.SyncBatchNorm):

@@ -10,11 +10,14 @@ The contract of each function is Horovod's; what differs is how it is carried:
 - ``*_async`` returns an integer handle; :func:`poll` says whether its transfers finished,
   :func:`synchronize` waits, finishes (scaling, unpadding) and returns the result (``None`` for an
   unknown handle, as Horovod).
-- ``allgather`` takes a different first dimension per rank: every rank first sends its shape and
-  dtype in one small gather (a mismatch in any other dimension or in dtype is an error on every
-  rank, naming each rank's shape), then its rows padded to the longest.
-- ``name`` is accepted and not needed: torch.distributed matches collectives by call order, so
-  every rank must issue them in the same order (Horovod negotiates by name instead).
+- operations pair **by name**, as Horovod's: a named operation is queued and runs once every member
+  of its process set asked for that name, in one order agreed by all (:mod:`._negotiation`), so
+  ranks may issue named operations in different orders; unnamed ones pair in call order. A second
+  operation under a name still queued is a ``ValueError``; :func:`join` answers the others'
+  allreduces with zeros. Operations that cannot be paired raise on every rank, never mix.
+- ``allgather`` takes a different first dimension per rank (the negotiation's rows carry each
+  rank's shape; a mismatch in any other dimension or in dtype is an error on every rank, naming
+  each rank's shape).
 - Process sets map to torch sub-groups (:class:`ProcessSet`).
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UnifiedDistError
+from . import _negotiation as _neg
 
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
 _OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
@@ -60,6 +64,7 @@ class ProcessSet:
             raise ValueError("ProcessSet should be initialized with a list of process ranks")
         self.ranks = ranks
         self._group: Any = None  # the torch sub-group (None: the default group)
+        self._control: Any = None  # the group of its negotiation and of every negotiated transfer
 
     def _invalidate(self) -> None:
         self.process_set_id = None
@@ -93,6 +98,7 @@ class _World:
         self.distributed = False  # a torch default group runs the collectives
         self.timeout: Any = None  # the session's collective timeout, also for the process sets' groups
         self.check = False  # ud.init(debug=True): gradient allreduces also compare shapes across ranks
+        self.controllers: Dict[int, Any] = {}  # process set id -> its negotiation (_negotiation.Controller)
 
 
 _world = _World()
@@ -107,6 +113,7 @@ def _register(ps: ProcessSet) -> ProcessSet:
     if any(other.ranks == ps.ranks for other in _world.sets.values()) or ps.ranks == global_process_set.ranks:
         raise ValueError(f"Attempted to add a duplicate process set: {ps}")
     ps._group = dist.new_group(ps.ranks, timeout=_world.timeout) if _world.distributed else None
+    ps._control = dist.new_group(ps.ranks, timeout=_world.timeout) if _world.distributed else None
     ps.process_set_id = _world.next_id
     _world.next_id += 1
     _world.sets[ps.process_set_id] = ps
@@ -125,9 +132,11 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if pid is None or pid == 0 or pid not in _world.sets:
         return False
     del _world.sets[pid]
-    if process_set._group is not None:
-        dist.destroy_process_group(process_set._group)
-    process_set._group = None
+    _world.controllers.pop(pid, None)
+    for group in (process_set._group, process_set._control):
+        if group is not None:
+            dist.destroy_process_group(group)
+    process_set._group = process_set._control = None
     process_set._invalidate()
     return True
 
@@ -147,48 +156,104 @@ def _communicates(ps: ProcessSet) -> bool:
 
 # ---------------------------------------------------------------------- handles
 class _Pending:
-    """The transfers of one ``*_async`` call and what turns their buffers into its result."""
+    """The transfers of one ``*_async`` call and what turns their buffers into its result; a named
+    operation is ``queued`` until the ranks agree to run it (:mod:`._negotiation`)."""
 
-    def __init__(self, works: Sequence[Any], finish: Callable[[], Any], name: Optional[str]) -> None:
+    def __init__(self, works: Sequence[Any], finish: Optional[Callable[[], Any]], name: Optional[str],
+                 combine: Optional[Callable[[List[Any]], Any]] = None, controller: Any = None) -> None:
         self.works = [w for w in works if w is not None]
         self.finish = finish
         self.name = name
+        self.combine = combine
+        self.controller = controller
+        self.queued = finish is None
+        self.error: Optional[BaseException] = None
+
+    def start(self, started: Sequence[Tuple[Any, Callable[[], Any]]]) -> None:
+        """The agreed operation's transfers started (called by the negotiation)."""
+        finishes = [f for _, f in started]
+        self.works = [w for w, _ in started if w is not None]
+        self.finish = lambda: self.combine([f() for f in finishes])
+        self._ran()
+
+    def fail(self, error: BaseException) -> None:
+        """The agreed operation was refused on every rank: :func:`synchronize` raises ``error``."""
+        self.error = error
+        self._ran()
+
+    def _ran(self) -> None:
+        self.queued = False
+        if self.name is not None and _in_flight.get(self.name) is self:
+            del _in_flight[self.name]  # Horovod frees a name once its operation ran
 
 
 _handles: Dict[int, _Pending] = {}
-_in_flight: Dict[str, int] = {}  # the name of each operation not yet synchronized -> its handle
+_in_flight: Dict[str, _Pending] = {}  # the name of each queued (not yet run) named operation
 _counter = itertools.count(1)
 
 
 def _claim(name: Optional[str]) -> None:
-    """Refuse a second operation under the name of one still in flight, before anything is sent (Horovod's
+    """Refuse a second operation under the name of one still queued, before anything is sent (Horovod's
     ``ValueError``; the other ranks have not started it, so nothing is left half-done)."""
     if name is not None and name in _in_flight:
-        raise ValueError(f"an operation named {name!r} is still in flight (handle {_in_flight[name]}): "
-                         "synchronize it first, or give this one another name")
+        raise ValueError(f"an operation named {name!r} is still in flight: synchronize it first, or give this "
+                         "one another name")
 
 
 def _handle(works: Sequence[Any], finish: Callable[[], Any], name: Optional[str] = None) -> int:
     number = next(_counter)
     _handles[number] = _Pending(works, finish, name)
-    if name is not None:
-        _in_flight[name] = number
+    return number
+
+
+def _one(results: List[Any]) -> Any:
+    return results[0]
+
+
+def _submit(parts: Sequence[_neg.Part], name: Optional[str], ps: ProcessSet,
+            combine: Callable[[List[Any]], Any] = _one) -> int:
+    """Run ``parts`` as one operation: at once on a one-member set; unnamed, each part ticks now (in call
+    order); named, queued until every member asked for ``name`` (it then runs in the agreed order)."""
+    _claim(name)
+    if not _communicates(ps):
+        started = [part.issue(None, None) for part in parts]
+        return _handle([w for w, _ in started], lambda: combine([f() for _, f in started]))
+    controller = _controller(ps)
+    if name is None:
+        started = [controller.run_unnamed(part) for part in parts]
+        return _handle([w for w, _ in started], lambda: combine([f() for _, f in started]))
+    pending = _Pending([], None, name, combine, controller)
+    controller.queue[_neg.key_of(name)] = _neg.Request(name, parts, pending)
+    _in_flight[name] = pending
+    number = next(_counter)
+    _handles[number] = pending
     return number
 
 
 def poll(handle: int) -> bool:
-    """Whether the operation of ``handle`` finished (then :func:`synchronize` does not block)."""
+    """Whether the operation of ``handle`` finished (then :func:`synchronize` does not block). A named
+    operation is not started before this rank synchronizes it or issues another operation, so ``poll``
+    answers ``False`` until then."""
     pending = _handles.get(handle)
-    return pending is None or all(w.is_completed() for w in pending.works)
+    if pending is None:
+        return True
+    return not pending.queued and all(w.is_completed() for w in pending.works)
 
 
 def synchronize(handle: int) -> Any:
-    """Wait for ``handle``'s operation and return its result (``None`` for an unknown handle)."""
-    pending = _handles.pop(handle, None)
+    """Wait for ``handle``'s operation and return its result (``None`` for an unknown handle). A named
+    operation first waits until every rank asked for its name (the ranks run the agreed ones meanwhile)."""
+    pending = _handles.get(handle)
     if pending is None:
         return None
-    if pending.name is not None:
-        _in_flight.pop(pending.name, None)
+    try:
+        if pending.queued:
+            pending.controller.wait(pending)
+    finally:
+        if not pending.queued:
+            _handles.pop(handle, None)
+    if pending.error is not None:
+        raise pending.error
     try:
         for work in pending.works:
             work.wait()
@@ -198,9 +263,35 @@ def synchronize(handle: int) -> Any:
 
 
 def reset() -> None:
-    """Forget every handle (``init``/``shutdown``)."""
+    """Forget every handle and queued operation (``init``/``shutdown``)."""
     _handles.clear()
     _in_flight.clear()
+    _world.controllers.clear()
+
+
+def _group_device(group: Any) -> torch.device:
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def _controller(ps: ProcessSet) -> _neg.Controller:
+    """``ps``'s negotiation on this member (made on first use; ``ps._control`` is its group)."""
+    controller = _world.controllers.get(ps.process_set_id)
+    if controller is None:
+        group = ps._control
+        controller = _neg.Controller(group, ps.ranks, ps.ranks.index(_world.rank), _group_device(group),
+                                     lambda row: _answer_with_zeros(row, group))
+        _world.controllers[ps.process_set_id] = controller
+    return controller
+
+
+def join(process_set: ProcessSet = global_process_set) -> int:
+    """Horovod's ``join``: this rank is done; until every member joined it answers the others'
+    allreduces with zeros (any other collective raises on them). Returns the global rank that joined last."""
+    _members(process_set)
+    if not _communicates(process_set):
+        return _world.rank
+    return _controller(process_set).join()
 
 
 # ---------------------------------------------------------------------- allreduce
@@ -241,28 +332,33 @@ def _movable(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(torch.float16) if tensor.dtype == torch.int16 else tensor
 
 
+def _reduce_wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.int32 if dtype in (torch.bool, torch.int16) else dtype  # gloo: no int16 sums
+
+
 def _check_tensor(tensor: Any, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise ValueError(f"hvd.{what} takes a torch.Tensor, got {type(tensor).__name__}")
 
 
-def allreduce_start_(tensor: torch.Tensor, op: int, prescale_factor: float, postscale_factor: float,
-                     process_set: ProcessSet, check: bool = True) -> Tuple[Any, Callable[[], torch.Tensor]]:
-    """Reduce ``tensor`` in place: the transfer started, and what finishes it (returns ``tensor``). With
-    ``check`` (and always under ``ud.init(debug=True)``) the ranks first compare shape, dtype and op."""
-    _check_tensor(tensor, "allreduce")
-    group, size, _ = _members(process_set)
+def _answer_with_zeros(row: List[int], group: Any) -> None:
+    """A joined member's share of the allreduce ``row`` describes: zeros (Horovod's join)."""
+    dtype = _reduce_wire_dtype(_neg.dtype(row))
+    zeros = torch.zeros(_neg.shape(row), dtype=dtype, device=_group_device(group))
+    dist.all_reduce(zeros, op=getattr(dist.ReduceOp, _TORCH_OP[_neg.extra(row)]), group=group)
+
+
+def _reduce(tensor: torch.Tensor, op: int, prescale_factor: float, postscale_factor: float, size: int,
+            group: Any) -> Tuple[Any, Callable[[], torch.Tensor]]:
+    """Reduce ``tensor`` in place over ``group`` (``None``: alone): the transfer and its finisher."""
     summing = op in (Average, Sum)
     if summing:
         scale_(tensor, prescale_factor)
     work = None
-    if _communicates(process_set):
-        if check or _world.check:
-            _agree("allreduce", tensor, group, size, op)
-        wire = tensor.to(torch.int32) if tensor.dtype in (torch.bool, torch.int16) else tensor  # gloo: no int16
+    wire = tensor
+    if group is not _ALONE:
+        wire = tensor.to(_reduce_wire_dtype(tensor.dtype))
         work = dist.all_reduce(wire, op=getattr(dist.ReduceOp, _TORCH_OP[op]), group=group, async_op=True)
-    else:
-        wire = tensor
 
     def finish() -> torch.Tensor:
         if wire is not tensor:
@@ -273,20 +369,39 @@ def allreduce_start_(tensor: torch.Tensor, op: int, prescale_factor: float, post
     return work, finish
 
 
+_ALONE = object()  # _reduce's group for a one-member set
+
+
+def _allreduce_part(tensor: torch.Tensor, op: int, prescale_factor: float, postscale_factor: float,
+                    process_set: ProcessSet) -> _neg.Part:
+    """Reduce ``tensor`` in place across ``process_set`` (its result is ``tensor``)."""
+    _check_tensor(tensor, "allreduce")
+    _, size, _ = _members(process_set)
+
+    def issue(rows: Any, active: Any) -> Tuple[Any, Callable[[], torch.Tensor]]:
+        group = _ALONE if rows is None else process_set._control
+        return _reduce(tensor, op, prescale_factor, postscale_factor, size, group)
+    return _neg.Part(_neg.ALLREDUCE, op, tensor, issue)
+
+
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start reducing ``tensor`` in place across ``process_set``; a handle whose result is ``tensor``."""
-    _claim(name)
-    work, finish = allreduce_start_(tensor, resolve_op(op, average), prescale_factor, postscale_factor, process_set)
-    return _handle([work], finish, name)
+    part = _allreduce_part(tensor, resolve_op(op, average), prescale_factor, postscale_factor, process_set)
+    return _submit([part], name, process_set)
 
 
 def gradient_allreduce_async_(tensor: torch.Tensor, op: int, prescale_factor: float, postscale_factor: float,
                               process_set: ProcessSet) -> int:
-    """:func:`allreduce_async_` for ``DistributedOptimizer``'s gradients, without the shape comparison
-    (every rank's parameters have the same shapes; ``ud.init(debug=True)`` compares them anyway)."""
-    work, finish = allreduce_start_(tensor, op, prescale_factor, postscale_factor, process_set, check=False)
+    """:func:`allreduce_async_` for ``DistributedOptimizer``'s gradients: the hot path. Every rank issues
+    them in one fixed order, so they skip the negotiation and travel on the set's own group (never the
+    negotiation group); under ``ud.init(debug=True)`` the ranks first compare shapes."""
+    group, size, _ = _members(process_set)
+    alone = not _communicates(process_set)
+    if not alone and _world.check:
+        _agree("allreduce", tensor, group, size, op)
+    work, finish = _reduce(tensor, op, prescale_factor, postscale_factor, size, _ALONE if alone else group)
     return _handle([work], finish)
 
 
@@ -311,9 +426,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
                              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> int:
     """Start reducing every tensor of ``tensors`` in place; one handle whose result is the list."""
     resolved = resolve_op(op, average)
-    _claim(name)
-    started = [allreduce_start_(t, resolved, prescale_factor, postscale_factor, process_set) for t in tensors]
-    return _handle([w for w, _ in started], lambda: [finish() for _, finish in started], name)
+    parts = [_allreduce_part(t, resolved, prescale_factor, postscale_factor, process_set) for t in tensors]
+    return _submit(parts, name, process_set, list)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
@@ -332,113 +446,78 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
                                                 process_set))
 
 
-# ---------------------------------------------------------------------- allgather
-_DTYPE_CODES = {dtype: i for i, dtype in enumerate(
-    [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-     torch.float32, torch.float64, torch.complex64, torch.complex128])}
-_MAX_DIMS = 16
-
-
-def _shapes(tensor: torch.Tensor, group: Any, size: int, extra: int = 0) -> List[Tuple[int, ...]]:
-    """Every member's (``extra``, dtype code, ndim, shape...) in set order: one small blocking gather."""
-    if tensor.dim() > _MAX_DIMS:
-        raise ValueError(f"collectives take at most {_MAX_DIMS} dimensions, got {tensor.dim()}")
-    header = torch.full((_MAX_DIMS + 3,), -1, dtype=torch.int64)
-    header[0], header[1], header[2] = extra, _DTYPE_CODES.get(tensor.dtype, -2), tensor.dim()
-    header[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    out = torch.empty(size * header.numel(), dtype=torch.int64)
-    _gather_cpu(out, header, group)
-    rows = out.view(size, -1).tolist()
-    return [tuple(r[:3 + r[2]]) for r in rows]
-
-
+# ---------------------------------------------------------------------- the hot path's shape check
 def _agree(what: str, tensor: torch.Tensor, group: Any, size: int, extra: int = 0) -> None:
     """Raise :class:`HorovodInternalError` on every member unless all send the same dtype, shape and
-    ``extra`` (a broadcast's root): what Horovod's negotiation refuses, instead of gloo mixing the bytes."""
-    rows = _shapes(tensor, group, size, extra)
-    if len(set(rows)) != 1:
-        raise HorovodInternalError(f"Mismatched {what} tensor shapes, dtypes or root ranks across ranks: "
-                                   f"(root, dtype code, ndim, shape...) per rank {rows}")
+    ``extra`` (one small gather on ``group``): ``ud.init(debug=True)``'s check of gradient reductions."""
+    header = torch.tensor(_neg.make_row(_neg.ALLREDUCE, extra, tensor)[:_neg.HEAD], dtype=torch.int64,
+                          device=_group_device(group))
+    parts = [torch.empty_like(header) for _ in range(size)]
+    dist.all_gather(parts, header, group=group)
+    rows = [p.tolist() for p in parts]
+    if len({tuple(r) for r in rows}) != 1:
+        raise HorovodInternalError(f"Mismatched {what} tensor shapes, dtypes or reduce ops across ranks: "
+                                   + "; ".join(f"rank {i}: {_neg.describe(r)}" for i, r in enumerate(rows)))
 
 
-def _gather_cpu(out: torch.Tensor, header: torch.Tensor, group: Any) -> None:
-    """A gather of small int64 headers (through the group's device)."""
-    device = _group_device(group)
-    parts = [torch.empty_like(header, device=device) for _ in range(out.numel() // header.numel())]
-    dist.all_gather(parts, header.to(device), group=group)
-    out.copy_(torch.cat([p.cpu() for p in parts]))
-
-
-def _group_device(group: Any) -> torch.device:
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-
-def allgather_start(tensor: torch.Tensor, process_set: ProcessSet) -> Tuple[Any, Callable[[], torch.Tensor]]:
-    """Concatenate every member's ``tensor`` along dim 0 (dim 0 may differ): transfer and finisher."""
+# ---------------------------------------------------------------------- allgather
+def _allgather_part(tensor: torch.Tensor, process_set: ProcessSet) -> _neg.Part:
+    """Concatenate every member's ``tensor`` along dim 0 (dim 0 may differ; the rows carry the lengths)."""
     _check_tensor(tensor, "allgather")
-    group, size, _ = _members(process_set)
+    _members(process_set)
     work = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    if not _communicates(process_set):
-        out = work.clone()
-        return None, lambda: out
-    shapes = _shapes(work, group, size)
-    if len({s[:3] + s[4:] for s in shapes}) != 1:
-        raise HorovodInternalError(
-            "Mismatched allgather tensor shapes or dtypes: every rank must send the same dtype and the same "
-            f"dimensions after the first; got (root, dtype code, ndim, shape...) {shapes}")
-    lengths = [s[3] for s in shapes]
-    longest = max(lengths)
-    padded = torch.zeros((longest,) + tuple(work.shape[1:]), dtype=work.dtype, device=work.device)
-    padded[:work.shape[0]] = work
-    wire = _movable(padded)
-    parts = [torch.empty_like(wire) for _ in range(size)]
-    handle = dist.all_gather(parts, wire, group=group, async_op=True)
 
-    def finish() -> torch.Tensor:
-        return torch.cat([p[:n] for p, n in zip(parts, lengths)]).view(work.dtype)
-    return handle, finish
+    def issue(rows: Any, active: Any) -> Tuple[Any, Callable[[], torch.Tensor]]:
+        if rows is None:
+            out = work.clone()
+            return None, lambda: out
+        lengths = [_neg.shape(r)[0] for r in rows]
+        padded = torch.zeros((max(lengths),) + tuple(work.shape[1:]), dtype=work.dtype, device=work.device)
+        padded[:work.shape[0]] = work
+        wire = _movable(padded)
+        parts = [torch.empty_like(wire) for _ in rows]
+        handle = dist.all_gather(parts, wire, group=process_set._control, async_op=True)
+
+        def finish() -> torch.Tensor:
+            return torch.cat([p[:n] for p, n in zip(parts, lengths)]).view(work.dtype)
+        return handle, finish
+    return _neg.Part(_neg.ALLGATHER, 0, work, issue)
 
 
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start gathering ``tensor`` from every member along dim 0 (the input is not modified); a handle."""
-    _claim(name)
-    work, finish = allgather_start(tensor, process_set)
-    return _handle([work], finish, name)
+    return _submit([_allgather_part(tensor, process_set)], name, process_set)
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """:func:`allgather_async` of each tensor; one handle whose result is the list."""
-    _claim(name)
-    started = [allgather_start(t, process_set) for t in tensors]
-    return _handle([w for w, _ in started], lambda: [finish() for _, finish in started], name)
+    return _submit([_allgather_part(t, process_set) for t in tensors], name, process_set, list)
 
 
 # ---------------------------------------------------------------------- broadcast
-def broadcast_start_(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet) -> Tuple[Any, Callable]:
-    """Overwrite ``tensor`` with global rank ``root_rank``'s: the transfer and its finisher."""
+def _broadcast_part(tensor: torch.Tensor, root_rank: int, process_set: ProcessSet) -> _neg.Part:
+    """Overwrite ``tensor`` with global rank ``root_rank``'s (its result is ``tensor``)."""
     _check_tensor(tensor, "broadcast")
-    group, size, _ = _members(process_set)
+    _members(process_set)
     if root_rank not in (process_set.ranks or []):
         raise ValueError(f"root_rank={root_rank} is not in {process_set}")
-    if not _communicates(process_set):
-        return None, lambda: tensor
-    _agree("broadcast", tensor, group, size, root_rank)
-    wire = _movable(tensor)
-    with torch.no_grad():
-        work = dist.broadcast(wire, src=root_rank, group=group, async_op=True)
-    return work, lambda: tensor
+
+    def issue(rows: Any, active: Any) -> Tuple[Any, Callable[[], torch.Tensor]]:
+        if rows is None:
+            return None, lambda: tensor
+        with torch.no_grad():
+            work = dist.broadcast(_movable(tensor), src=root_rank, group=process_set._control, async_op=True)
+        return work, lambda: tensor
+    return _neg.Part(_neg.BROADCAST, root_rank, tensor, issue)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start overwriting ``tensor`` in place with rank ``root_rank``'s value; a handle."""
-    _claim(name)
-    work, finish = broadcast_start_(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, root_rank,
-                                    process_set)
-    return _handle([work], finish, name)
+    target = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+    return _submit([_broadcast_part(target, root_rank, process_set)], name, process_set)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
@@ -473,27 +552,29 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
     """Start sending ``splits[i]`` rows of ``tensor`` (equal parts without ``splits``) to member ``i``;
     the result is ``(rows received in member order, int32 counts received from each)``."""
     _check_tensor(tensor, "alltoall")
-    _claim(name)
-    group, size, _ = _members(process_set)
+    _, size, _ = _members(process_set)
     send = _splits_of(tensor, splits, size)
-    if not _communicates(process_set):
-        out = tensor.detach().clone()
-        return _handle([], lambda: (out, torch.tensor(send, dtype=torch.int32)))
-    _agree("alltoall", tensor[:0], group, size)  # dtype and every dimension after the first
-    counts = torch.tensor(send, dtype=torch.int64, device=_group_device(group))
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    recv = received.cpu().tolist()
-    source = tensor.detach().contiguous()
-    flat = source.reshape(source.shape[0], -1) if source.dim() > 0 else source.reshape(1, 1)
-    out = _movable(flat.new_empty((sum(recv), flat.shape[1])))
-    work = dist.all_to_all_single(out, _movable(flat), output_split_sizes=recv, input_split_sizes=send, group=group,
-                                  async_op=True)
 
-    def finish() -> Tuple[torch.Tensor, torch.Tensor]:
-        rows = out.view(source.dtype).reshape((sum(recv),) + tuple(source.shape[1:]))
-        return rows, torch.tensor(recv, dtype=torch.int32)
-    return _handle([work], finish, name)
+    def issue(rows: Any, active: Any) -> Tuple[Any, Callable[[], Tuple[torch.Tensor, torch.Tensor]]]:
+        if rows is None:
+            out = tensor.detach().clone()
+            return None, lambda: (out, torch.tensor(send, dtype=torch.int32))
+        group = process_set._control
+        counts = torch.tensor(send, dtype=torch.int64, device=_group_device(group))
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)
+        recv = received.cpu().tolist()
+        source = tensor.detach().contiguous()
+        flat = source.reshape(source.shape[0], -1) if source.dim() > 0 else source.reshape(1, 1)
+        out = _movable(flat.new_empty((sum(recv), flat.shape[1])))
+        work = dist.all_to_all_single(out, _movable(flat), output_split_sizes=recv, input_split_sizes=send,
+                                      group=group, async_op=True)
+
+        def finish() -> Tuple[torch.Tensor, torch.Tensor]:
+            rows_out = out.view(source.dtype).reshape((sum(recv),) + tuple(source.shape[1:]))
+            return rows_out, torch.tensor(recv, dtype=torch.int32)
+        return work, finish
+    return _submit([_neg.Part(_neg.ALLTOALL, 0, tensor, issue)], name, process_set)
 
 
 def reducescatter_rows(length: int, size: int, index: int) -> Tuple[int, int]:
@@ -504,8 +585,8 @@ def reducescatter_rows(length: int, size: int, index: int) -> Tuple[int, int]:
     return start, base + (1 if index < extra else 0)
 
 
-def reducescatter_start(tensor: torch.Tensor, op: int, process_set: ProcessSet, prescale_factor: float,
-                        postscale_factor: float) -> Tuple[Any, Callable[[], torch.Tensor]]:
+def _reducescatter_part(tensor: torch.Tensor, op: int, process_set: ProcessSet, prescale_factor: float,
+                        postscale_factor: float) -> _neg.Part:
     """Reduce ``tensor`` across members, each keeping its part of dim 0 (a new tensor)."""
     if op not in (Average, Sum):
         raise ValueError("reducescatter takes op=hvd.Average or hvd.Sum (Horovod's too)")
@@ -513,21 +594,25 @@ def reducescatter_start(tensor: torch.Tensor, op: int, process_set: ProcessSet, 
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor of at least one dimension")
     _, size, index = _members(process_set)
-    work, finish_all = allreduce_start_(tensor.detach().clone(), op, prescale_factor, postscale_factor, process_set)
+    copy = tensor.detach().clone()
 
-    def finish() -> torch.Tensor:
-        start, count = reducescatter_rows(tensor.shape[0], size, index)
-        return finish_all()[start:start + count].clone()
-    return work, finish
+    def issue(rows: Any, active: Any) -> Tuple[Any, Callable[[], torch.Tensor]]:
+        work, finish_all = _reduce(copy, op, prescale_factor, postscale_factor, size,
+                                   _ALONE if rows is None else process_set._control)
+
+        def finish() -> torch.Tensor:
+            start, count = reducescatter_rows(tensor.shape[0], size, index)
+            return finish_all()[start:start + count].clone()
+        return work, finish
+    return _neg.Part(_neg.REDUCESCATTER, op, tensor, issue)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> int:
-    """Start a reduce-scatter of ``tensor`` (see :func:`reducescatter_start`); a handle."""
-    _claim(name)
-    work, finish = reducescatter_start(tensor, resolve_op(op, None), process_set, prescale_factor, postscale_factor)
-    return _handle([work], finish, name)
+    """Start a reduce-scatter of ``tensor`` (see :func:`_reducescatter_part`); a handle."""
+    part = _reducescatter_part(tensor, resolve_op(op, None), process_set, prescale_factor, postscale_factor)
+    return _submit([part], name, process_set)
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: int = Average,
@@ -535,13 +620,12 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[
                                 postscale_factor: float = 1.0) -> int:
     """:func:`reducescatter_async` of each tensor; one handle whose result is the list."""
     resolved = resolve_op(op, None)
-    _claim(name)
-    started = [reducescatter_start(t, resolved, process_set, prescale_factor, postscale_factor) for t in tensors]
-    return _handle([w for w, _ in started], lambda: [finish() for _, finish in started], name)
+    parts = [_reducescatter_part(t, resolved, process_set, prescale_factor, postscale_factor) for t in tensors]
+    return _submit(parts, name, process_set, list)
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Return when every member of ``process_set`` has called it."""
-    group, _, _ = _members(process_set)
-    if _communicates(process_set):
-        dist.barrier(group=group)
+    """Return when every member of ``process_set`` has called it (joined members count as there)."""
+    _members(process_set)
+    synchronize(_submit([_neg.Part(_neg.BARRIER, 0, None, lambda rows, active: (None, lambda: None))], None,
+                        process_set))

@@ -46,6 +46,8 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) 
     _ops._world.check = facade.current_backend().config.debug  # also DistributedOptimizer's gradients
     global_process_set.ranks = list(range(world))
     global_process_set._group = None
+    global_process_set._control = (dist.new_group(list(range(world)), timeout=_ops._world.timeout)
+                                   if _ops._world.distributed else None)
     hosts = facade.all_gather_object(socket.gethostname()) if world > 1 else [socket.gethostname()]
     _learn_hosts(hosts, rank)
     _topology.initialized = True
@@ -70,6 +72,9 @@ def shutdown() -> None:
         return
     for ps in list(_ops._world.sets.values()):
         _ops.remove_process_set(ps)
+    if global_process_set._control is not None:
+        dist.destroy_process_group(global_process_set._control)
+        global_process_set._control = None
     _ops.reset()
     _topology.initialized = False
     facade.shutdown()

@@ -349,7 +349,7 @@ def synchronize_then_skip_synchronize():
     same(model.weight.detach().reshape(-1), torch.ones(3) - 0.1 * sum(every(x_of)) / n, 1e-6)
 
 
-# ---------------------------------------------------------------------- (5) process sets, SyncBatchNorm, join
+# ---------------------------------------------------------------------- (5) process sets, SyncBatchNorm, names
 @check
 def process_sets_reduce_over_their_ranks():
     r, n = hvd.rank(), hvd.size()
@@ -389,9 +389,77 @@ def sync_batchnorm_normalises_over_the_global_batch():
 
 
 @check
-def join_returns_the_last_rank_to_join():
-    time.sleep(0.3 * hvd.rank())
-    assert hvd.join() == hvd.size() - 1
+def named_operations_pair_by_name_in_any_order():
+    """Ranks issue the same named operations in opposite orders: each pairs with its name (Horovod's
+    negotiation), never with whatever the other rank issued at the same position."""
+    r, n = hvd.rank(), hvd.size()
+    a, b = torch.tensor([1.0 + r]), torch.tensor([100.0 * (1 + r)])
+    if r % 2 == 0:
+        ha, hb = hvd.allreduce_async(a, name="swap.a", op=hvd.Sum), hvd.allreduce_async(b, name="swap.b", op=hvd.Sum)
+    else:
+        hb, ha = hvd.allreduce_async(b, name="swap.b", op=hvd.Sum), hvd.allreduce_async(a, name="swap.a", op=hvd.Sum)
+    first, second = (ha, hb) if r % 2 == 0 else (hb, ha)
+    results = {first: hvd.synchronize(first), second: hvd.synchronize(second)}
+    same(results[ha], torch.tensor([sum(1.0 + k for k in range(n))]))
+    same(results[hb], torch.tensor([sum(100.0 * (1 + k) for k in range(n))]))
+    # different kinds and shapes, crossed, with an unnamed operation issued in between
+    rows = torch.full((r + 1, 2), float(r))
+    if r % 2 == 0:
+        hg = hvd.allgather_async(rows, name="swap.gather")
+        hc = hvd.broadcast_async(torch.tensor([float(r), 7.0]), root_rank=0, name="swap.bcast")
+    else:
+        hc = hvd.broadcast_async(torch.tensor([float(r), 7.0]), root_rank=0, name="swap.bcast")
+        hg = hvd.allgather_async(rows, name="swap.gather")
+    same(hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum), torch.tensor([float(n)]))
+    done = {h: hvd.synchronize(h) for h in ((hc, hg) if r % 2 else (hg, hc))}
+    same(done[hg], torch.cat([torch.full((k + 1, 2), float(k)) for k in range(n)]))
+    same(done[hc], torch.tensor([0.0, 7.0]))
+
+
+@check
+def a_second_operation_under_a_queued_name_is_a_value_error():
+    """Horovod's duplicate-name error: raised at once, nothing sent; the name is free once its operation ran."""
+    r, n = hvd.rank(), hvd.size()
+    if n == 1:
+        return
+    tensor = torch.full((3,), float(r))
+    if r == 0:
+        hvd.allreduce_async(tensor, name="dup.name", op=hvd.Sum)
+        try:
+            hvd.allreduce_async(tensor, name="dup.name")
+        except ValueError:
+            pass
+        else:
+            raise AssertionError("a second allreduce_async under a queued name did not raise")
+    hvd.barrier()
+    if r > 0:
+        handle = hvd.allreduce_async(tensor, name="dup.name", op=hvd.Sum)
+        same(hvd.synchronize(handle), torch.full((3,), float(sum(range(n)))))
+    hvd.barrier()
+    same(hvd.allgather(torch.tensor([r]), name="dup.name"), torch.arange(n))  # free again
+
+
+@check
+def operations_that_cannot_be_paired_raise_on_every_rank_naming_them():
+    """Rank 0 waits for a name rank 1 has not queued while rank 1 blocks in an unnamed allreduce: Horovod
+    would wait forever; here both raise one line naming both operations, and the job goes on."""
+    if os.environ.get("HOROVOD_RANK") is not None or hvd.size() == 1:
+        return  # real Horovod hangs here (its stall warning only)
+    r = hvd.rank()
+    handle = hvd.allreduce_async(torch.ones(1), name="only.rank0", op=hvd.Sum) if r == 0 else None
+    try:
+        if r == 0:
+            hvd.synchronize(handle)
+        else:
+            hvd.allreduce(torch.ones(1))
+    except RuntimeError as exc:
+        message = str(exc)
+        assert "\n" not in message and "'only.rank0'" in message and "unnamed allreduce" in message, message
+    else:
+        raise AssertionError("an unpairable pair of operations did not raise")
+    if r > 0:
+        handle = hvd.allreduce_async(torch.ones(1), name="only.rank0", op=hvd.Sum)
+    same(hvd.synchronize(handle), torch.tensor([float(hvd.size())]))
 
 
 # ---------------------------------------------------------------------- (6) elastic
@@ -430,6 +498,49 @@ def elastic_sampler_skips_recorded_batches():
     sampler.record_batch(0, 2)
     sampler.load_state_dict(sampler.state_dict())
     assert list(sampler) == list(range(2 * n + r, 10 * n, n))
+
+
+# ---------------------------------------------------------------------- (7) join, last: real Horovod names an
+# unnamed operation by its handle count, which the ranks' different work around a join leaves unequal
+@check
+def join_returns_the_last_rank_to_join():
+    """Rank 0 joins at once; the others first run a named and an unnamed allreduce, which it answers."""
+    r = hvd.rank()
+    if r > 0:
+        hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="before.join"))
+        hvd.allreduce(torch.ones(2))
+    last = hvd.join()
+    assert last != 0 or hvd.size() == 1, last
+    assert hvd.allgather_object(last) == [last] * hvd.size()
+
+
+@check
+def joined_ranks_answer_allreduces_with_zeros_and_refuse_the_rest():
+    """Horovod's join: the joined rank adds zeros (Average still divides by the full size, integers
+    truncate); an allgather or a broadcast while a rank is joined raises on the others."""
+    r, n = hvd.rank(), hvd.size()
+    if n == 1:
+        return
+    ints = torch.tensor([1, 8, 15, -29], dtype=torch.int32)
+    floats = torch.tensor([[1.5, -3.0], [9.0, 0.25]], dtype=torch.float64)
+    for first in range(n):
+        if r == first:
+            last = hvd.join()
+        else:
+            ha = hvd.allreduce_async(ints, name="join.ints", average=True)
+            hb = hvd.allreduce_async(floats, name="join.floats", average=True)
+            same(hvd.synchronize(ha), torch.div(ints * (n - 1), n, rounding_mode="trunc"))
+            same(hvd.synchronize(hb), floats * (n - 1) / n)
+            same(hvd.allreduce(floats, op=hvd.Sum), floats * (n - 1))
+            for refused in (lambda: hvd.allgather(floats), lambda: hvd.broadcast(floats, r, name="join.bcast")):
+                try:
+                    refused()
+                except RuntimeError:
+                    continue
+                raise AssertionError("a collective other than allreduce ran while a rank had joined")
+            last = hvd.join()
+        assert last != first, (last, first)
+        assert hvd.allgather_object(last) == [last] * n
 
 
 def main() -> None:

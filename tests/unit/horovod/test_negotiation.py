@@ -1,0 +1,147 @@
+"""The negotiation's decisions (unified_dist/horovod/_negotiation.py), from rows built by hand.
+
+Every member derives its plan from the same gathered rows, so the decisions are pure functions of
+them; these tests pin them without a launch (tests/launchers/test_hvd_compat.py runs them for real,
+under torchrun and against real Horovod under horovodrun)."""
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+
+from unified_dist.horovod import _negotiation as neg
+from unified_dist.horovod._ops import HorovodInternalError
+
+
+def allreduce_row(shape=(3,), dtype=torch.float32, op=1, names=(), parts=1):
+    return neg.make_row(neg.ALLREDUCE, op, torch.empty(shape, dtype=dtype), parts=parts,
+                        keys=[neg.key_of(n) for n in names])
+
+
+def wait_row(names):
+    return neg.make_row(neg.WAIT, keys=[neg.key_of(n) for n in names])
+
+
+class FakeController(neg.Controller):
+    """A controller whose exchanges return scripted rows (the other members' answers)."""
+
+    def __init__(self, scripted: List[List[List[int]]]):
+        super().__init__(None, [0, 1], 0, torch.device("cpu"), self._answer)
+        self.scripted, self.sent, self.answered = list(scripted), [], []
+
+    def _answer(self, row):
+        self.answered.append(row)
+
+    def exchange(self, row, doing):
+        self.sent.append(row)
+        rows = self.scripted.pop(0)
+        rows[self.index] = row
+        self.ticks += 1
+        return rows
+
+    def _deadlock(self, rows, doing):
+        return HorovodInternalError(f"deadlock while {doing}")
+
+
+class Pending:
+    def __init__(self, name):
+        self.name, self.queued, self.error, self.started = name, True, None, None
+
+    def start(self, started):
+        self.started, self.queued = started, False
+
+    def fail(self, error):
+        self.error, self.queued = error, False
+
+
+def queue(controller, name, kind_row_tensor=None, issued=None):
+    tensor = torch.zeros(2) if kind_row_tensor is None else kind_row_tensor
+    pending = Pending(name)
+    part = neg.Part(neg.ALLREDUCE, 1, tensor, lambda rows, active: (issued.append(name), None) if issued
+                    is not None else (None, None))
+    controller.queue[neg.key_of(name)] = neg.Request(name, [part], pending)
+    return pending
+
+
+def test_named_operations_run_in_the_first_members_order_whatever_this_members_order():
+    issued: List[str] = []
+    # this member (index 0) queued b then a; member 1 queued a then b: the agreed order is member 0's
+    # own list here, and the same list on member 1 (it reads the same rows), so both run b then a
+    ctl = FakeController([
+        [None, wait_row(["a", "b"])],
+        [None, allreduce_row((2,))], [None, allreduce_row((2,))],
+    ])
+    pb, pa = queue(ctl, "b", issued=issued), queue(ctl, "a", issued=issued)
+    ctl.wait(pa)
+    assert issued == ["b", "a"] and not pa.queued and not pb.queued
+
+
+def test_only_names_every_active_member_queued_run():
+    issued: List[str] = []
+    ctl = FakeController([
+        [None, wait_row(["a"])],              # member 1 has only a: b waits
+        [None, allreduce_row((2,))],
+    ])
+    pa, pb = queue(ctl, "a", issued=issued), queue(ctl, "b", issued=issued)
+    ctl.wait(pa)
+    assert issued == ["a"] and pb.queued and neg.key_of("b") in ctl.queue
+
+
+def test_a_joined_member_does_not_hold_back_the_names_the_others_agree_on():
+    issued: List[str] = []
+    join_row = neg.make_row(neg.JOIN, joined=(0, 0))
+    ctl = FakeController([[None, join_row], [None, join_row]])
+    pa = queue(ctl, "a", issued=issued)
+    ctl.wait(pa)
+    assert issued == ["a"]
+
+
+def test_a_tick_where_nothing_can_run_raises_instead_of_waiting_forever():
+    ctl = FakeController([[None, allreduce_row((1,))]])  # member 1 blocks in an unnamed op, a is ours only
+    pa = queue(ctl, "a")
+    with pytest.raises(HorovodInternalError, match="deadlock while waiting for 'a'"):
+        ctl.wait(pa)
+
+
+def test_a_joined_member_answers_an_unnamed_allreduce_and_returns_the_last_to_join():
+    ctl = FakeController([
+        [None, allreduce_row((4,), torch.int32, op=0)],
+        [None, neg.make_row(neg.JOIN, joined=(5, 10))],
+    ])
+    last = ctl.join()
+    assert [neg.shape(r) for r in ctl.answered] == [(4,)] and neg.dtype(ctl.answered[0]) == torch.int32
+    assert last == 1  # member 1 joined at tick 5, this one at tick 0
+
+
+@pytest.mark.parametrize("other, fragment", [
+    (allreduce_row((4,)), "rank 0: allreduce float32[3] op Sum; rank 1: allreduce float32[4] op Sum"),
+    (allreduce_row((3,), torch.float64), "float64"),
+    (allreduce_row((3,), op=0), "op Average"),
+    (neg.make_row(neg.ALLGATHER, 0, torch.empty(3)), "allgather"),
+    (allreduce_row((3,), parts=2), "2 tensors left"),
+])
+def test_rows_that_disagree_are_refused_naming_every_members_tensor(other, fragment):
+    verdict = neg.problem([allreduce_row((3,)), other], [0, 1], [0, 1])
+    assert verdict is not None and fragment in verdict and "\n" not in verdict
+
+
+def test_allgather_rows_may_differ_in_the_first_dimension_only():
+    rows = [neg.make_row(neg.ALLGATHER, 0, torch.empty(n, 2)) for n in (1, 5)]
+    assert neg.problem(rows, [0, 1], [0, 1]) is None
+    rows[1] = neg.make_row(neg.ALLGATHER, 0, torch.empty(5, 3))
+    assert "Mismatched" in neg.problem(rows, [0, 1], [0, 1])
+
+
+def test_only_allreduce_and_barrier_run_while_a_member_has_joined():
+    join_row = neg.make_row(neg.JOIN)
+    for kind in (neg.ALLGATHER, neg.BROADCAST, neg.ALLTOALL, neg.REDUCESCATTER):
+        verdict = neg.problem([neg.make_row(kind, 0, torch.empty(2)), join_row], [0], [0, 1])
+        assert "rank(s) [1] have called hvd.join()" in verdict
+    assert neg.problem([allreduce_row(), join_row], [0], [0, 1]) is None
+    assert neg.problem([neg.make_row(neg.BARRIER), join_row], [0], [0, 1]) is None
+
+
+def test_a_name_key_is_stable_and_distinct():
+    assert neg.key_of("grad.w") == neg.key_of("grad.w") != neg.key_of("grad.b")
+    assert 0 <= neg.key_of("x") < 2 ** 63

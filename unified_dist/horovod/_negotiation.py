@@ -1,0 +1,304 @@
+"""Horovod's pairing of operations by name, over torch.distributed (the controller of :mod:`._ops`).
+
+Horovod pairs the ranks' operations by *name*: each rank queues its requests and the coordinator runs
+an operation once every rank has asked for it, in one order for all. torch.distributed pairs collectives
+by *call order* instead, so two ranks issuing ``a`` then ``b`` and ``b`` then ``a`` would add ``a`` to
+``b``. This module makes the order agreed, Horovod's way, and never mixes.
+
+The contract:
+
+- Every operation of :mod:`._ops` goes through a **tick** (one small all-gather of fixed-size int64
+  rows on the process set's negotiation group), except ``DistributedOptimizer``'s gradient reductions,
+  which every rank issues in one fixed order (the hot path: no tick, on the set's own group). An unnamed
+  operation ticks when it is issued (the tick is also its shape check, so it costs what the check cost
+  before); a named one is queued, and ticks when this rank synchronizes it (or issues any other
+  operation, or joins).
+- In a tick every member sends the operation it is blocked on (kind, root or reduce op, dtype, shape),
+  or ``WAIT`` (it synchronizes a queued named operation), or ``JOIN``, plus the names of its queued
+  named operations (the first :data:`SLOTS`). From the same rows every member derives the same plan:
+
+  1. the named operations queued on every member that has not joined run, in the order of the first
+     such member's queue; each is an exchange of rows (its shapes, checked) then its data;
+  2. then, if every member that has not joined is issuing an unnamed operation, that one runs;
+  3. a member waiting for a named operation returns once it ran; members in :func:`join` return once
+     every member joined, with the global rank that joined last.
+
+- A joined member answers the others' allreduces with zeros (``Average`` still divides by the set's
+  size, as Horovod); any other collective while a member is joined raises :class:`HorovodInternalError`
+  on the members that issued it (Horovod's error too), and the joined member goes on waiting.
+- Rows that disagree (kind, dtype, shape, root, reduce op, the number of tensors of a grouped
+  operation) raise :class:`HorovodInternalError` on every member, naming each member's tensor.
+- A tick in which nothing can run is a deadlock under Horovod's semantics too (no member can change what
+  it is blocked on): every member raises one line naming each member's operation and queued names.
+
+Data of ticked operations travels on the negotiation group as well, so it can never pair with a
+gradient reduction of the hot path, whatever the ranks' timing.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, WAIT, JOIN = range(1, 9)
+KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast", ALLTOALL: "alltoall",
+              REDUCESCATTER: "reducescatter", BARRIER: "barrier", WAIT: "waiting for a named operation",
+              JOIN: "join"}
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
+MAX_DIMS = 16
+SLOTS = 64
+"""How many queued names one row carries (the oldest first); later ones wait for a later tick."""
+
+# one row: kind, extra (root or reduce op), dtype code, ndim, shape[MAX_DIMS], parts (tensors of the
+# request still to come, this one included), joined-at tick, joined-at microseconds, number of names,
+# then the names' keys
+_KIND, _EXTRA, _DTYPE, _NDIM, _SHAPE = 0, 1, 2, 3, 4
+_PARTS, _JOINED_TICK, _JOINED_US, _NNAMES = 4 + MAX_DIMS, 5 + MAX_DIMS, 6 + MAX_DIMS, 7 + MAX_DIMS
+HEAD = 8 + MAX_DIMS
+WIDTH = HEAD + SLOTS
+_OPS = {0: "Average", 1: "Sum", 3: "Min", 4: "Max", 5: "Product"}  # Horovod's integers (_ops)
+_SHAPED = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER)
+_JOIN_ANSWERS = (ALLREDUCE, BARRIER)  # what a joined member answers; anything else raises on the others
+
+Rows = List[List[int]]
+
+
+def key_of(name: str) -> int:
+    """A name's 63-bit key in the rows (blake2b; a collision among one set's in-flight names is ~2^-50)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _error(message: str) -> Exception:
+    from ._ops import HorovodInternalError  # the class users catch; _ops imports this module
+
+    return HorovodInternalError(message)
+
+
+class Part:
+    """One tensor's collective: what its row says, and ``issue(rows, active)`` that checks nothing more
+    and starts the data transfer on the negotiation group (``rows=None``: a one-member set, no transfer);
+    returns ``(work or None, finish)``."""
+
+    def __init__(self, kind: int, extra: int, tensor: Optional[torch.Tensor],
+                 issue: Callable[[Optional[Rows], Optional[List[int]]], Tuple[Any, Callable[[], Any]]]) -> None:
+        self.kind, self.extra, self.tensor, self.issue = kind, extra, tensor, issue
+
+    def describe(self) -> str:
+        return describe(make_row(self.kind, self.extra, self.tensor))
+
+
+class Request:
+    """A queued named operation: its parts, and the handle record it completes."""
+
+    def __init__(self, name: str, parts: Sequence[Part], pending: Any) -> None:
+        self.name, self.key, self.parts, self.pending = name, key_of(name), list(parts), pending
+
+
+def make_row(kind: int, extra: int = 0, tensor: Optional[torch.Tensor] = None, parts: int = 1,
+             keys: Sequence[int] = (), joined: Tuple[int, int] = (-1, -1)) -> List[int]:
+    row = [0] * WIDTH
+    row[_KIND], row[_EXTRA], row[_PARTS] = kind, int(extra), parts
+    row[_JOINED_TICK], row[_JOINED_US] = joined
+    if tensor is not None:
+        if tensor.dim() > MAX_DIMS:
+            raise ValueError(f"collectives take at most {MAX_DIMS} dimensions, got {tensor.dim()}")
+        row[_DTYPE], row[_NDIM] = CODES.get(tensor.dtype, -2), tensor.dim()
+        row[_SHAPE:_SHAPE + tensor.dim()] = list(tensor.shape)
+    keys = list(keys)[:SLOTS]
+    row[_NNAMES] = len(keys)
+    row[HEAD:HEAD + len(keys)] = keys
+    return row
+
+
+def kind(row: List[int]) -> int:
+    return row[_KIND]
+
+
+def shape(row: List[int]) -> Tuple[int, ...]:
+    return tuple(row[_SHAPE:_SHAPE + row[_NDIM]])
+
+
+def dtype(row: List[int]) -> Optional[torch.dtype]:
+    return DTYPES[row[_DTYPE]] if 0 <= row[_DTYPE] < len(DTYPES) else None
+
+
+def extra(row: List[int]) -> int:
+    return row[_EXTRA]
+
+
+def keys(row: List[int]) -> List[int]:
+    return row[HEAD:HEAD + row[_NNAMES]]
+
+
+def describe(row: List[int]) -> str:
+    """``allreduce float32[3, 4] op Sum`` — one member's operation, for messages."""
+    k = row[_KIND]
+    if k not in _SHAPED:
+        return KIND_NAMES.get(k, f"kind {k}")
+    dt = str(dtype(row)).replace("torch.", "") if dtype(row) is not None else "unsupported dtype"
+    said = f"{KIND_NAMES[k]} {dt}{list(shape(row))}"
+    if k in (ALLREDUCE, REDUCESCATTER):
+        return f"{said} op {_OPS.get(row[_EXTRA], row[_EXTRA])}"
+    return f"{said} root {row[_EXTRA]}" if k == BROADCAST else said
+
+
+def problem(rows: Rows, active: List[int], ranks: Sequence[int]) -> Optional[str]:
+    """Why the members' rows cannot run as one operation (``None`` when they can). A pure function of
+    the rows, so every member (the joined ones too) reaches the same verdict."""
+    first = rows[active[0]]
+    k = first[_KIND]
+    joined = [ranks[i] for i in range(len(rows)) if i not in active]
+    if joined and k not in _JOIN_ANSWERS:
+        return (f"hvd.{KIND_NAMES[k]} cannot run while rank(s) {joined} have called hvd.join() (only allreduce "
+                "and barrier can, as in Horovod): finish it before join, or reduce instead")
+    def comparable(row: List[int]) -> Tuple[int, ...]:
+        if row[_KIND] in (ALLGATHER, ALLTOALL):  # the first dimension may differ
+            return (row[_KIND], row[_EXTRA], row[_DTYPE], row[_NDIM]) + shape(row)[1:] + (row[_PARTS],)
+        return (row[_KIND], row[_EXTRA], row[_DTYPE], row[_PARTS]) + shape(row)
+    if len({comparable(rows[i]) for i in active}) != 1 or (k in _SHAPED and first[_DTYPE] < 0):
+        per_rank = "; ".join(f"rank {ranks[i]}: {describe(rows[i])}" + (f" ({rows[i][_PARTS]} tensors left)"
+                                                                         if rows[i][_PARTS] > 1 else "")
+                             for i in active)
+        return f"Mismatched operations, tensor shapes, dtypes, roots or reduce ops across ranks: {per_rank}"
+    return None
+
+
+class Controller:
+    """The negotiation of one process set on this member: its queue of named requests and its ticks.
+
+    ``answer(row)`` issues a joined member's share of an allreduce described by ``row`` (zeros) on
+    ``group``; ``ranks`` are the set's global ranks; ``index`` is this member's position in them."""
+
+    def __init__(self, group: Any, ranks: Sequence[int], index: int, device: torch.device,
+                 answer: Callable[[List[int]], None]) -> None:
+        self.group, self.ranks, self.index, self.device, self.answer = group, list(ranks), index, device, answer
+        self.queue: Dict[int, Request] = {}
+        self.ticks = 0
+        self.joined: Tuple[int, int] = (-1, -1)
+
+    # ------------------------------------------------------------------ exchanges
+    def exchange(self, row: List[int], doing: str) -> Rows:
+        """All members' rows (one all-gather); a failure (a member gone, the timeout) is one line."""
+        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(mine) for _ in self.ranks]
+        try:
+            dist.all_gather(out, mine, group=self.group)
+        except RuntimeError as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise _error(f"rank {self.ranks[self.index]} was {doing} when the other ranks stopped answering "
+                         f"({first}); every rank must issue the same Horovod operations") from exc
+        self.ticks += 1
+        return [t.tolist() for t in out]
+
+    def _queued_keys(self) -> List[int]:
+        return list(self.queue)
+
+    # ------------------------------------------------------------------ the loop
+    def run_unnamed(self, part: Part) -> Tuple[Any, Callable[[], Any]]:
+        """Tick until every member that has not joined issues ``part``'s operation, then start it."""
+        return self._drive(part=part)
+
+    def wait(self, pending: Any) -> None:
+        """Tick until the queued named operation of ``pending`` ran."""
+        self._drive(pending=pending)
+
+    def join(self) -> int:
+        """Tick as a joined member until every member joined; the global rank that joined last."""
+        self.joined = (self.ticks, int(time.time() * 1e6))
+        try:
+            return self._drive()
+        finally:
+            self.joined = (-1, -1)
+
+    def _drive(self, part: Optional[Part] = None, pending: Any = None) -> Any:
+        while True:
+            if part is not None:
+                own = make_row(part.kind, part.extra, part.tensor, keys=self._queued_keys())
+                doing = f"issuing an unnamed {part.describe()}"
+            elif pending is not None:
+                own = make_row(WAIT, keys=self._queued_keys())
+                doing = f"waiting for {pending.name!r}"
+            else:
+                own = make_row(JOIN, keys=self._queued_keys(), joined=self.joined)
+                doing = "in hvd.join()"
+            rows = self.exchange(own, doing)
+            active = [i for i, r in enumerate(rows) if r[_KIND] != JOIN]
+            if not active:  # everyone joined: the last to join, by tick then by clock
+                last = max(range(len(rows)), key=lambda i: (rows[i][_JOINED_TICK], rows[i][_JOINED_US], i))
+                return self.ranks[last]
+            agreed = self._agreed(rows, active)
+            for key in agreed:
+                self._run_named(key)
+            issuing = all(rows[i][_KIND] not in (WAIT,) for i in active)
+            if issuing:
+                verdict = problem(rows, active, self.ranks)
+                if part is not None:
+                    if verdict is not None:
+                        raise _error(verdict)
+                    return part.issue(rows, active)
+                if verdict is None and kind(rows[active[0]]) == ALLREDUCE:
+                    self.answer(rows[active[0]])  # a joined member's zeros
+            if pending is not None and not pending.queued:
+                return None
+            if not agreed and not issuing:
+                raise self._deadlock(rows, doing)
+
+    def _agreed(self, rows: Rows, active: List[int]) -> List[int]:
+        """The named requests queued on every member that has not joined, in the first one's order."""
+        common = set(keys(rows[active[0]]))
+        for i in active[1:]:
+            common &= set(keys(rows[i]))
+        return [k for k in keys(rows[active[0]]) if k in common]
+
+    def _run_named(self, key: int) -> None:
+        """Run one agreed named request: one exchange and one transfer per tensor (a joined member that
+        did not queue it answers an allreduce with zeros and skips the rest)."""
+        request = self.queue.pop(key, None)
+        if request is None:
+            self._follow()
+            return
+        started = []
+        try:
+            for i, part in enumerate(request.parts):
+                row = make_row(part.kind, part.extra, part.tensor, parts=len(request.parts) - i)
+                rows = self.exchange(row, f"running {request.name!r}")
+                active = [j for j, r in enumerate(rows) if r[_KIND] != JOIN]
+                verdict = problem(rows, active, self.ranks)
+                if verdict is not None:
+                    raise _error(f"{request.name!r}: {verdict}")
+                started.append(part.issue(rows, active))
+        except Exception as exc:  # raised where the user synchronizes it, as Horovod
+            request.pending.fail(exc)
+            return
+        request.pending.start(started)
+
+    def _follow(self) -> None:
+        """A joined member's share of a named request the others run."""
+        while True:
+            rows = self.exchange(make_row(JOIN, joined=self.joined), "in hvd.join()")
+            active = [i for i, r in enumerate(rows) if r[_KIND] != JOIN]
+            if not active or problem(rows, active, self.ranks) is not None:
+                return
+            first = rows[active[0]]
+            if first[_KIND] == ALLREDUCE:
+                self.answer(first)
+            if first[_PARTS] <= 1:
+                return
+
+    def _deadlock(self, rows: Rows, doing: str) -> Exception:
+        """Every member reaches this in the same tick: name each one's operation and queued names."""
+        mine = f"rank {self.ranks[self.index]}: {doing}; queued by name: " + (
+            ", ".join(repr(r.name) for r in self.queue.values()) or "none")
+        described: List[Any] = [None] * len(self.ranks)
+        try:
+            dist.all_gather_object(described, mine, group=self.group)
+        except RuntimeError:
+            described = [f"rank {self.ranks[i]}: {describe(r)}" for i, r in enumerate(rows)]
+        return _error("the ranks' Horovod operations cannot be paired by name (Horovod would wait forever): "
+                      + " | ".join(str(d) for d in described)
+                      + "; issue the same named operations on every rank before synchronizing them")
