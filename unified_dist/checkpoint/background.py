@@ -114,8 +114,8 @@ class Writer:
     def staging(self) -> Callable[[Any], Any]:
         """A function that copies each tensor it is given into a CPU buffer kept from the previous save
         (or made ahead by :meth:`reserve`) when one of the same shape and dtype is there: the copy then
-        takes no fresh pages (the kernel's provision of new memory cost 4 to 10 times the copy, and is
-        what made a first save block longer than a blocking one). Call it only once the previous write
+        takes no fresh pages (the kernel's provision of new memory, what made a run's first save block
+        several times as long as the later ones). Call it only once the previous write
         ended (its buffers are then free): :meth:`submit` and :meth:`settle` make sure of that before a
         save stages; a reservation still running is waited for here."""
         import torch
