@@ -527,18 +527,20 @@ def joined_ranks_answer_allreduces_with_zeros_and_refuse_the_rest():
         if r == first:
             last = hvd.join()
         else:
-            ha = hvd.allreduce_async(ints, name="join.ints", average=True)
-            hb = hvd.allreduce_async(floats, name="join.floats", average=True)
-            same(hvd.synchronize(ha), torch.div(ints * (n - 1), n, rounding_mode="trunc"))
-            same(hvd.synchronize(hb), floats * (n - 1) / n)
-            same(hvd.allreduce(floats, op=hvd.Sum), floats * (n - 1))
-            for refused in (lambda: hvd.allgather(floats), lambda: hvd.broadcast(floats, r, name="join.bcast")):
-                try:
-                    refused()
-                except RuntimeError:
-                    continue
-                raise AssertionError("a collective other than allreduce ran while a rank had joined")
-            last = hvd.join()
+            try:
+                ha = hvd.allreduce_async(ints, name="join.ints", average=True)
+                hb = hvd.allreduce_async(floats, name="join.floats", average=True)
+                same(hvd.synchronize(ha), torch.div(ints * (n - 1), n, rounding_mode="trunc"))
+                same(hvd.synchronize(hb), floats * (n - 1) / n)
+                same(hvd.allreduce(floats, op=hvd.Sum), floats * (n - 1))
+                for refused in (lambda: hvd.allgather(floats), lambda: hvd.broadcast(floats, r, name="join.bcast")):
+                    try:
+                        refused()
+                    except RuntimeError:
+                        continue
+                    raise AssertionError("a collective other than allreduce ran while a rank had joined")
+            finally:
+                last = hvd.join()  # also after a failed assertion: the joined rank is waiting for it
         assert last != first, (last, first)
         assert hvd.allgather_object(last) == [last] * n
 
