@@ -18,6 +18,18 @@ import torch
 import unified_dist as ud
 
 
+def wait_for_the_replacement(state, marker, seconds=150):
+    """Short-handed at the end (a horovod elastic job after losing a worker): commit until the
+    replacement horovodrun discovers has joined (the commit raises HostsUpdatedInterrupt and
+    elastic_run re-enters train with the larger world), rather than a pace that hopes it is in time."""
+    deadline = time.monotonic() + seconds
+    while ud.world_size() == 1 and os.path.exists(marker):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no replacement worker joined within {seconds} s")
+        state.commit()
+        time.sleep(0.2)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -50,14 +62,14 @@ def main():
                 state.optimizer.step()
                 state.optimizer.zero_grad()
                 state.step += 1
-                # short-handed (a horovod elastic job after losing a worker): slow down so the
-                # replacement horovodrun discovers has time to join before the job ends
-                time.sleep(0.05 if ud.world_size() > 1 or not os.path.exists(marker) else 0.3)
+                time.sleep(0.05)
                 if state.step == args.kill_at and ud.rank() == args.kill_rank and not os.path.exists(marker):
                     open(marker, "w").close()
                     os.kill(os.getpid(), signal.SIGKILL)
                 if state.step % 4 == 0:
                     state.commit()
+            if state.epoch + 1 == args.epochs:
+                wait_for_the_replacement(state, marker)
             state.epoch += 1
             state.commit()
 
