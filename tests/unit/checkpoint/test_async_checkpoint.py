@@ -131,8 +131,8 @@ def test_a_sharded_save_writes_the_shards_as_they_were_at_the_call(single, tmp_p
 
 def test_a_second_save_waits_for_the_first(single, gate, tmp_path):
     ud.save({"tag": "first", "w": torch.zeros(2)}, str(tmp_path / "a.pt"), async_save=True)
+    start = time.monotonic()  # before the timer starts: the wait below is >= 0.5 s however slow the machine
     _open_later(gate, 0.5)
-    start = time.monotonic()
     ud.save({"tag": "second", "w": torch.ones(2)}, str(tmp_path / "b.pt"), async_save=True)
     waited = time.monotonic() - start
     assert waited > 0.4 and gate.order[:1] == ["first"], (waited, gate.order)  # the first was written before
