@@ -162,3 +162,18 @@ def test_a_name_is_refused_while_queued_and_free_once_its_operation_ran():
     finally:
         _ops._in_flight.pop("grad.w", None)
     assert _ops.synchronize(10 ** 9) is None  # an unknown handle, as in Horovod
+
+
+def test_polling_a_queued_named_operation_past_the_timeout_says_to_synchronize(monkeypatch):
+    import datetime
+
+    from unified_dist.horovod import _ops
+
+    pending = _ops._Pending([], None, "grad.w", _ops._one)
+    monkeypatch.setitem(_ops._handles, 7, pending)
+    monkeypatch.setattr(_ops._world, "timeout", datetime.timedelta(seconds=30))
+    clock = iter([100.0, 120.0, 131.0])
+    monkeypatch.setattr(_ops.time, "monotonic", lambda: next(clock))
+    assert _ops.poll(7) is False and _ops.poll(7) is False  # queued: not started, within the timeout
+    with pytest.raises(_ops.HorovodInternalError, match=r"'grad.w'.*call hvd.synchronize\(handle\)"):
+        _ops.poll(7)

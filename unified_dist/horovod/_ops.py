@@ -23,6 +23,7 @@ The contract of each function is Horovod's; what differs is how it is carried:
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -168,6 +169,7 @@ class _Pending:
         self.controller = controller
         self.queued = finish is None
         self.error: Optional[BaseException] = None
+        self.polled_since: Optional[float] = None  # when poll() first found it queued
 
     def start(self, started: Sequence[Tuple[Any, Callable[[], Any]]]) -> None:
         """The agreed operation's transfers started (called by the negotiation)."""
@@ -233,11 +235,22 @@ def _submit(parts: Sequence[_neg.Part], name: Optional[str], ps: ProcessSet,
 def poll(handle: int) -> bool:
     """Whether the operation of ``handle`` finished (then :func:`synchronize` does not block). A named
     operation is not started before this rank synchronizes it or issues another operation, so ``poll``
-    answers ``False`` until then."""
+    answers ``False`` until then; a program that only polls a queued one for longer than the session's
+    collective timeout gets :class:`HorovodInternalError` saying so, instead of waiting forever."""
     pending = _handles.get(handle)
     if pending is None:
         return True
-    return not pending.queued and all(w.is_completed() for w in pending.works)
+    if pending.queued:
+        now = time.monotonic()
+        pending.polled_since = pending.polled_since or now
+        limit = _world.timeout.total_seconds() if _world.timeout is not None else float("inf")
+        if now - pending.polled_since > limit:
+            raise HorovodInternalError(
+                f"hvd.poll() has answered False for {limit:.0f} s for the named operation {pending.name!r}: it "
+                "starts when this rank synchronizes it or issues another Horovod operation; call "
+                "hvd.synchronize(handle)")
+        return False
+    return all(w.is_completed() for w in pending.works)
 
 
 def synchronize(handle: int) -> Any:
