@@ -88,9 +88,6 @@ class Part:
                  issue: Callable[[Optional[Rows], Optional[List[int]]], Tuple[Any, Callable[[], Any]]]) -> None:
         self.kind, self.extra, self.tensor, self.issue = kind, extra, tensor, issue
 
-    def describe(self) -> str:
-        return describe(make_row(self.kind, self.extra, self.tensor))
-
 
 class Request:
     """A queued named operation: its parts, and the handle record it completes."""
@@ -168,6 +165,14 @@ def problem(rows: Rows, active: List[int], ranks: Sequence[int]) -> Optional[str
     return None
 
 
+def gather_rows(row: List[int], group: Any, size: int, device: torch.device) -> Rows:
+    """Every member's ``row`` in set order: one all-gather of int64 on ``group`` (on ``device``)."""
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(out, mine, group=group)
+    return [t.tolist() for t in out]
+
+
 class Controller:
     """The negotiation of one process set on this member: its queue of named requests and its ticks.
 
@@ -182,18 +187,17 @@ class Controller:
         self.joined: Tuple[int, int] = (-1, -1)
 
     # ------------------------------------------------------------------ exchanges
-    def exchange(self, row: List[int], doing: str) -> Rows:
-        """All members' rows (one all-gather); a failure (a member gone, the timeout) is one line."""
-        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
-        out = [torch.empty_like(mine) for _ in self.ranks]
+    def exchange(self, row: List[int], doing: Callable[[], str]) -> Rows:
+        """All members' rows (one all-gather); a failure (a member gone, the timeout) is one line saying
+        what this member was ``doing()`` (only formatted then)."""
         try:
-            dist.all_gather(out, mine, group=self.group)
+            rows = gather_rows(row, self.group, len(self.ranks), self.device)
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise _error(f"rank {self.ranks[self.index]} was {doing} when the other ranks stopped answering "
+            raise _error(f"rank {self.ranks[self.index]} was {doing()} when the other ranks stopped answering "
                          f"({first}); every rank must issue the same Horovod operations") from exc
         self.ticks += 1
-        return [t.tolist() for t in out]
+        return rows
 
     def _queued_keys(self) -> List[int]:
         return list(self.queue)
@@ -219,13 +223,13 @@ class Controller:
         while True:
             if part is not None:
                 own = make_row(part.kind, part.extra, part.tensor, keys=self._queued_keys())
-                doing = f"issuing an unnamed {part.describe()}"
+                doing = lambda own=own: f"issuing an unnamed {describe(own)}"  # noqa: E731 - formatted on failure only
             elif pending is not None:
                 own = make_row(WAIT, keys=self._queued_keys())
-                doing = f"waiting for {pending.name!r}"
+                doing = lambda: f"waiting for {pending.name!r}"  # noqa: E731
             else:
                 own = make_row(JOIN, keys=self._queued_keys(), joined=self.joined)
-                doing = "in hvd.join()"
+                doing = lambda: "in hvd.join()"  # noqa: E731
             rows = self.exchange(own, doing)
             active = [i for i, r in enumerate(rows) if r[_KIND] != JOIN]
             if not active:  # everyone joined: the last to join, by tick then by clock
@@ -234,7 +238,7 @@ class Controller:
             agreed = self._agreed(rows, active)
             for key in agreed:
                 self._run_named(key)
-            issuing = all(rows[i][_KIND] not in (WAIT,) for i in active)
+            issuing = all(rows[i][_KIND] != WAIT for i in active)
             if issuing:
                 verdict = problem(rows, active, self.ranks)
                 if part is not None:
@@ -266,7 +270,7 @@ class Controller:
         try:
             for i, part in enumerate(request.parts):
                 row = make_row(part.kind, part.extra, part.tensor, parts=len(request.parts) - i)
-                rows = self.exchange(row, f"running {request.name!r}")
+                rows = self.exchange(row, lambda: f"running {request.name!r}")
                 active = [j for j, r in enumerate(rows) if r[_KIND] != JOIN]
                 verdict = problem(rows, active, self.ranks)
                 if verdict is not None:
@@ -280,7 +284,7 @@ class Controller:
     def _follow(self) -> None:
         """A joined member's share of a named request the others run."""
         while True:
-            rows = self.exchange(make_row(JOIN, joined=self.joined), "in hvd.join()")
+            rows = self.exchange(make_row(JOIN, joined=self.joined), lambda: "in hvd.join()")
             active = [i for i, r in enumerate(rows) if r[_KIND] != JOIN]
             if not active or problem(rows, active, self.ranks) is not None:
                 return
@@ -290,9 +294,9 @@ class Controller:
             if first[_PARTS] <= 1:
                 return
 
-    def _deadlock(self, rows: Rows, doing: str) -> Exception:
+    def _deadlock(self, rows: Rows, doing: Callable[[], str]) -> Exception:
         """Every member reaches this in the same tick: name each one's operation and queued names."""
-        mine = f"rank {self.ranks[self.index]}: {doing}; queued by name: " + (
+        mine = f"rank {self.ranks[self.index]}: {doing()}; queued by name: " + (
             ", ".join(repr(r.name) for r in self.queue.values()) or "none")
         described: List[Any] = [None] * len(self.ranks)
         try:

@@ -173,9 +173,7 @@ class _Pending:
 
     def start(self, started: Sequence[Tuple[Any, Callable[[], Any]]]) -> None:
         """The agreed operation's transfers started (called by the negotiation)."""
-        finishes = [f for _, f in started]
-        self.works = [w for w, _ in started if w is not None]
-        self.finish = lambda: self.combine([f() for f in finishes])
+        self.works, self.finish = _started(started, self.combine)
         self._ran()
 
     def fail(self, error: BaseException) -> None:
@@ -212,18 +210,23 @@ def _one(results: List[Any]) -> Any:
     return results[0]
 
 
+def _started(started: Sequence[Tuple[Any, Callable[[], Any]]],
+             combine: Callable[[List[Any]], Any]) -> Tuple[List[Any], Callable[[], Any]]:
+    """The transfers of started parts, and the finisher that combines their results."""
+    return [w for w, _ in started if w is not None], lambda: combine([f() for _, f in started])
+
+
 def _submit(parts: Sequence[_neg.Part], name: Optional[str], ps: ProcessSet,
             combine: Callable[[List[Any]], Any] = _one) -> int:
     """Run ``parts`` as one operation: at once on a one-member set; unnamed, each part ticks now (in call
     order); named, queued until every member asked for ``name`` (it then runs in the agreed order)."""
     _claim(name)
     if not _communicates(ps):
-        started = [part.issue(None, None) for part in parts]
-        return _handle([w for w, _ in started], lambda: combine([f() for _, f in started]))
+        return _handle(*_started([part.issue(None, None) for part in parts], combine))
     controller = _controller(ps)
     if name is None:
         started = [controller.run_unnamed(part) for part in parts]
-        return _handle([w for w, _ in started], lambda: combine([f() for _, f in started]))
+        return _handle(*_started(started, combine))
     pending = _Pending([], None, name, combine, controller)
     controller.queue[_neg.key_of(name)] = _neg.Request(name, parts, pending)
     _in_flight[name] = pending
@@ -413,7 +416,7 @@ def gradient_allreduce_async_(tensor: torch.Tensor, op: int, prescale_factor: fl
     group, size, _ = _members(process_set)
     alone = not _communicates(process_set)
     if not alone and _world.check:
-        _agree("allreduce", tensor, group, size, op)
+        _agree(tensor, op, group, process_set.ranks)
     work, finish = _reduce(tensor, op, prescale_factor, postscale_factor, size, _ALONE if alone else group)
     return _handle([work], finish)
 
@@ -460,17 +463,15 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
 
 
 # ---------------------------------------------------------------------- the hot path's shape check
-def _agree(what: str, tensor: torch.Tensor, group: Any, size: int, extra: int = 0) -> None:
-    """Raise :class:`HorovodInternalError` on every member unless all send the same dtype, shape and
-    ``extra`` (one small gather on ``group``): ``ud.init(debug=True)``'s check of gradient reductions."""
-    header = torch.tensor(_neg.make_row(_neg.ALLREDUCE, extra, tensor)[:_neg.HEAD], dtype=torch.int64,
-                          device=_group_device(group))
-    parts = [torch.empty_like(header) for _ in range(size)]
-    dist.all_gather(parts, header, group=group)
-    rows = [p.tolist() for p in parts]
-    if len({tuple(r) for r in rows}) != 1:
-        raise HorovodInternalError(f"Mismatched {what} tensor shapes, dtypes or reduce ops across ranks: "
-                                   + "; ".join(f"rank {i}: {_neg.describe(r)}" for i, r in enumerate(rows)))
+def _agree(tensor: torch.Tensor, op: int, group: Any, ranks: List[int]) -> None:
+    """Raise :class:`HorovodInternalError` on every member unless all reduce the same dtype and shape with
+    the same op (one small gather of the negotiation's row head on ``group``, judged by its rule):
+    ``ud.init(debug=True)``'s check of gradient reductions."""
+    row = _neg.make_row(_neg.ALLREDUCE, op, tensor)[:_neg.HEAD]  # no names: the head is the whole row
+    rows = _neg.gather_rows(row, group, len(ranks), _group_device(group))
+    verdict = _neg.problem(rows, list(range(len(ranks))), ranks)
+    if verdict is not None:
+        raise HorovodInternalError(f"gradient allreduce: {verdict}")
 
 
 # ---------------------------------------------------------------------- allgather

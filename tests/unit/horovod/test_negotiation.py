@@ -41,7 +41,7 @@ class FakeController(neg.Controller):
         return rows
 
     def _deadlock(self, rows, doing):
-        return HorovodInternalError(f"deadlock while {doing}")
+        return HorovodInternalError(f"deadlock while {doing()}")
 
 
 class Pending:
