@@ -10,6 +10,12 @@ backend chosen, which translates srun's, mpirun's and horovodrun's variables int
 :func:`unified_dist.detection.stacks.torch_style_under_horovodrun`), exports them, and leaves the
 rest to Accelerate itself: it then joins that group through its own code path.
 
+The runner (``python -m unified_dist.accelerate``, ``unified-dist launch --accelerate-api``) calls
+:func:`export_world` before the script runs, so that everything reaching Accelerate through a library
+(transformers' ``TrainingArguments`` builds ``accelerate.state.PartialState`` before its ``Trainer``
+builds an ``Accelerator``; TRL and PEFT go through those) and every script reading ``WORLD_SIZE`` or
+``LOCAL_RANK`` itself sees the launcher's world.
+
 Why not ``ud.init(backend="accelerate")``: that session builds an ``Accelerator`` of its own first,
 and Accelerate's ``AcceleratorState`` keeps what its first ``Accelerator`` said (dynamo, FSDP and
 DeepSpeed plugins, the parallelism config), so the user's arguments could be ignored silently; it also
@@ -23,6 +29,7 @@ import os
 import warnings
 from typing import Optional
 
+from ..backends.process_group import export_rendezvous
 from ..errors import LaunchError
 
 LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
@@ -44,18 +51,17 @@ def launcher_world(environ=os.environ):
     return found
 
 
-def join(timeout: Optional[datetime.timedelta] = None) -> int:
-    """Make torch's ``env://`` describe the launcher's processes, so that the ``Accelerator`` built
-    next joins them; returns their number. Does nothing but count where a group (or Accelerate's
-    state) already runs in this process, and refuses one that runs alone among several processes."""
-    import torch.distributed as dist
+def export_world() -> int:
+    """Export the launcher's world as the variables torch and Accelerate read (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_WORLD_SIZE``); returns its size.
 
-    from ..backends.process_group import export_rendezvous, join_default_group, note_group_joined_elsewhere
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
+    torchrun and ``accelerate launch`` exported them already (nothing changes); srun, mpirun and horovodrun
+    export their own names only, so without this Accelerate's ``PartialState`` (built by ``Accelerator``,
+    by transformers' ``TrainingArguments``, by TRL) runs each process alone (``DistributedType.NO``) or fails
+    (``MASTER_ADDR expected``), and a script reading ``WORLD_SIZE`` or ``LOCAL_RANK`` itself (many Hugging
+    Face scripts do) sees a world of one. Values already set are kept. Raises :class:`LaunchError` for a
+    launch that cannot be joined (several launchers' variables that disagree, a world that cannot form)."""
     found = launcher_world()
-    _refuse_a_lonely_state(found.world_size)
     if found.world_size <= 1:
         return 1
     if found.master_addr is not None:  # srun, mpirun, horovodrun: their variables are not torch's
@@ -63,10 +69,27 @@ def join(timeout: Optional[datetime.timedelta] = None) -> int:
     local = next((os.environ[k] for k in LOCAL_SIZE_VARIABLES if os.environ.get(k, "").isdigit()), None)
     if local is not None:
         os.environ.setdefault("LOCAL_WORLD_SIZE", local)
+    return found.world_size
+
+
+def join(timeout: Optional[datetime.timedelta] = None) -> int:
+    """Make torch's ``env://`` describe the launcher's processes (:func:`export_world`), so that the
+    ``Accelerator`` built next joins them; returns their number. Does nothing but count where a group (or
+    Accelerate's state) already runs in this process, and refuses one that runs alone among several processes."""
+    import torch.distributed as dist
+
+    from ..backends.process_group import join_default_group, note_group_joined_elsewhere
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    size = export_world()
+    _refuse_a_lonely_state(size)
+    if size <= 1:
+        return 1
     # a torchrun restart needs a per-attempt store (else Accelerate joins through torch's env:// itself)
     if not join_default_group(timeout or datetime.timedelta(minutes=30), always=False):
         note_group_joined_elsewhere()
-    return found.world_size
+    return size
 
 
 def _refuse_a_lonely_state(world_size: int) -> None:

@@ -290,6 +290,23 @@ def with_horovod_api(command: Command, environ: Mapping[str, str] = os.environ) 
     return replace(command, env={**command.env, "PYTHONPATH": pythonpath(environ)})
 
 
+ACCELERATE_RUNNER = ("-m", "unified_dist.accelerate")
+"""What runs a script through :mod:`unified_dist.accelerate`'s runner: torchrun's and ``accelerate launch``'s own
+``-m`` flag, or the interpreter's under horovodrun."""
+
+
+def with_accelerate_api(command: Command, plan: Plan) -> Command:
+    """``command`` running ``plan.script`` through ``python -m unified_dist.accelerate`` (the runner): the
+    launcher's world exported before the script runs, Accelerate's ``Accelerator`` and ``PartialState`` joined
+    to it, so an unchanged Accelerate, transformers ``Trainer``, TRL or PEFT script trains over every process
+    of every launcher (docs/accelerate-migration.md)."""
+    argv = list(command.argv)
+    at = len(argv) - len(plan.script_args) - 1  # every builder ends with the script, then its arguments
+    if argv[at] != plan.script:
+        raise AssertionError(f"the script is not where the runner goes in {command.line()!r}")
+    return replace(command, argv=(*argv[:at], *ACCELERATE_RUNNER, *argv[at:]))
+
+
 # ---------------------------------------------------------------------- subcommand
 def add_arguments(parser, backend_required: bool = True) -> None:
     """The ``launch`` subcommand's options (``unified-dist plan`` takes the same; there ``--backend``
@@ -311,9 +328,14 @@ def add_arguments(parser, backend_required: bool = True) -> None:
                              "GLOO_SOCKET_IFNAME for torch/accelerate)")
     for name in settings.FLAGS:
         _add_setting_flag(parser, settings.TABLE[name])
-    parser.add_argument("--horovod-api", action="store_true",
-                        help="the script's `import horovod.torch` imports unified_dist.horovod (Horovod's API on any "
-                             "backend); under --backend horovod it stays real Horovod (docs/horovod-migration.md)")
+    api = parser.add_mutually_exclusive_group()
+    api.add_argument("--horovod-api", action="store_true",
+                     help="the script's `import horovod.torch` imports unified_dist.horovod (Horovod's API on any "
+                          "backend); under --backend horovod it stays real Horovod (docs/horovod-migration.md)")
+    api.add_argument("--accelerate-api", action="store_true",
+                     help="run the script through `python -m unified_dist.accelerate`: an unchanged Accelerate, "
+                          "transformers Trainer, TRL or PEFT script trains over every process of every backend's "
+                          "launcher (docs/accelerate-migration.md)")
     parser.add_argument("--dry-run", action="store_true", help="print the command on stdout; do not run it")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs="...", help="arguments for the script")
@@ -350,6 +372,8 @@ def main(args) -> int:
     command = build(plan, cuda=cuda)
     if args.horovod_api:
         command = with_horovod_api(command)
+    if args.accelerate_api:
+        command = with_accelerate_api(command, plan)
     if args.dry_run:
         print(command.line())
         return 0

@@ -1,0 +1,184 @@
+"""Issue #51: code that reaches Accelerate through a library (transformers' ``Trainer``, TRL's ``SFTTrainer``, a
+PEFT LoRA adapter) runs unchanged on every launcher through ``python -m unified_dist.accelerate`` (also as
+``unified-dist launch --accelerate-api``), with the numbers of the same script under torchrun.
+
+The script is tests/launchers/workers/trainer_family.py; it never imports unified_dist. Six launches, shared by
+every assertion:
+
+1. ``torchrun --nproc_per_node 2 script.py`` (transformers' own path; no unified_dist): the reference, every part;
+   its ``checkpoint-6`` (mid-epoch 0 of 2) is what the others resume from;
+2. ``python -m unified_dist.accelerate script.py --batch 8`` (one process, the 2 x 4 examples of a step in one batch):
+   the ``mean`` part;
+3. ``unified-dist launch --backend accelerate --accelerate-api`` (``accelerate launch -m unified_dist.accelerate``):
+   the Trainer, then a run resumed from torchrun's checkpoint;
+4. ``unified-dist launch --backend horovod --accelerate-api`` (horovodrun): every part, and the resumed run;
+5. a real ``srun`` through the runner: every part, and the resumed run;
+6. ``mpirun`` through the runner, the script given ``--no-use-cpu`` (``TrainingArguments`` left at its
+   default on this GPU-less machine): the Trainer, and the resumed run.
+
+Tolerance 1e-6 relative on the float64 parameter sums (a lost or doubled step, another data order or a world of
+one moves them by far more): every 2-process launch was bitwise equal to torchrun here (2026-11-27), since the
+data order is Accelerate's own. Expected values that are not the reference's come from physics computed in the
+script in plain torch (the mean loss over the held-out set) or from the data sizes (16 steps = 64 examples / 8
+per step x 2 epochs).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from unified_dist.net import free_port
+from unified_dist.testing.launchers import BIN, ROOT, child_env, command, run
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+TIMEOUT = 240
+SCRIPT = ROOT / "tests" / "launchers" / "workers" / "trainer_family.py"
+STEPS = 64 // 8 * 2  # 64 examples, 8 per optimizer step (2 processes x 4, or 1 x 8), 2 epochs
+RUNNER = ["-m", "unified_dist.accelerate", str(SCRIPT)]
+
+
+def rows(path: Path) -> dict:
+    """The main process's JSON lines by part; a part written twice (two processes that each believed they
+    were the main one) fails here."""
+    found = {}
+    for row in map(json.loads, path.read_text().splitlines()):
+        assert row["part"] not in found, f"{row['part']} written twice: a process trained alone"
+        found[row["part"]] = row
+    return found
+
+
+def launch(cmd: list, folder: Path, name: str, args: list, env: dict = None) -> dict:
+    out = folder / f"{name}.jsonl"
+    run([*cmd, "--out", str(out), "--output-dir", str(folder / name), *args], TIMEOUT, child_env(env)).check()
+    return rows(out)
+
+
+def unified_dist_launch(backend: str, port: bool = False) -> list:
+    extra = ["--master-port", str(free_port())] if port else []
+    return [str(BIN / "unified-dist"), "launch", "--backend", backend, "--nproc", "2", *extra, "--accelerate-api",
+            str(SCRIPT)]
+
+
+@pytest.fixture(scope="module")
+def runs(module_dirs):
+    """Launches 1-4 of the module doc, by launcher name; ``folder`` holds their output."""
+    tmp = module_dirs.mktemp("trainer_family")
+    found = {"folder": tmp}
+    found["torchrun"] = launch(command("torchrun", str(SCRIPT)), tmp, "torchrun", [])
+    resume = ["--resume", str(tmp / "torchrun" / "checkpoint-6")]
+    found["python"] = launch([str(BIN / "python"), *RUNNER], tmp, "python", ["--batch", "8", "--parts", "mean"])
+    found["accelerate"] = launch(unified_dist_launch("accelerate", port=True), tmp, "accelerate",
+                                 ["--parts", "trainer", *resume])
+    found["horovodrun"] = launch(unified_dist_launch("horovod"), tmp, "horovodrun", resume)
+    return found
+
+
+@pytest.fixture(scope="module")
+def srun_run(runs, slurm_cluster):
+    tmp = runs["folder"]
+    cmd = command("srun", "-m", RUNNER[1:])
+    return launch(cmd, tmp, "srun", ["--resume", str(tmp / "torchrun" / "checkpoint-6")], slurm_cluster)
+
+
+@pytest.fixture(scope="module")
+def mpirun_run(runs, mpirun_available):
+    tmp = runs["folder"]
+    cmd = command("mpirun", "-m", RUNNER[1:])
+    return launch(cmd, tmp, "mpirun", ["--parts", "trainer", "--no-use-cpu",
+                                       "--resume", str(tmp / "torchrun" / "checkpoint-6")],
+                  {"MASTER_PORT": str(free_port())})
+
+
+def check_trainer(got: dict, reference: dict) -> None:
+    """The Trainer part of a 2-process launch through the runner against torchrun's."""
+    assert got["accelerator"] == "unified_dist.accelerate.accelerator"
+    assert (got["world_size"], got["distributed_type"]) == (2, "DistributedType.MULTI_CPU")
+    # the launcher's world as the script's own os.environ reads, before anything else ran
+    assert (got["world_size_variable"], got["local_rank_variable"]) == (2, 0)
+    assert got["global_step"] == STEPS
+    assert got["checkpoints"] == reference["checkpoints"] == ["checkpoint-12", "checkpoint-16", "checkpoint-6"]
+    assert got["param_sum"] == pytest.approx(reference["param_sum"], rel=1e-6, abs=0)
+    assert got["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
+    assert got["predictions_shape"] == [21, 2]  # each held-out example once, none of the padding
+    assert got["predictions_sum"] == pytest.approx(reference["predictions_sum"], rel=1e-6)
+
+
+def check_resumed(got: dict, reference: dict) -> None:
+    """A run resumed from torchrun's checkpoint-6 ends with torchrun's uninterrupted parameters."""
+    assert got["global_step"] == STEPS
+    assert got["param_sum"] == pytest.approx(reference["param_sum"], rel=1e-6, abs=0)
+    assert got["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
+
+
+def test_the_reference_is_transformers_own_path_over_two_processes(runs):
+    reference = runs["torchrun"]["trainer"]
+    assert reference["accelerator"] == "accelerate.accelerator"  # no unified_dist in that process
+    assert (reference["world_size"], reference["distributed_type"]) == (2, "DistributedType.MULTI_CPU")
+    assert reference["global_step"] == STEPS
+    assert "unified_dist" not in SCRIPT.read_text().replace("unified_dist.accelerate`` under", "")
+
+
+def test_trainer_under_accelerate_launch_gives_torchruns_numbers_and_resumes_its_checkpoint(runs):
+    reference = runs["torchrun"]["trainer"]
+    check_trainer(runs["accelerate"]["trainer"], reference)
+    check_resumed(runs["accelerate"]["resume"], reference)
+
+
+def test_trainer_sft_and_lora_under_horovodrun_give_torchruns_numbers(runs):
+    check_family(runs["horovodrun"], runs["torchrun"])
+
+
+def test_trainer_sft_and_lora_under_srun_give_torchruns_numbers(runs, srun_run):
+    check_family(srun_run, runs["torchrun"])
+
+
+def test_trainer_under_mpirun_without_use_cpu_gives_torchruns_numbers(runs, mpirun_run):
+    """``TrainingArguments()`` without ``use_cpu`` on a GPU-less machine: the runner's ``PartialState`` still
+    forms one gloo group of mpirun's processes (Accelerate's own would run each alone)."""
+    check_trainer(mpirun_run["trainer"], runs["torchrun"]["trainer"])
+    check_resumed(mpirun_run["resume"], runs["torchrun"]["trainer"])
+
+
+def check_family(got: dict, reference: dict) -> None:
+    check_trainer(got["trainer"], reference["trainer"])
+    check_resumed(got["resume"], reference["trainer"])
+    sft, lora = got["sft"], got["lora"]
+    assert (sft["world_size"], lora["world_size"]) == (2, 2)
+    assert sft["global_step"] == reference["sft"]["global_step"] == 10  # 40 texts, 8 per step, 2 epochs
+    assert sft["param_sum"] == pytest.approx(reference["sft"]["param_sum"], rel=1e-6, abs=0)
+    assert sft["train_loss"] == pytest.approx(reference["sft"]["train_loss"], rel=1e-6)
+    assert lora["global_step"] == STEPS
+    assert lora["trainable_sum"] == pytest.approx(reference["lora"]["trainable_sum"], rel=1e-6, abs=0)
+    assert lora["eval_loss"] == pytest.approx(reference["lora"]["eval_loss"], rel=1e-6)
+
+
+def test_one_process_with_the_whole_batch_gives_two_processes_update(runs):
+    """Physics: 1 process x batch 8 (python through the runner) = 2 processes x batch 4 (torchrun), with each
+    process's loss its batch's mean (``average_tokens_across_devices=False``); the evaluation loss over a
+    held-out set that splits evenly equals the mean loss computed in plain torch in either."""
+    one, two = runs["python"]["mean"], runs["torchrun"]["mean"]
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert one["global_step"] == two["global_step"] == STEPS
+    assert one["param_sum"] == pytest.approx(two["param_sum"], rel=1e-6, abs=0)
+    for got in (one, two):
+        assert got["eval_loss"] == pytest.approx(got["mean_loss"], rel=1e-6)
+
+
+def test_transformers_default_reports_the_loss_times_the_number_of_processes(runs):
+    """The issue's eval_loss 1.374 against 0.687 is transformers' own: with ``average_tokens_across_devices``
+    (its default) and a model whose forward takes loss keyword arguments, ``Trainer.compute_loss`` multiplies the
+    loss by the number of processes (meant for losses summed over the tokens of the whole world; BERT's
+    classification loss is a mean): the reported ``eval_loss`` is 2 x the mean loss computed in plain torch,
+    under torchrun as under every launcher here (docs/accelerate-migration.md)."""
+    reference = runs["torchrun"]["trainer"]
+    assert reference["eval_loss"] == pytest.approx(2 * reference["mean_loss"], rel=1e-5)
+    assert runs["torchrun"]["mean"]["eval_loss"] == pytest.approx(runs["torchrun"]["mean"]["mean_loss"], rel=1e-6)
+
+
+def test_the_script_imports_no_unified_dist():
+    text = SCRIPT.read_text()
+    assert "import unified_dist" not in text and "from unified_dist" not in text
+    assert os.path.basename(str(SCRIPT)) == "trainer_family.py"
