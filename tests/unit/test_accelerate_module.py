@@ -122,10 +122,12 @@ def test_the_runner_without_a_script_says_how_to_call_it():
 
 
 def test_the_runner_makes_accelerates_names_the_joined_ones(tmp_path, monkeypatch):
-    """``from accelerate import Accelerator, PartialState`` and ``from accelerate.accelerator import
-    Accelerator`` (Accelerate's own test scripts import it so) read unified_dist's classes."""
+    """``from accelerate import Accelerator, PartialState``, ``from accelerate.accelerator import
+    Accelerator`` (Accelerate's own test scripts import it so) and ``from accelerate.state import PartialState``
+    (transformers' ``TrainingArguments``) read unified_dist's classes."""
     import accelerate
     import accelerate.accelerator
+    import accelerate.state
 
     from unified_dist.accelerate import Accelerator, PartialState
     from unified_dist.accelerate.__main__ import main
@@ -133,15 +135,16 @@ def test_the_runner_makes_accelerates_names_the_joined_ones(tmp_path, monkeypatc
     script = tmp_path / "probe.py"
     script.write_text("import sys\nfrom accelerate import Accelerator, PartialState\n"
                       "from accelerate.accelerator import Accelerator as FromTheModule\n"
-                      "sys.modules['__probe__'] = (Accelerator, PartialState, FromTheModule)\n")
+                      "from accelerate.state import PartialState as StateFromTheModule\n"
+                      "sys.modules['__probe__'] = (Accelerator, PartialState, FromTheModule, StateFromTheModule)\n")
     for module, name in ((accelerate, "Accelerator"), (accelerate, "PartialState"),
-                         (accelerate.accelerator, "Accelerator")):
+                         (accelerate.accelerator, "Accelerator"), (accelerate.state, "PartialState")):
         monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delitem(sys.modules, "__probe__", raising=False)
     main([str(script)])
-    assert sys.modules["__probe__"] == (Accelerator, PartialState, Accelerator)
+    assert sys.modules["__probe__"] == (Accelerator, PartialState, Accelerator, PartialState)
     assert os.path.dirname(str(script)) == sys.path[0]
 
 
@@ -238,49 +241,76 @@ def restored_environ():
     os.environ.update(before)
 
 
-OWN_STATE = "from accelerate.state import PartialState\nPartialState(cpu=True)\n"
-BARE_GROUP = "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
 LAUNCHER_ENVIRONMENTS = {
-    "mpirun": {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+    "mpirun": {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
                "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
-    "srun": {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-             "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODELIST": "localhost", "SLURM_STEP_NODELIST": "localhost"},
-    "horovodrun": {"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0", "HOROVOD_LOCAL_SIZE": "2",
+    "srun": {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+             "SLURM_STEP_NUM_TASKS": "2", "SLURM_NODELIST": "localhost", "SLURM_STEP_NODELIST": "localhost",
+             "SLURM_NTASKS_PER_NODE": "2"},
+    "horovodrun": {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
                    "HOROVOD_CONTROLLER": "gloo"},
 }
-RAW_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+TORCH_WORLD = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+PROBE = ("import os, sys\nimport accelerate.state\n"
+         f"seen = {{k: os.environ.get(k) for k in {TORCH_WORLD!r}}}\n"
+         "sys.modules['__probe__'] = (seen, accelerate.state.PartialState)\n")
 
 
-@pytest.mark.parametrize("launcher,script,variable", [
-    ("mpirun", OWN_STATE, "MASTER_ADDR"), ("mpirun", BARE_GROUP, "RANK"), ("srun", BARE_GROUP, "RANK"),
-    ("horovodrun", BARE_GROUP, "RANK")])
-def test_the_runner_turns_torchs_raw_rendezvous_error_into_one_launch_line(
-        launcher, script, variable, fresh_accelerate, restored_environ, tmp_path, monkeypatch):
-    """Issue #50 item 5: under a launcher whose variables torch does not read, a script that joins torch's
-    ``env://`` itself (Accelerate's own ``accelerate.state.PartialState``, a bare ``init_process_group``)
-    ends in one :class:`LaunchError` line naming the launcher, the variable and the fix, never torch's
-    ``... MASTER_ADDR expected, but not set`` (nor any of its rendezvous errors, chained or not). The
-    processes here carry the launcher's variables without the launcher: torch fails before it connects.
-    A real mpirun launch: tests/launchers/test_accelerate_own_scripts.py."""
+@pytest.mark.parametrize("launcher", sorted(LAUNCHER_ENVIRONMENTS))
+def test_the_runner_exports_the_launchers_world_before_the_script_runs(
+        launcher, fresh_accelerate, restored_environ, tmp_path, monkeypatch):
+    """Issue #51: under a launcher whose variables torch and Accelerate do not read, the script's first line
+    already sees torch's variables for the launcher's world (transformers' ``TrainingArguments`` builds
+    ``accelerate.state.PartialState`` from them; many scripts read ``WORLD_SIZE``/``LOCAL_RANK`` themselves),
+    and ``accelerate.state.PartialState`` is the class that joins it on a machine without CUDA. The processes
+    here carry the launcher's variables without the launcher (nothing connects). Real launches:
+    tests/launchers/test_trainer_family.py."""
     import accelerate
+    import accelerate.state
 
+    from unified_dist.accelerate import PartialState
     from unified_dist.accelerate.__main__ import main
-    from unified_dist.errors import LaunchError
 
     for key in [k for k in os.environ if k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_", "MV2_"))
-                or k in (*RAW_RENDEZVOUS, "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")]:
+                or k in (*TORCH_WORLD, "TORCHELASTIC_RUN_ID")]:
         del os.environ[key]
     os.environ.update(LAUNCHER_ENVIRONMENTS[launcher])
     probe = tmp_path / "probe.py"
-    probe.write_text(script)
-    for name in ("Accelerator", "PartialState"):
-        monkeypatch.setattr(accelerate, name, getattr(accelerate, name))  # the runner replaces them
+    probe.write_text(PROBE)
+    for module, name in ((accelerate, "Accelerator"), (accelerate, "PartialState"), (accelerate.state, "PartialState"),
+                         (accelerate.accelerator, "Accelerator")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # the runner replaces them
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
-    with pytest.raises(LaunchError) as raised:
-        main([str(probe)])
-    line = str(raised.value)
-    assert "\n" not in line and line.startswith(f"{launcher} started this process"), line
-    assert "at probe.py:2 " in line and f", and {variable} is not set" in line, line
-    assert "create unified_dist.accelerate.Accelerator() or PartialState() first" in line, line
-    assert "expected, but not set" not in line and raised.value.__suppress_context__ and raised.value.__cause__ is None
+    monkeypatch.delitem(sys.modules, "__probe__", raising=False)
+    main([str(probe)])
+    seen, state_class = sys.modules["__probe__"]
+    assert state_class is PartialState
+    assert {k: seen[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == {
+        "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    assert seen["MASTER_ADDR"] == "127.0.0.1" and seen["MASTER_PORT"].isdigit()
+
+
+def test_the_runner_changes_nothing_where_torchrun_exported_the_world(
+        fresh_accelerate, restored_environ, tmp_path, monkeypatch):
+    """Under torchrun (and ``accelerate launch``) the variables are the launcher's own: the runner keeps them."""
+    import accelerate
+    import accelerate.state
+
+    from unified_dist.accelerate.__main__ import main
+
+    for key in [k for k in os.environ if k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_", "MV2_"))]:
+        del os.environ[key]
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29999"}
+    os.environ.update(torchrun)
+    probe = tmp_path / "probe.py"
+    probe.write_text(PROBE)
+    for module, name in ((accelerate, "Accelerator"), (accelerate, "PartialState"), (accelerate.state, "PartialState"),
+                         (accelerate.accelerator, "Accelerator")):
+        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "__probe__", raising=False)
+    main([str(probe)])
+    assert sys.modules["__probe__"][0] == {k: torchrun[k] for k in TORCH_WORLD}

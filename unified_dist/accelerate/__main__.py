@@ -19,10 +19,6 @@ Then ``script.py`` runs as ``__main__`` with its arguments. Any launcher can sta
 script.py``, ``horovodrun -np 2 -H localhost:2 --gloo python -m unified_dist.accelerate script.py``,
 ``srun``/``mpirun ... python -m unified_dist.accelerate script.py``, or ``unified-dist launch
 --accelerate-api``.
-
-Where torch's ``env://`` rendezvous still misses a variable (a script that removed them), torch's
-``MASTER_ADDR expected`` becomes one :class:`~unified_dist.errors.LaunchError` line naming the fix
-(:func:`unified_dist.backends.process_group.rendezvous_errors`).
 """
 from __future__ import annotations
 
@@ -38,11 +34,9 @@ def main(argv: list) -> None:
     import accelerate.accelerator
     import accelerate.state
 
-    from ..backends.process_group import rendezvous_errors
     from . import world
     from .accelerator import Accelerator, PartialState
 
-    launcher = _launcher()  # before the export below, which makes every launcher read as torchrun
     world.export_world()
     accelerate.Accelerator = Accelerator  # what `from accelerate import Accelerator` now reads
     accelerate.accelerator.Accelerator = Accelerator  # and `from accelerate.accelerator import Accelerator`
@@ -50,19 +44,7 @@ def main(argv: list) -> None:
     accelerate.state.PartialState = PartialState  # transformers, and AcceleratorState's own first state
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` would
-    with rendezvous_errors(launcher, argv[0]):
-        runpy.run_path(argv[0], run_name="__main__")
-
-
-def _launcher() -> str:
-    """What started this process, read before the script runs (Accelerate's state exports torch's
-    ``RANK``/``WORLD_SIZE`` before it fails, which would then read as torchrun)."""
-    from ..detection import detect
-
-    try:
-        return detect(os.environ, "accelerate").launcher
-    except Exception:  # noqa: BLE001 - an environment detection refuses is the script's to report
-        return "the launcher"
+    runpy.run_path(argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":

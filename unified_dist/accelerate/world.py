@@ -82,8 +82,8 @@ def join(timeout: Optional[datetime.timedelta] = None) -> int:
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
+    _refuse_a_lonely_state(launcher_world().world_size)  # before anything is exported
     size = export_world()
-    _refuse_a_lonely_state(size)
     if size <= 1:
         return 1
     # a torchrun restart needs a per-attempt store (else Accelerate joins through torch's env:// itself)

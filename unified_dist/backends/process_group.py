@@ -14,13 +14,10 @@ own ``env://`` path unchanged.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
-import re
 import socket
-import traceback
-from typing import TYPE_CHECKING, Dict, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Dict, Mapping
 
 if TYPE_CHECKING:
     from ..detection import Detection
@@ -86,42 +83,6 @@ def withdraw_rendezvous(exported: Mapping[str, str]) -> None:
     for key, value in exported.items():
         if os.environ.get(key) == value:
             del os.environ[key]
-
-
-_RENDEZVOUS_ERROR = re.compile(r"env:// rendezvous: environment variable (\w+) expected")
-"""torch's ``ValueError`` when its ``env://`` rendezvous misses a variable (``MASTER_ADDR``, ``MASTER_PORT``,
-``RANK``, ``WORLD_SIZE``): the variable's name."""
-
-
-def rendezvous_failure(exc: BaseException, launcher: str, where: str = "") -> Optional[str]:
-    """The one line naming the fix when ``exc`` is torch's ``env://`` rendezvous missing a variable in a
-    process that ``launcher`` started (srun, mpirun and horovodrun export none of torch's), joined
-    ``where`` (e.g. `` at train.py:12``); ``None`` for any other error."""
-    found = _RENDEZVOUS_ERROR.search(str(exc)) if isinstance(exc, ValueError) else None
-    if found is None:
-        return None
-    return (f"{launcher} started this process, but a process group was joined{where} through torch's env:// "
-            f"rendezvous before unified_dist exported one, and {found.group(1)} is not set (Accelerate's own "
-            "accelerate.state.PartialState or AcceleratorState, transformers' TrainingArguments, or a bare "
-            "init_process_group): create unified_dist.accelerate.Accelerator() or PartialState() first, or "
-            "launch with torchrun or accelerate launch")
-
-
-@contextlib.contextmanager
-def rendezvous_errors(launcher: str, script: Optional[str] = None) -> Iterator[None]:
-    """Inside: torch's ``env://`` rendezvous error becomes :class:`LaunchError` with
-    :func:`rendezvous_failure`'s line, naming the last line of ``script`` on the way (torch's traceback
-    is dropped: the line says what it said)."""
-    try:
-        yield
-    except ValueError as exc:
-        frames = [f for f in traceback.extract_tb(exc.__traceback__)
-                  if script and os.path.abspath(f.filename) == os.path.abspath(script)]
-        where = f" at {os.path.basename(script)}:{frames[-1].lineno}" if frames and script else ""
-        line = rendezvous_failure(exc, launcher, where)
-        if line is None:
-            raise
-        raise LaunchError(line) from None
 
 
 def host_names() -> list:

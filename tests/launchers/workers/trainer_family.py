@@ -89,7 +89,8 @@ def mean_loss(model, data):
     """The mean cross-entropy of ``model`` over ``data``, in plain torch in this process (not the Trainer's)."""
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor(data["input_ids"]), attention_mask=torch.tensor(data["attention_mask"])).logits
+        logits = model(input_ids=torch.tensor(data["input_ids"]),
+                       attention_mask=torch.tensor(data["attention_mask"])).logits
         return torch.nn.functional.cross_entropy(logits.double(), torch.tensor(data["labels"])).item()
 
 
@@ -108,7 +109,8 @@ def run_trainer(options, write):
            "eval_loss": evaluation["eval_loss"], "mean_loss": mean_loss(trainer.model, even),
            "predict_loss": prediction.metrics["test_loss"],
            "predictions_shape": list(logits.shape), "predictions_sum": logits.sum().item(),
-           "checkpoints": sorted(name for name in os.listdir(options.output_dir) if name.startswith("checkpoint-"))}, trainer)
+           "checkpoints": sorted(name for name in os.listdir(options.output_dir) if name.startswith("checkpoint-"))},
+          trainer)
     if options.resume:
         args = TrainingArguments(**arguments(options, options.output_dir + "-resumed"))
         trainer = Trainer(model=bert(), args=args, train_dataset=train)
@@ -128,8 +130,8 @@ def run_mean(options, write):
     write({"part": "mean", "world_size": args.world_size, "global_step": result.global_step,
            "train_loss": result.training_loss, "param_sum": parameter_sum(trainer.model),
            "eval_loss": trainer.evaluate(even)["eval_loss"], "mean_loss": mean_loss(trainer.model, even),
-           "eval_loss_ragged": trainer.evaluate(ragged)["eval_loss"], "mean_loss_ragged": mean_loss(trainer.model, ragged)},
-          trainer)
+           "eval_loss_ragged": trainer.evaluate(ragged)["eval_loss"],
+           "mean_loss_ragged": mean_loss(trainer.model, ragged)}, trainer)
 
 
 def word_tokenizer():

@@ -55,6 +55,30 @@ def test_dry_run_multi_node(cli_in_process, workdir, backend):
     assert line == expected
 
 
+ACCELERATE_API = {
+    "torch": "torchrun --standalone --nproc_per_node 2 -m unified_dist.accelerate train.py train.py --lr 3",
+    "accelerate": ("accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no "
+                   "--dynamo_backend no -m unified_dist.accelerate train.py train.py --lr 3"),
+    "horovod": "horovodrun -np 2 -H localhost:2 --gloo python -m unified_dist.accelerate train.py train.py --lr 3",
+}
+
+
+@pytest.mark.parametrize("backend", list(ACCELERATE_API))
+def test_accelerate_api_runs_the_script_through_the_runner(cli_in_process, workdir, backend):
+    """Issue #51: ``--accelerate-api`` puts ``-m unified_dist.accelerate`` (torchrun's and ``accelerate launch``'s own
+    flag, the interpreter's under horovodrun) right before the script, never before an argument that repeats its
+    name. Real launches: tests/launchers/test_trainer_family.py (accelerate, horovod)."""
+    line = _dry_run(cli_in_process, workdir, "--backend", backend, "--nproc", "2", "--accelerate-api",
+                    "train.py", "train.py", "--lr", "3")
+    assert line == ACCELERATE_API[backend]
+
+
+def test_accelerate_api_and_horovod_api_are_refused_together(cli_in_process, workdir):
+    result = cli_in_process("launch", "--dry-run", "--backend", "torch", "--accelerate-api", "--horovod-api",
+                            "train.py", cwd=workdir)
+    assert result.returncode != 0 and "not allowed with argument" in result.stderr
+
+
 def test_dry_run_accelerate_one_process_is_not_multi_gpu(cli_in_process, workdir):
     line = _dry_run(cli_in_process, workdir, "--backend", "accelerate", "train.py")
     assert line == ("accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no "
