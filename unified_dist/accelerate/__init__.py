@@ -8,7 +8,9 @@ state. Every other name of the ``accelerate`` package is forwarded unchanged (``
 ``AcceleratorState``...), so a line importing several names can change its module only;
 :mod:`unified_dist.accelerate.utils` and :mod:`unified_dist.accelerate.logging` do the same for
 ``accelerate.utils`` (``set_seed``) and ``accelerate.logging`` (``get_logger``).
-``python -m unified_dist.accelerate script.py`` runs a script with no line changed (see ``__main__``).
+``python -m unified_dist.accelerate script.py`` (or ``unified-dist launch --accelerate-api``) runs a script with
+no line changed, also one that reaches Accelerate through transformers' ``Trainer``, TRL or PEFT: the
+launcher's world is exported first (see ``__main__``).
 See docs/accelerate-migration.md.
 """
 from __future__ import annotations
