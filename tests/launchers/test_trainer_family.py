@@ -18,9 +18,9 @@ every assertion:
 
 Every 2-process launch must equal torchrun's bitwise (float64 parameter sums, losses, predictions): the data
 order is Accelerate's own under every launcher, and gloo sums 2 values in one order. One process with the whole
-batch against two is physics, not the same arithmetic: 1e-6 relative there. Expected values that are not the reference's come from physics computed in the
-script in plain torch (the mean loss over the held-out set) or from the data sizes (16 steps = 64 examples / 8
-per step x 2 epochs).
+batch against two is physics, not the same arithmetic: 1e-6 relative there. Expected values that are not the
+reference's come from physics computed in the script in plain torch (the mean loss over the held-out set) or from
+the data sizes (16 steps = 64 examples / 8 per step x 2 epochs).
 """
 from __future__ import annotations
 
