@@ -3,7 +3,8 @@
 #
 # PyPI's horovod 0.28.1 sdist asks for C++14, which torch >= 2.1 refuses
 # ("C++17 or later compatible compiler is required"). Upstream fixed it after the
-# release, so we patch the two CMakeLists.txt lines to C++17 and build a wheel.
+# release, so we patch the two CMakeLists.txt lines to C++17 (the torch extension's to
+# C++20 where torch's headers ask for it, torch >= 2.15) and build a wheel.
 # The wheel is cached outside the repository, keyed by horovod/torch/python versions,
 # so a second `make setup` installs it in seconds.
 #
@@ -28,7 +29,12 @@ if ! ls "$CACHE"/horovod-*.whl >/dev/null 2>&1; then
   SRC="$WORK/horovod-$HVD_VERSION"
   sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' \
       "$SRC/CMakeLists.txt" "$SRC/horovod/torch/CMakeLists.txt"
-  grep -q 'CMAKE_CXX_STANDARD 17' "$SRC/horovod/torch/CMakeLists.txt"
+  # torch's own headers say which standard they need: C++17 up to torch 2.14, C++20 from 2.15
+  # (ATen.h: "#error C++20 or later compatible compiler is required to use ATen."). Only Horovod's torch
+  # extension includes them; the rest of Horovod stays at C++17.
+  TORCH_CXX="$("$PY" -c 'import os, re, torch; text = open(os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "ATen.h")).read(); found = re.search(r"C\+\+(\d+) or later compatible compiler", text); print(found.group(1) if found else 17)')"
+  sed -i "s/set(CMAKE_CXX_STANDARD 17)/set(CMAKE_CXX_STANDARD $TORCH_CXX)/" "$SRC/horovod/torch/CMakeLists.txt"
+  grep -q "CMAKE_CXX_STANDARD $TORCH_CXX" "$SRC/horovod/torch/CMakeLists.txt"
   mkdir -p "$WORK/dist"
   HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
   HOROVOD_WITHOUT_MPI=1 HOROVOD_WITH_GLOO=1 HOROVOD_CPU_OPERATIONS=gloo \
