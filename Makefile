@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS ?= 1
 export NO_MKDOCS_2_WARNING ?= 1
 
-.PHONY: setup system-deps test docs demo bench mutants gpu-check clean
+.PHONY: setup system-deps test docs demo bench mutants versions gpu-check clean
 
 setup: system-deps $(STAMP)
 
@@ -52,6 +52,12 @@ demo: setup
 # promise on a copy of the code; its guarding tests must fail. Not in `make test` (it reruns launches).
 mutants: setup
 	$(PY) bench/mutants.py
+
+# The version matrix (bench/versions.py, issue #52): a scratch venv per Python x torch outside the repository
+# (~/.cache/unified_dist/versions/), the contract under every launcher and the unit tests in each, rows in
+# bench/results/versions.json, docs/versions.md rendered from them. Not in `make test` (GBs of CUDA wheels).
+versions: setup
+	$(PY) bench/versions.py
 
 # Every CUDA path in a few minutes on one GPU (unified_dist/cli/gpu_check.py), written to
 # bench/results/gpu_check_<date>.json for docs/gpus.md; without a GPU one line, exit status 0.
