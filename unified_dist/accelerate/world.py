@@ -29,7 +29,7 @@ import os
 import warnings
 from typing import Optional
 
-from ..backends.process_group import export_rendezvous
+from ..backends.process_group import export_rendezvous, join_default_group, note_group_joined_elsewhere
 from ..errors import LaunchError
 
 LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
@@ -51,7 +51,7 @@ def launcher_world(environ=os.environ):
     return found
 
 
-def export_world() -> int:
+def export_world(found=None) -> int:
     """Export the launcher's world as the variables torch and Accelerate read (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_WORLD_SIZE``); returns its size.
 
@@ -60,8 +60,9 @@ def export_world() -> int:
     by transformers' ``TrainingArguments``, by TRL) runs each process alone (``DistributedType.NO``) or fails
     (``MASTER_ADDR expected``), and a script reading ``WORLD_SIZE`` or ``LOCAL_RANK`` itself (many Hugging
     Face scripts do) sees a world of one. Values already set are kept. Raises :class:`LaunchError` for a
-    launch that cannot be joined (several launchers' variables that disagree, a world that cannot form)."""
-    found = launcher_world()
+    launch that cannot be joined (several launchers' variables that disagree, a world that cannot form).
+    ``found``: :func:`launcher_world`'s answer where the caller already asked (detected once, warned once)."""
+    found = found or launcher_world()
     if found.world_size <= 1:
         return 1
     if found.master_addr is not None:  # srun, mpirun, horovodrun: their variables are not torch's
@@ -78,12 +79,11 @@ def join(timeout: Optional[datetime.timedelta] = None) -> int:
     Accelerate's state) already runs in this process, and refuses one that runs alone among several processes."""
     import torch.distributed as dist
 
-    from ..backends.process_group import join_default_group, note_group_joined_elsewhere
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    _refuse_a_lonely_state(launcher_world().world_size)  # before anything is exported
-    size = export_world()
+    found = launcher_world()
+    _refuse_a_lonely_state(found.world_size)  # before anything is exported
+    size = export_world(found)
     if size <= 1:
         return 1
     # a torchrun restart needs a per-attempt store (else Accelerate joins through torch's env:// itself)
