@@ -114,6 +114,33 @@ def test_other_names_are_accelerates_own():
     assert issubclass(uda.Accelerator, accelerate.Accelerator)
 
 
+@pytest.fixture
+def run_probe(tmp_path, monkeypatch):
+    """Runs a probe script through ``python -m unified_dist.accelerate``'s ``main`` in this process and gives
+    what it put in ``sys.modules['__probe__']``; Accelerate's names the runner replaces, ``sys.argv`` and
+    ``sys.path`` are restored after the test."""
+    import accelerate
+    import accelerate.accelerator
+    import accelerate.state
+
+    from unified_dist.accelerate.__main__ import main
+
+    for module, name in ((accelerate, "Accelerator"), (accelerate, "PartialState"),
+                         (accelerate.accelerator, "Accelerator"), (accelerate.state, "PartialState")):
+        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "__probe__", raising=False)
+
+    def run(text: str):
+        script = tmp_path / "probe.py"
+        script.write_text(text)
+        main([str(script)])
+        return sys.modules["__probe__"]
+
+    return run
+
+
 def test_the_runner_without_a_script_says_how_to_call_it():
     from unified_dist.accelerate.__main__ import main
 
@@ -121,31 +148,18 @@ def test_the_runner_without_a_script_says_how_to_call_it():
         main([])
 
 
-def test_the_runner_makes_accelerates_names_the_joined_ones(tmp_path, monkeypatch):
+def test_the_runner_makes_accelerates_names_the_joined_ones(run_probe, tmp_path):
     """``from accelerate import Accelerator, PartialState``, ``from accelerate.accelerator import
     Accelerator`` (Accelerate's own test scripts import it so) and ``from accelerate.state import PartialState``
     (transformers' ``TrainingArguments``) read unified_dist's classes."""
-    import accelerate
-    import accelerate.accelerator
-    import accelerate.state
-
     from unified_dist.accelerate import Accelerator, PartialState
-    from unified_dist.accelerate.__main__ import main
 
-    script = tmp_path / "probe.py"
-    script.write_text("import sys\nfrom accelerate import Accelerator, PartialState\n"
-                      "from accelerate.accelerator import Accelerator as FromTheModule\n"
-                      "from accelerate.state import PartialState as StateFromTheModule\n"
-                      "sys.modules['__probe__'] = (Accelerator, PartialState, FromTheModule, StateFromTheModule)\n")
-    for module, name in ((accelerate, "Accelerator"), (accelerate, "PartialState"),
-                         (accelerate.accelerator, "Accelerator"), (accelerate.state, "PartialState")):
-        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.delitem(sys.modules, "__probe__", raising=False)
-    main([str(script)])
-    assert sys.modules["__probe__"] == (Accelerator, PartialState, Accelerator, PartialState)
-    assert os.path.dirname(str(script)) == sys.path[0]
+    probed = run_probe("import sys\nfrom accelerate import Accelerator, PartialState\n"
+                       "from accelerate.accelerator import Accelerator as FromTheModule\n"
+                       "from accelerate.state import PartialState as StateFromTheModule\n"
+                       "sys.modules['__probe__'] = (Accelerator, PartialState, FromTheModule, StateFromTheModule)\n")
+    assert probed == (Accelerator, PartialState, Accelerator, PartialState)
+    assert str(tmp_path) == sys.path[0]
 
 
 def test_the_first_partial_state_joins_the_launchers_world_over_gloo_on_a_cpu(fresh_accelerate, monkeypatch):
@@ -256,61 +270,36 @@ PROBE = ("import os, sys\nimport accelerate.state\n"
          "sys.modules['__probe__'] = (seen, accelerate.state.PartialState)\n")
 
 
+def without_launchers(*names: str) -> None:
+    """Remove every launcher's variables (and ``names``) from ``os.environ`` (``restored_environ`` puts them back)."""
+    for key in [k for k in os.environ if k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_", "MV2_")) or k in names]:
+        del os.environ[key]
+
+
 @pytest.mark.parametrize("launcher", sorted(LAUNCHER_ENVIRONMENTS))
 def test_the_runner_exports_the_launchers_world_before_the_script_runs(
-        launcher, fresh_accelerate, restored_environ, tmp_path, monkeypatch):
+        launcher, fresh_accelerate, restored_environ, run_probe):
     """Issue #51: under a launcher whose variables torch and Accelerate do not read, the script's first line
     already sees torch's variables for the launcher's world (transformers' ``TrainingArguments`` builds
     ``accelerate.state.PartialState`` from them; many scripts read ``WORLD_SIZE``/``LOCAL_RANK`` themselves),
     and ``accelerate.state.PartialState`` is the class that joins it on a machine without CUDA. The processes
     here carry the launcher's variables without the launcher (nothing connects). Real launches:
     tests/launchers/test_trainer_family.py."""
-    import accelerate
-    import accelerate.state
-
     from unified_dist.accelerate import PartialState
-    from unified_dist.accelerate.__main__ import main
 
-    for key in [k for k in os.environ if k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_", "MV2_"))
-                or k in (*TORCH_WORLD, "TORCHELASTIC_RUN_ID")]:
-        del os.environ[key]
+    without_launchers(*TORCH_WORLD, "TORCHELASTIC_RUN_ID")
     os.environ.update(LAUNCHER_ENVIRONMENTS[launcher])
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE)
-    for module, name in ((accelerate, "Accelerator"), (accelerate, "PartialState"), (accelerate.state, "PartialState"),
-                         (accelerate.accelerator, "Accelerator")):
-        monkeypatch.setattr(module, name, getattr(module, name))  # the runner replaces them
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.delitem(sys.modules, "__probe__", raising=False)
-    main([str(probe)])
-    seen, state_class = sys.modules["__probe__"]
+    seen, state_class = run_probe(PROBE)
     assert state_class is PartialState
     assert {k: seen[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")} == {
         "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     assert seen["MASTER_ADDR"] == "127.0.0.1" and seen["MASTER_PORT"].isdigit()
 
 
-def test_the_runner_changes_nothing_where_torchrun_exported_the_world(
-        fresh_accelerate, restored_environ, tmp_path, monkeypatch):
+def test_the_runner_changes_nothing_where_torchrun_exported_the_world(fresh_accelerate, restored_environ, run_probe):
     """Under torchrun (and ``accelerate launch``) the variables are the launcher's own: the runner keeps them."""
-    import accelerate
-    import accelerate.state
-
-    from unified_dist.accelerate.__main__ import main
-
-    for key in [k for k in os.environ if k.startswith(("OMPI_", "PMI_", "SLURM_", "HOROVOD_", "MV2_"))]:
-        del os.environ[key]
+    without_launchers()
     torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
                 "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29999"}
     os.environ.update(torchrun)
-    probe = tmp_path / "probe.py"
-    probe.write_text(PROBE)
-    for module, name in ((accelerate, "Accelerator"), (accelerate, "PartialState"), (accelerate.state, "PartialState"),
-                         (accelerate.accelerator, "Accelerator")):
-        monkeypatch.setattr(module, name, getattr(module, name))
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    monkeypatch.delitem(sys.modules, "__probe__", raising=False)
-    main([str(probe)])
-    assert sys.modules["__probe__"][0] == {k: torchrun[k] for k in TORCH_WORLD}
+    assert run_probe(PROBE)[0] == {k: torchrun[k] for k in TORCH_WORLD}
