@@ -16,6 +16,7 @@ from typing import Any, ContextManager, List, Optional, Tuple
 
 import torch
 
+from ..compat import DDP_WITHOUT_BUFFER_SYNC
 from ..detection import Detection
 from ..errors import PeerLost, UnifiedDistError, collective_timeout, peer_lost_message
 from ..parallel import sync_batchnorm
@@ -36,19 +37,11 @@ PRIMITIVE_OPS = tuple(op for op in REDUCE_OPS if op != "mean")
 """Reductions every backend implements; ``mean`` is ``sum`` divided by world size."""
 
 
-def _ddp_buffer_kwargs() -> dict:
-    import inspect
-
-    takes = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
-    return {"forward_sync_buffers": False} if "forward_sync_buffers" in takes else {"broadcast_buffers": False}
-
-
-DDP_BUFFER_KWARGS = _ddp_buffer_kwargs()
+DDP_BUFFER_KWARGS = DDP_WITHOUT_BUFFER_SYNC
 """What DistributedDataParallel is built with (or, under Accelerate, set to on the wrapper it made:
 :func:`stop_ddp_buffer_sync`): no broadcast of buffers before each synchronising forward; the facade
 gives every rank rank 0's buffers after each optimizer step instead (:mod:`unified_dist.training.buffers`).
-``forward_sync_buffers=False`` where torch has it (2.13 deprecates ``broadcast_buffers``, with a
-FutureWarning for each DDP built with it), ``broadcast_buffers=False`` before."""
+Which keyword that is depends on the torch release: :data:`unified_dist.compat.DDP_WITHOUT_BUFFER_SYNC`."""
 
 
 def stop_ddp_buffer_sync(model: torch.nn.Module) -> torch.nn.Module:

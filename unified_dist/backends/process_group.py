@@ -25,16 +25,13 @@ if TYPE_CHECKING:
 import torch
 import torch.distributed as dist
 
+from ..compat import all_gather_into_tensor
 from ..errors import LaunchError
 from ..net import DEFAULT_MASTER_PORT, free_port
 from .base import Backend
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 """torch.distributed's op for each of :data:`~unified_dist.backends.base.PRIMITIVE_OPS`."""
-
-# torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 def gather_stacked(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
     """Every rank's ``tensor`` (same shape everywhere) stacked on a new dim 0, in one collective.
@@ -44,7 +41,7 @@ def gather_stacked(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
     """
     rows = tensor.reshape((1,) + tuple(tensor.shape)) if tensor.dim() == 0 else tensor
     out = rows.new_empty((world_size * rows.shape[0],) + tuple(rows.shape[1:]))
-    _gather_into(out, rows.contiguous())
+    all_gather_into_tensor(out, rows.contiguous())
     return out.view((world_size,) + tuple(tensor.shape))
 
 

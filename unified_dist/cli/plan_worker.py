@@ -8,7 +8,9 @@ How the world is simulated, and why each piece is needed:
 
 - torch's fake process group (``init_process_group("fake")``) is joined before the script runs, so
   ``ud.init`` adopts it as a group the process joined itself: every collective returns at once, and
-  every rank-dependent choice (the mesh, the shards) is the real rank's.
+  every rank-dependent choice (the mesh, the shards) is the real rank's. The collectives run on fake
+  tensors through the ``Meta`` kernels torch ships (:func:`unified_dist.compat.enable_fake_collectives`
+  registers them where the torch release does not at import).
 - torch's ``FakeTensorMode`` is active while the script runs: every tensor the script and the library
   create has its real shape, dtype and device but no data, so a 1 B-parameter model costs nothing.
   The device mesh and ``ud.init`` run outside it (their rank tables are real data); a module
@@ -37,6 +39,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..compat import enable_fake_collectives
 from ..parallel.accounting import CollectiveCounter, SavedBytes, group_labels, rank_bytes
 
 
@@ -235,6 +238,7 @@ def simulate(script: str, script_args: List[str]) -> Dict[str, Any]:
     """Run ``script`` as the simulated rank; the report (with ``error`` set when it failed)."""
     start = time.perf_counter()
     _join_fake_world()
+    enable_fake_collectives()
     sim = Simulation()
     sim.install()
     out: Dict[str, Any] = {"rank": int(os.environ["RANK"]), "world": int(os.environ["WORLD_SIZE"]), "error": None}
