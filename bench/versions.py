@@ -334,6 +334,14 @@ class Cell:
             return {"torch": None, "refused": {"torch": first_error(out)}}
         return json.loads(lines[-1])
 
+    def switches(self) -> Dict[str, str]:
+        """The side of each switch of ``unified_dist.compat`` this cell's torch takes (``compat.sides()``)."""
+        code, out = run([str(self.py), "-c", "import json; from unified_dist import compat; "
+                         "print(json.dumps(compat.sides()))"], clean_env(self.venv), timeout=300,
+                        log_path=self.log_path)
+        lines = [line for line in out.splitlines() if line.startswith("{")]
+        return json.loads(lines[-1]) if code == 0 and lines else {}
+
     def keep_libraries_that_accept_torch(self, wanted: Dict[str, str]) -> bool:
         """Replace each of :data:`LIBRARIES` that refuses this torch by the newest older release that accepts it."""
         report = self.probe()
@@ -474,6 +482,7 @@ def run_cell(spec: str, keep: bool) -> Dict:
         if built:
             report = cell.probe()
             cell.row.update({name: report.get(name) for name in LIBRARIES})
+            cell.row["switches"] = cell.switches()
             log(f"built: torch {cell.row.get('torch_build')}, horovod {cell.row['horovod']}; running the contract")
             parts = {"contract": contract(cell, source)}
             log(f"contract: {parts['contract']['passed']} passed, {parts['contract']['failed']} failed; unit tests")
@@ -555,6 +564,25 @@ def declared_text(rows: List[dict]) -> str:
             f"release, torch {bounds['newest_torch']}, passed). Older cells that failed stay below for the record.")
 
 
+def switches_section(rows: List[dict]) -> List[str]:
+    """The switches of ``unified_dist/compat.py`` (one per difference between torch releases) and the
+    cells that took each side, from the rows that recorded ``compat.sides()``."""
+    taken: Dict[str, Dict[str, List[str]]] = {}
+    for r in rows:
+        for name, side in (r.get("switches") or {}).items():
+            taken.setdefault(name, {}).setdefault(side, []).append(f"{r['python']} × {r['torch']}")
+    lines = ["", "## Switches between torch releases", "",
+             "Each difference between the releases above is one switch in `unified_dist/compat.py`, which probes",
+             "the installed torch (not its version number); `tests/unit/test_compat.py` runs each switch on the",
+             "side its cell takes. Sides taken, by the cells that recorded them:", ""]
+    if not taken:
+        return lines + ["(no cell has recorded its sides yet)"]
+    for name in sorted(taken):
+        sides = "; ".join(f"`{side}`: {', '.join(cells)}" for side, cells in sorted(taken[name].items()))
+        lines.append(f"- `{name}`: {sides}")
+    return lines
+
+
 def render() -> str:
     """docs/versions.md: one table row per cell of bench/results/versions.json."""
     rows = load_results().get("rows", [])
@@ -574,6 +602,7 @@ def render() -> str:
         lines.append(f"| {r['python']} | {r.get('torch_build') or r['torch']} | {r.get('accelerate') or '-'} | "
                      f"{r.get('transformers') or '-'} | {r.get('datasets') or '-'} | {horovod.replace('|', '/')} | "
                      f"{r.get('passed', 0)} | {r.get('failed', 0)} | `{r.get('commit', '?')}` |")
+    lines += switches_section(rows)
     lines += ["", "## Per cell", ""]
     for r in rows:
         size = f"{r['venv_bytes'] / 2 ** 30:.1f} GiB" if r.get("venv_bytes") else "?"

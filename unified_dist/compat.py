@@ -60,3 +60,14 @@ def enable_fake_collectives() -> Optional[str]:
         raise RuntimeError(f"torch {torch.__version__} has no fake kernels for its collectives, even after "
                            f"importing {module}: unified-dist plan needs them (see docs/versions.md)")
     return module
+
+
+def sides() -> Dict[str, str]:
+    """Which side of each switch the installed torch takes, by switch name: what the version matrix
+    records per cell (``bench/versions.py``), so docs/versions.md shows each side run by some cell."""
+    return {
+        "all_gather_into_tensor": all_gather_into_tensor.__name__,
+        "DDP_WITHOUT_BUFFER_SYNC": next(iter(DDP_WITHOUT_BUFFER_SYNC)),
+        "enable_fake_collectives": "registered at import" if _collectives_run_on_fake_tensors()
+        else "torch.distributed._tools.fake_collectives",
+    }

@@ -49,3 +49,10 @@ def test_ddp_without_buffer_sync_is_a_keyword_of_this_torchs_ddp():
     (name, value), = compat.DDP_WITHOUT_BUFFER_SYNC.items()
     assert name in takes and value is False
     assert name == ("forward_sync_buffers" if "forward_sync_buffers" in takes else "broadcast_buffers")
+
+
+def test_sides_name_each_switch_and_the_side_this_torch_takes():
+    sides = compat.sides()
+    assert set(sides) == {"all_gather_into_tensor", "DDP_WITHOUT_BUFFER_SYNC", "enable_fake_collectives"}
+    assert sides["all_gather_into_tensor"] == compat.all_gather_into_tensor.__name__
+    assert sides["DDP_WITHOUT_BUFFER_SYNC"] in ("forward_sync_buffers", "broadcast_buffers")
