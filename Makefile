@@ -32,7 +32,7 @@ $(STAMP): requirements-ci.txt requirements-offline-data.txt setup.cfg tools/buil
 	$(PY) -m pip install --quiet --no-deps -r requirements-offline-data.txt
 	if [ "$${UNIFIED_DIST_WITHOUT_HOROVOD:-0}" = 1 ]; then echo 'skipping Horovod (UNIFIED_DIST_WITHOUT_HOROVOD=1)'; else tools/build_horovod.sh $(PY); fi
 	$(PY) -m pip install --quiet --no-deps -e .
-	$(PY) -c "import torch, accelerate, transformers, datasets, trl, peft, unified_dist; print('setup ok: torch', torch.__version__)"
+	$(PY) -c "import torch, accelerate, transformers, datasets, trl, peft, torchft, unified_dist; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)
 
 # Lint first (rules in pyproject.toml's [tool.ruff]): a finding fails the target before the tests run.

@@ -133,8 +133,10 @@ def data_parallel_rank() -> int:
 
 def data_parallel_world_size() -> int:
     """How many ranks see different data: ``world_size() // tp`` (``world_size()`` without tensor
-    parallelism). A prepared loader's global batch is ``batch_size`` times this."""
-    return current_backend().data_parallel_world_size
+    parallelism). A prepared loader's global batch is ``batch_size`` times this. With replica groups
+    (docs/fault-tolerance.md): the ranks that took part in the latest optimizer step, every group's
+    data-parallel ranks while all are up, fewer while a group is away."""
+    return current_backend().participating_world_size
 
 
 def sharding_mode() -> str:

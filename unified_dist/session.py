@@ -25,9 +25,9 @@ from typing import Any, List, Mapping, Optional
 import torch
 
 from . import settings
-from .backends import Backend, Config, backend_class
+from .backends import Backend, Config, backend_class, replica_groups
 from .backends.precision import Precision
-from .checkpoint import background as background_save
+from .checkpoint import background as background_save, rng
 from .collectives import ops as collectives
 from .data.loaders import LoaderStack, PreparedDataLoader
 from .data.streams import PreparedStreamLoader
@@ -85,6 +85,27 @@ class Session:
     stop_step: Optional[int] = None  # the optimizer step at which every rank agreed to stop
     _exchanged: bool = False  # an exchange ran since the last should_stop()
     _backward_seen: bool = False  # ud.backward ran since the last should_stop()
+    healable: List[Any] = field(default_factory=list)  # prepared objects a rejoining replica group takes from a peer
+
+    # ------------------------------------------------------------------ replica groups
+    def _replica_state(self) -> dict:
+        """What a live peer sends a replica group that (re)joins: every prepared model, optimizer, scheduler
+        and loader's state, in prepare order, and this process's generators."""
+        return {"objects": [obj.state_dict() for obj in self.healable], "rng": rng.capture()}
+
+    def _load_replica_state(self, state: dict) -> None:
+        """Take a peer's state (:meth:`_replica_state`): a loader mid-pass continues at the peer's position."""
+        objects = state.get("objects", [])
+        if len(objects) != len(self.healable):
+            raise UnifiedDistError(
+                f"a live replica group sent the state of {len(objects)} prepared objects, this one prepared "
+                f"{len(self.healable)}: every replica group must run the same script")
+        for obj, value in zip(self.healable, objects):
+            if isinstance(obj, PreparedDataLoader):
+                obj.jump_to(value)
+            else:
+                obj.load_state_dict(value)
+        rng.restore(state["rng"])
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, objs: tuple) -> List[Any]:
@@ -96,6 +117,11 @@ class Session:
         # schedulers last, so they can be pointed at the optimizer prepared in the same call
         order = sorted(range(len(objs)),
                        key=lambda i: (not isinstance(objs[i], torch.nn.Module), is_scheduler(objs[i])))
+        replicas = backend.replicas
+        if replicas is not None:
+            refusal = replica_groups.refuse_objects(objs, len(self.optimizers))
+            if refusal:
+                raise UnifiedDistError(refusal)
         for i in order:
             obj = objs[i]
             if isinstance(obj, torch.nn.Module):
@@ -131,6 +157,10 @@ class Session:
                 raise UnifiedDistError(
                     f"prepare() got a {type(obj).__name__}; it accepts torch.nn.Module, torch.optim.Optimizer, "
                     "LR schedulers and torch.utils.data.DataLoader")
+        if replicas is not None:
+            self.healable += [out[i] for i in order if isinstance(out[i], (torch.nn.Module, PreparedOptimizer,
+                                                                           PreparedScheduler, PreparedDataLoader))]
+            replicas.heal_with(self._replica_state, self._load_replica_state)
         return out
 
     def _gather_ints(self, values: List[int]) -> List[List[int]]:
@@ -318,6 +348,9 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     for message in detection.warnings:
         warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=3)
     cls = backend_class(detection.backend)
+    refusal = replica_groups.refuse_layout(os.environ, config, cls.name, detection.launcher)
+    if refusal:
+        raise UnifiedDistError(refusal)
     if config.sharding.splits_model and not cls.supports_sharding:
         what = "sharding='fsdp'" if config.sharding.enabled else f"tp={config.sharding.tp}"
         raise UnifiedDistError(
@@ -327,6 +360,8 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     instance = cls(detection, config)
     loaders = LoaderStack()
     _session = Session(instance, detection, GradientSync(instance, loaders), loaders)
+    if instance.replicas is not None:
+        loaders.before_batch = instance.replicas.begin_step  # the quorum, and any healing, before the batch
     if config.stop_signals:
         _session.stops = preemption.StopSignals(config.stop_signals)
         _session.stops.install()

@@ -100,6 +100,9 @@ class Backend(ABC):
     """One distributed stack. Constructing it joins the process group; ``shutdown`` leaves it."""
 
     name: str = "?"
+    replicas: Any = None
+    """The replica groups this process trains with (a :class:`~unified_dist.backends.replica_groups.ReplicaGroups`,
+    torch backend only), or ``None``: no fault tolerance across groups."""
     supports_sharding: bool = True
     """Whether ``sharding="fsdp"`` can run on this stack (Horovod has no sharding)."""
 
@@ -153,6 +156,13 @@ class Backend(ABC):
     def data_parallel_world_size(self) -> int:
         """How many ranks see different data: the world size over the tensor-parallel size."""
         return self.layout.data_parallel
+
+    @property
+    def participating_world_size(self) -> int:
+        """The data-parallel ranks whose gradients the latest optimizer step averaged: the data-parallel
+        world size, except with replica groups (:mod:`unified_dist.backends.replica_groups`), where a
+        group that is down does not take part."""
+        return self.data_parallel_world_size
 
     @property
     def tp_rank(self) -> int:
@@ -241,6 +251,11 @@ class Backend(ABC):
     def step_context(self, optimizer: torch.optim.Optimizer, finalized: bool) -> ContextManager:
         """Context around ``optimizer.step()``; ``finalized``: :meth:`finalize_gradients` ran this step."""
         return contextlib.nullcontext()
+
+    def commit_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Asked right before ``optimizer`` steps: whether this step's update may be applied. Always, except
+        with replica groups, where a step during which a group failed is dropped on every group."""
+        return True
 
     def release_gradients(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: B027 - optional hook
         """Called before the facade zeroes ``optimizer``'s gradients (whether or not it stepped): a

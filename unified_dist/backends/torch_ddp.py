@@ -1,6 +1,8 @@
 """torch.distributed + DistributedDataParallel, as started by ``torchrun``."""
 from __future__ import annotations
 
+import os
+from fractions import Fraction
 from typing import Any, ContextManager, Optional
 
 import torch
@@ -10,6 +12,7 @@ from ..detection import Detection
 from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Config
 from .buckets import ddp_kwargs
 from .process_group import local_rank_from_hosts, withdraw_rendezvous
+from .replica_groups import ReplicaGroups, layout_from
 from .torch_group import TorchGroupBackend
 
 
@@ -25,6 +28,9 @@ class TorchBackend(TorchGroupBackend):
         self._join_group(detection, always=True)
         self._local_rank = detection.local_rank if detection.local_rank is not None else local_rank_from_hosts()
         self._split_models(dist.get_world_size())
+        layout = layout_from(os.environ)
+        if layout is not None:
+            self.replicas = ReplicaGroups(layout, dist.get_rank(), dist.get_world_size(), config.timeout)
 
     @property
     def rank(self) -> int:
@@ -38,7 +44,50 @@ class TorchBackend(TorchGroupBackend):
     def world_size(self) -> int:
         return dist.get_world_size()
 
+    # ----------------------------------------------------------------- replica groups
+    @property
+    def data_parallel_rank(self) -> int:
+        """With replica groups: the group's index times its data-parallel size plus the rank's place in it
+        (each group keeps its own share of every prepared loader's samples)."""
+        inner = super().data_parallel_rank
+        return inner if self.replicas is None else self.replicas.layout.group * super().data_parallel_world_size + inner
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        """With replica groups: every group's data-parallel ranks, whether or not a group is up now."""
+        inner = super().data_parallel_world_size
+        return inner if self.replicas is None else inner * self.replicas.layout.groups
+
+    @property
+    def participating_world_size(self) -> int:
+        inner = super().data_parallel_world_size
+        return inner if self.replicas is None else inner * self.replicas.participants
+
+    def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None, weight: Fraction = Fraction(1)) -> None:
+        if self.replicas is not None:
+            self.replicas.begin_step()
+        super().backward(loss, scaler, weight)
+
+    def _average_over_groups(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self.replicas.average(g.to_local() if hasattr(g, "to_local") else g for g in grads)
+
+    def finalize_gradients(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
+        if self.replicas is not None:
+            self._average_over_groups(optimizer)
+        super().finalize_gradients(optimizer, scaler)
+
+    def step_context(self, optimizer: torch.optim.Optimizer, finalized: bool) -> ContextManager:
+        if self.replicas is not None and not finalized:
+            self._average_over_groups(optimizer)
+        return super().step_context(optimizer, finalized)
+
+    def commit_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        return True if self.replicas is None else self.replicas.commit()
+
     def shutdown(self) -> None:
+        if self.replicas is not None:
+            self.replicas.shutdown()
         if dist.is_initialized():
             dist.barrier()  # nobody is still reducing when the reducers go
             self._ddp.release()

@@ -336,6 +336,13 @@ def add_arguments(parser, backend_required: bool = True) -> None:
                      help="run the script through `python -m unified_dist.accelerate`: an unchanged Accelerate, "
                           "transformers Trainer, TRL or PEFT script trains over every process of every backend's "
                           "launcher (docs/accelerate-migration.md)")
+    replica = parser.add_argument_group("replica groups (docs/fault-tolerance.md)")
+    replica.add_argument("--replica-groups", type=int, metavar="N",
+                         help="N replica groups of --nproc processes on this host (--backend torch) with torchft's "
+                              "lighthouse: a group that fails is started again and heals from a live one while the "
+                              "others train on")
+    replica.add_argument("--max-group-restarts", type=int, default=3, metavar="M",
+                         help="starts of a failed replica group after its first, per group (default 3)")
     parser.add_argument("--dry-run", action="store_true", help="print the command on stdout; do not run it")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs="...", help="arguments for the script")
@@ -374,7 +381,27 @@ def main(args) -> int:
         command = with_horovod_api(command)
     if args.accelerate_api:
         command = with_accelerate_api(command, plan)
+    groups = getattr(args, "replica_groups", None)
+    if groups is not None:
+        return _run_replica_groups(args, plan, command, groups)
     if args.dry_run:
         print(command.line())
         return 0
     run(command)
+
+
+def _run_replica_groups(args, plan: Plan, command: Command, groups: int) -> int:
+    from . import replicas
+
+    if plan.backend != "torch" or args.accelerate_api or args.horovod_api:
+        raise UsageError("--replica-groups runs the torch backend's groups (torchft cannot make Accelerate or "
+                         "Horovod fault tolerant): use --backend torch without --accelerate-api/--horovod-api")
+    if groups < 1 or plan.nnodes != 1:
+        raise UsageError(f"--replica-groups {groups} --nnodes {plan.nnodes}: one host, at least 1 group; on several "
+                         "hosts start one group per command against one lighthouse (docs/fault-tolerance.md)")
+    if args.max_group_restarts < 0:
+        raise UsageError(f"--max-group-restarts must be at least 0, got {args.max_group_restarts}")
+    if args.dry_run:
+        print(replicas.describe(command, groups))
+        return 0
+    return replicas.run(command, groups, args.max_group_restarts)

@@ -48,8 +48,9 @@ def plan_of(args) -> launch.Plan:
     if args.backend not in (None, "torch"):
         raise UsageError(f"plan simulates the torch backend (torchrun, srun, mpirun); got --backend {args.backend}: "
                          "leave --backend out or give --backend torch")
-    if args.dry_run or args.horovod_api or args.accelerate_api:
-        raise UsageError("plan never starts the job: drop --dry-run, --horovod-api and --accelerate-api")
+    if args.dry_run or args.horovod_api or args.accelerate_api or args.replica_groups is not None:
+        raise UsageError("plan never starts the job: drop --dry-run, --horovod-api, --accelerate-api and "
+                         "--replica-groups (plan one replica group: its --nproc)")
     plan = launch.Plan(backend="torch", script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
                        nnodes=args.nnodes, settings={name: getattr(args, name) for name in settings.FLAGS
                                                      if getattr(args, name) is not None})

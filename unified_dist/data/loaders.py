@@ -112,11 +112,18 @@ class BatchInfo:
         return rows
 
 
+_END = object()
+
+
 class LoaderStack:
     """The prepared loaders being iterated right now, innermost last (eval inside train)."""
 
     def __init__(self) -> None:
         self._active: List["PreparedDataLoader"] = []
+        self.before_batch: Optional[Callable[[], None]] = None
+        """Called before a prepared map-style loader fetches each batch (``None``: nothing). Replica groups
+        start their step's quorum there, so a group healed from a peer draws the peer's next batch
+        (:meth:`PreparedDataLoader.jump_to`) and computes it on the peer's weights."""
 
     def push(self, loader: "PreparedDataLoader") -> None:
         self._active.append(loader)
@@ -353,24 +360,46 @@ class PreparedDataLoader(Epochs):
                                        self.batch_sampler.drop_last))
 
     def __iter__(self) -> Iterator[Any]:
-        # read at every pass: an elastic job (horovodrun --min-np) may have changed size
-        self.batch_sampler.rank, self.batch_sampler.world_size = self._topology()
-        start = self._begin_pass() or 0
-        self.batch_sampler.epoch, self.batch_sampler.start = self._epoch, start
-        sizes = plan_global_batches(self._num_samples, self.batch_sampler.global_batch, start,
-                                    self.batch_sampler.drop_last)
-        rank, world = self.batch_sampler.rank, self.batch_sampler.world_size
-        self._consumed, self._sizes = start, sizes
-        yield from self._pass(self._batches(sizes, rank, world))
+        while True:
+            # read at every pass: an elastic job (horovodrun --min-np) may have changed size
+            self.batch_sampler.rank, self.batch_sampler.world_size = self._topology()
+            start = self._begin_pass() or 0
+            self.batch_sampler.epoch, self.batch_sampler.start = self._epoch, start
+            sizes = plan_global_batches(self._num_samples, self.batch_sampler.global_batch, start,
+                                        self.batch_sampler.drop_last)
+            rank, world = self.batch_sampler.rank, self.batch_sampler.world_size
+            self._consumed, self._sizes = start, sizes
+            yield from self._pass(self._batches(sizes, rank, world))
+            if not self._jumped:
+                return
+            self._jumped = False  # jump_to: the same iteration goes on at the position it was given
 
     def _batches(self, sizes: List[int], rank: int, world: int) -> Iterator[Any]:
-        for i, (m, batch) in enumerate(zip(sizes, self._loader)):
+        fetched = iter(self._loader)
+        for i, m in enumerate(sizes):
+            if self._stack.before_batch is not None:
+                self._stack.before_batch()
+                if self._jumped:  # healed from a peer just now: go on at the peer's position
+                    return
+            batch = next(fetched, _END)
+            if batch is _END:
+                return
             self._index = i
             counts = [shard(m, world, r)[0] for r in range(world)]
             self.batch_info = BatchInfo(real=m, padded=max(m, world), is_last=i == len(sizes) - 1,
                                         mine=counts[rank], counts=counts)
             self._consumed += m
             yield batch
+
+    _jumped = False  # jump_to ran during a pass: the iteration in progress continues at the new position
+
+    def jump_to(self, state: Dict[str, int]) -> None:
+        """:meth:`load_state_dict`, and an iteration in progress continues at that position with its next
+        batch (a replica group healed from a peer mid-epoch: ``for batch in loader`` goes on where the
+        peer's loader stands, in the peer's epoch)."""
+        in_pass = self._in_pass
+        self.load_state_dict(state)
+        self._jumped = in_pass
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> Dict[str, int]:

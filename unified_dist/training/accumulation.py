@@ -56,6 +56,7 @@ class GradientSync:
         self.sync_gradients = True
         self.inside = False  # within a `with ud.accumulate(model):` block now
         self.ever_accumulated = False
+        self.committed = True  # the latest optimizer step was applied (Backend.commit_step; replica groups)
         self.backward_calls = 0  # ud.backward calls so far (each optimizer remembers the count at its step)
         self._windows: Dict[Tuple[int, ...], _Window] = {}  # by the ids of the models accumulate() was given
         self._window: Optional[_Window] = None  # the window of the current (or last) accumulate block
@@ -237,10 +238,14 @@ class PreparedOptimizer(torch.optim.Optimizer):
             self._refuse_unweighted_gradients()
         self._opt_called = True  # what torch's LR schedulers check before warning
         finalized, self._finalized = self._finalized, False
-        self.steps_taken += 1
         self._backward_calls_at_step = self._sync.backward_calls
         scale = self._sync.loss_scale()
+        result = None
         with self._sync.backend.step_context(self.optimizer, finalized):
+            self._sync.committed = self._sync.backend.commit_step(self.optimizer)
+            if not self._sync.committed:  # a replica group failed during the step: no group applies it
+                return None
+            self.steps_taken += 1
             if self.scaler is None:
                 result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
             else:
@@ -300,7 +305,7 @@ class PreparedScheduler:
         self._sync = sync
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._sync.sync_gradients:
+        if self._sync.sync_gradients and self._sync.committed:
             self.scheduler.step(*args, **kwargs)
 
     def state_dict(self) -> dict:

@@ -171,3 +171,21 @@ def test_the_launcher_runs_with_this_interpreters_bin_first_on_path():
     command = build(Plan(backend="horovod", script="train.py", nproc=2), cuda=False, environ={})
     path = launch.environment(command, {"PATH": "/usr/bin"})["PATH"]
     assert path.split(os.pathsep)[0] == os.path.dirname(sys.executable), path
+
+
+def test_the_launcher_refuses_replica_groups_for_other_backends_and_several_hosts(cli_in_process, tmp_path):
+    (tmp_path / "train.py").write_text("")
+    for args, words in ((["--backend", "accelerate"], "runs the torch backend's groups"),
+                        (["--backend", "torch", "--nnodes", "2", "--master-addr", "a"], "one host")):
+        result = cli_in_process("launch", "--replica-groups", "2", *args, "train.py", cwd=tmp_path)
+        assert result.returncode != 0 and words in result.stderr
+
+
+def test_the_launcher_dry_run_prints_every_groups_command(cli_in_process, tmp_path):
+    (tmp_path / "train.py").write_text("")
+    result = cli_in_process("launch", "--dry-run", "--backend", "torch", "--nproc", "2", "--replica-groups", "2",
+                            "train.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == 3 and "REPLICA_GROUP_ID=0" in lines[1] and "REPLICA_GROUP_ID=1" in lines[2]
+    assert all("torchrun --standalone --nproc_per_node 2 train.py" in line for line in lines[1:])

@@ -1,0 +1,104 @@
+"""A facade training loop for replica groups (tests/launchers/test_replica_groups.py, bench/replica_groups.py).
+
+An MLP regression with SGD and momentum on 256 fixed examples, shuffled, 4 per rank: the loop is the usual one
+(``ud.init``, ``ud.prepare(model, optimizer, loader)``, ``ud.backward``, ``optimizer.step``), and it runs until
+the optimizer has taken ``--steps`` steps. The count comes from the optimizer's state, which a healed group
+takes from its peer, so every group ends at the same step. Each process appends one JSON line per event to
+``--out/group<G>_rank<R>.jsonl``: ``start`` (its pid), one ``step`` per optimizer step (the committed count,
+whether this one committed, ``ud.data_parallel_world_size()``, the time), and ``end`` (the parameters, their
+float64 sum and the raw bytes' hash, the loss on the whole data set, the step at which it was healed).
+
+``--kill-group G --kill-at K``: the first process of group G to reach step K kills itself (SIGKILL; a marker
+file makes it happen once). ``--hang-group G --hang-at K --hang-s S``: that process sleeps S seconds in the middle
+of step K (after its backward, before its step), once.
+"""
+import argparse
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+import unified_dist as ud
+from unified_dist import session
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=24)
+parser.add_argument("--batch", type=int, default=4)
+parser.add_argument("--out", required=True)
+parser.add_argument("--kill-group", type=int, default=-1)
+parser.add_argument("--kill-at", type=int, default=-1)
+parser.add_argument("--hang-group", type=int, default=-1)
+parser.add_argument("--hang-at", type=int, default=-1)
+parser.add_argument("--hang-s", type=float, default=0.0)
+parser.add_argument("--step-sleep", type=float, default=0.05)
+parser.add_argument("--sharding", default=None)
+parser.add_argument("--timeout", type=float, default=10)
+args = parser.parse_args()
+
+ud.init(timeout=args.timeout, **({"sharding": args.sharding} if args.sharding else {}))
+group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
+out = Path(args.out)
+out.mkdir(parents=True, exist_ok=True)
+log_path = out / f"group{group}_rank{ud.rank()}.jsonl"
+
+
+def record(**event):
+    with open(log_path, "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "t": time.time(), **event}) + "\n")
+
+
+record(event="start")
+data = torch.Generator().manual_seed(7)
+x = torch.randn(256, 16, generator=data)
+y = x @ torch.randn(16, 4, generator=data) + 0.1 * torch.randn(256, 4, generator=data)
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=args.batch, shuffle=True)
+model, optimizer, loader = ud.prepare(model, optimizer, loader)
+
+
+def once(name: str) -> bool:
+    marker = out / f"{name}.done"
+    try:
+        marker.touch(exist_ok=False)
+        return True
+    except FileExistsError:
+        return False
+
+
+while optimizer.steps_taken < args.steps:
+    for inputs, targets in loader:
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        ud.backward(loss)
+        before = optimizer.steps_taken
+        upcoming = before + 1
+        if group == args.hang_group and upcoming == args.hang_at and ud.rank() == 0 and once("hang"):
+            record(event="hang", step=upcoming)
+            time.sleep(args.hang_s)
+        optimizer.step()
+        optimizer.zero_grad()
+        record(event="step", step=optimizer.steps_taken, committed=optimizer.steps_taken > before,
+               dp=ud.data_parallel_world_size(), loss=loss.item())
+        if group == args.kill_group and optimizer.steps_taken == args.kill_at and ud.rank() == 0 and once("kill"):
+            record(event="kill", step=optimizer.steps_taken)
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(args.step_sleep)
+        if optimizer.steps_taken >= args.steps:
+            break
+
+inner = ud.unwrap(model)
+params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in inner.parameters()]
+with torch.no_grad():
+    full_loss = torch.nn.functional.mse_loss(inner(x), y).item()
+replicas = session.current_backend().replicas
+record(event="end", step=optimizer.steps_taken, checksum=sum(p.detach().double().sum().item() for p in params),
+       digest=hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in params)).hexdigest(),
+       loss=full_loss, params=torch.cat([p.detach().reshape(-1) for p in params]).tolist(),
+       healed_at=None if replicas is None else replicas.healed_at,
+       short_steps=[] if replicas is None else replicas.short_steps)
+ud.shutdown()

@@ -1,0 +1,138 @@
+"""Replica groups (issue #53) without a launch: the variables, what is refused in one line, the launcher's
+commands and its supervision of the groups, and a prepared loader that jumps to a peer's position mid-pass.
+The launches with kills and hangs are tests/launchers/test_replica_groups.py."""
+import sys
+
+import pytest
+import torch
+
+from unified_dist.backends.base import Config
+from unified_dist.backends.replica_groups import layout_from, refuse_layout, refuse_objects
+from unified_dist.cli import replicas
+from unified_dist.cli.launch import Command
+from unified_dist.data.loaders import LoaderStack, PreparedDataLoader
+from unified_dist.errors import LaunchError
+from unified_dist.parallel.sharding import Sharding
+
+LIGHTHOUSE = {"TORCHFT_LIGHTHOUSE": "http://localhost:29510", "REPLICA_GROUP_ID": "1", "NUM_REPLICA_GROUPS": "3"}
+
+
+def test_the_layout_comes_from_the_three_variables():
+    assert layout_from({}) is None
+    layout = layout_from({**LIGHTHOUSE, "REPLICA_GROUP_RESTARTS": "2"})
+    assert (layout.group, layout.groups, layout.lighthouse, layout.restarts) == (1, 3, "http://localhost:29510", 2)
+
+
+@pytest.mark.parametrize("change, words", [({"REPLICA_GROUP_ID": ""}, "are not both whole numbers"),
+                                           ({"NUM_REPLICA_GROUPS": "two"}, "are not both whole numbers"),
+                                           ({"REPLICA_GROUP_ID": "3"}, "outside 0..2")])
+def test_a_half_set_layout_is_refused_in_one_line(change, words):
+    with pytest.raises(LaunchError, match=words) as caught:
+        layout_from({**LIGHTHOUSE, **change})
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("config, backend, words", [
+    (Config(), "accelerate", "run on the torch backend"),
+    (Config(), "horovod", "run on the torch backend"),
+    (Config(sharding=Sharding("no", tp=2)), "torch", "tp=2 (tensor parallelism) is not supported"),
+    (Config(mixed_precision="fp16"), "torch", "mixed_precision='fp16'"),
+    (Config(gradient_compression="fp16"), "torch", "gradient_compression='fp16'"),
+    (Config(sync_batchnorm=True), "torch", "sync_batchnorm=True"),
+])
+def test_what_torchft_cannot_make_fault_tolerant_is_refused_at_init(config, backend, words):
+    line = refuse_layout(LIGHTHOUSE, config, backend, "some launcher")
+    assert words in line and "\n" not in line
+
+
+def test_ddp_fsdp_and_bf16_inside_a_group_are_accepted_and_nothing_is_asked_without_a_lighthouse():
+    for config in (Config(), Config(sharding=Sharding("fsdp")), Config(mixed_precision="bf16")):
+        assert refuse_layout(LIGHTHOUSE, config, "torch", "torchrun") is None
+    assert refuse_layout({}, Config(mixed_precision="fp16"), "horovod", "horovodrun") is None
+
+
+def test_two_optimizers_and_a_stream_are_refused_at_prepare():
+    model = torch.nn.Linear(2, 2)
+    two = refuse_objects([torch.optim.SGD(model.parameters(), lr=0.1)], optimizers_so_far=1)
+    assert "prepares 2 optimizers" in two
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    assert "a prepared stream" in refuse_objects([torch.utils.data.DataLoader(Stream())], 0)
+    assert refuse_objects([model, torch.optim.SGD(model.parameters(), lr=0.1)], 0) is None
+
+
+def loader(world=(0, 1)):
+    data = torch.utils.data.TensorDataset(torch.arange(24.0))
+    return PreparedDataLoader(torch.utils.data.DataLoader(data, batch_size=2, shuffle=True), lambda: world,
+                              torch.device("cpu"), 0, LoaderStack())
+
+
+def test_jump_to_continues_the_open_iteration_at_the_given_position():
+    peer, mine = loader(), loader()
+    it = iter(peer)
+    for _ in range(4):
+        next(it)
+    state = peer.state_dict()
+    rest = [b.tolist() for (b,) in it]
+    jumped = {"done": False}
+
+    def heal():
+        if not jumped["done"]:
+            jumped["done"] = True
+            mine.jump_to(state)
+
+    got = []
+    for i, (batch,) in enumerate(mine):
+        got.append(batch.tolist())
+        if i == 0:
+            mine._stack.before_batch = heal
+    assert got[1:] == rest  # after the first batch, the peer's remaining batches of the epoch, then the pass ends
+    assert mine.state_dict()["epoch"] == peer.state_dict()["epoch"]
+
+
+def fake_command(code: str) -> Command:
+    return Command((sys.executable, "-c", code))
+
+
+def test_dry_run_shows_the_lighthouse_and_one_command_per_group():
+    lines = replicas.describe(Command(("torchrun", "--standalone", "--nproc_per_node", "2", "train.py")), 2)
+    assert lines.splitlines()[0].startswith("torchft_lighthouse --min_replicas 1")
+    assert "REPLICA_GROUP_ID=1 NUM_REPLICA_GROUPS=2 torchrun --standalone" in lines.splitlines()[2]
+
+
+def supervise(members, max_restarts):
+    for member in members:
+        member.start()
+    try:
+        return replicas._watch(members, max_restarts, {"signal": 0})
+    finally:
+        for member in members:
+            member.kill()
+
+
+def test_a_failed_group_is_started_again_while_another_runs_and_the_job_ends_well(tmp_path):
+    marker = tmp_path / "failed-once"
+    flaky = fake_command(f"import os, pathlib, sys, time; p = pathlib.Path({str(marker)!r});\n"
+                         "if not p.exists(): p.touch(); sys.exit(3)\n"
+                         "assert os.environ['REPLICA_GROUP_RESTARTS'] == '1'")
+    steady = fake_command("import time; time.sleep(2)")
+    members = [replicas.Group(0, steady, replicas.group_env(steady, 0, 2, "http://x")),
+               replicas.Group(1, flaky, replicas.group_env(flaky, 1, 2, "http://x"))]
+    assert supervise(members, 3) == 0
+    assert members[1].exit_codes == [3, 0] and members[0].exit_codes == [0]
+
+
+def test_a_group_that_keeps_failing_stops_the_job_with_its_exit_status():
+    failing, steady = fake_command("raise SystemExit(5)"), fake_command("import time; time.sleep(30)")
+    members = [replicas.Group(0, steady, {}), replicas.Group(1, failing, {})]
+    assert supervise(members, 2) == 5
+    assert members[1].exit_codes == [5, 5, 5]
+
+
+def test_no_group_is_started_again_when_none_is_left_to_heal_from():
+    members = [replicas.Group(0, fake_command("raise SystemExit(4)"), {})]
+    assert supervise(members, 3) == 1
+    assert members[0].exit_codes == [4]

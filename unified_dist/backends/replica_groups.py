@@ -1,0 +1,257 @@
+"""Data parallelism across replica groups that survives a group's failure, through torchft's ``Manager``.
+
+A job of ``N`` replica groups is ``N`` ordinary torch worlds (each a ``torchrun`` of ``G`` processes, or
+one plain process) that know one another only through torchft's lighthouse. Inside a group everything
+is as without fault tolerance (DDP, FSDP2 or HSDP over the group's own default process group). Across
+groups, each optimizer step is one torchft step:
+
+- the step's quorum runs before the prepared loader fetches the step's batch (at the step's first
+  ``ud.backward`` in a loop without a prepared loader): the groups alive now, and any group that
+  (re)joined, which is healed from a live peer first (the state :meth:`ReplicaGroups.heal_with`
+  registered, sent over torchft's checkpoint transport: no file), so it draws the peer's next batch,
+  computes it on the peer's weights and takes part in the step;
+- the gradients, already averaged inside the group, are averaged over the groups that took part
+  (:meth:`ReplicaGroups.average`: one torchft all-reduce per dtype, gloo, divided by the participants);
+- the optimizer steps only if the step commits (:meth:`ReplicaGroups.commit`: torchft's
+  ``should_commit``, false when a group failed during the step; nothing is then updated anywhere).
+
+Launcher contract (``unified-dist launch --replica-groups N`` sets it; docs/fault-tolerance.md for
+several hosts): ``TORCHFT_LIGHTHOUSE`` (the lighthouse's address), ``REPLICA_GROUP_ID`` (0 .. N-1) and
+``NUM_REPLICA_GROUPS`` (N) in every process of every group. torchft is imported only then.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+
+from ..errors import LaunchError, UnifiedDistError
+
+LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
+GROUP_VAR = "REPLICA_GROUP_ID"
+GROUPS_VAR = "NUM_REPLICA_GROUPS"
+QUORUM_TIMEOUT = datetime.timedelta(seconds=60)
+"""The least a step's quorum waits (torchft's default): longer than the lighthouse's join timeout."""
+RESTARTS_VAR = "REPLICA_GROUP_RESTARTS"
+"""Set by ``unified-dist launch --replica-groups`` to how many times this group was started again: a group
+started again must be healed from a live peer at its first step (else it would train from scratch)."""
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Which replica group this process belongs to, of how many, and where their lighthouse is."""
+
+    group: int
+    groups: int
+    lighthouse: str
+    restarts: int = 0
+
+
+def layout_from(environ: Mapping[str, str]) -> Optional[ReplicaLayout]:
+    """The replica layout the launcher's variables give (``None``: no ``TORCHFT_LIGHTHOUSE``, so no
+    fault tolerance). Raises :class:`LaunchError` in one line for a half-set or malformed layout."""
+    lighthouse = environ.get(LIGHTHOUSE_VAR, "").strip()
+    if not lighthouse:
+        return None
+    raw = {name: environ.get(name, "").strip() for name in (GROUP_VAR, GROUPS_VAR)}
+    if not all(raw.values()) or not all(v.isdigit() for v in raw.values()):
+        raise LaunchError(
+            f"{LIGHTHOUSE_VAR}={lighthouse} asks for replica groups, but {GROUP_VAR}={raw[GROUP_VAR]!r} and "
+            f"{GROUPS_VAR}={raw[GROUPS_VAR]!r} are not both whole numbers: set them in every process of every "
+            "group (unified-dist launch --replica-groups N does)")
+    group, groups = int(raw[GROUP_VAR]), int(raw[GROUPS_VAR])
+    if not 0 <= group < groups:
+        raise LaunchError(f"{GROUP_VAR}={group} is outside 0..{groups - 1} for {GROUPS_VAR}={groups}")
+    restarts = environ.get(RESTARTS_VAR, "0").strip()
+    return ReplicaLayout(group, groups, lighthouse, int(restarts) if restarts.isdigit() else 0)
+
+
+def _flat_by_dtype(tensors: Iterable[torch.Tensor]) -> Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]]:
+    buckets: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    return buckets
+
+
+class ReplicaGroups:
+    """This process's side of the replica groups: torchft's ``Manager`` over a reconfigurable gloo group.
+
+    ``rank`` and ``world_size`` are the process's place inside its own group; rank ``r`` of one group
+    exchanges gradients and healing state with rank ``r`` of the others (the groups' layouts match).
+    """
+
+    def __init__(self, layout: ReplicaLayout, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+        if not os.environ.get("RUST_LOG"):  # torchft's Rust side logs every quorum at INFO otherwise
+            os.environ["RUST_LOG"] = "warn"
+        from torchft import Manager, ProcessGroupGloo
+
+        self.layout = layout
+        self.rank = rank
+        self._load: Optional[Callable[[Any], None]] = None
+        self._save: Optional[Callable[[], Any]] = None
+        self._open = False  # the quorum of the step now running has been held
+        self._first_quorum = True
+        self._last_participants = layout.groups
+        self.healed_at: Optional[int] = None  # the step at which this group was healed from a peer
+        self.short_steps: List[Tuple[int, int]] = []  # (step, participating groups) of each step with fewer
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None, min_replica_size=1,
+            use_async_quorum=False, replica_id=f"unified_dist_group_{layout.group}", lighthouse_addr=layout.lighthouse,
+            rank=rank,
+            world_size=world_size, timeout=timeout, connect_timeout=timeout,
+            # the lighthouse waits up to its join timeout for a group that is alive but late (a hang): the
+            # quorum must outwait it, else the groups that are on time give up first
+            quorum_timeout=max(timeout, QUORUM_TIMEOUT))
+        self.manager.register_state_dict_fn("unified_dist", self._load_state, self._state)
+        self._timeout_s = timeout.total_seconds()
+        self._opened_at: Optional[float] = None  # when the step now running held its quorum
+        threading.Thread(target=self._watch_for_a_hang, name="unified_dist-replica-watchdog", daemon=True).start()
+
+    def _watch_for_a_hang(self) -> None:
+        """Leave (exit 1) when a step outlasts the timeout. torchft's heartbeat runs on its own thread, so
+        a group whose training hangs still looks alive, and the others would wait for it at every quorum;
+        once it exits, they go on without it and the launcher starts it again, healed from them."""
+        while True:
+            time.sleep(min(1.0, self._timeout_s / 4))
+            opened = self._opened_at
+            if opened is not None and time.monotonic() - opened > self._timeout_s:
+                print(f"unified_dist: replica group {self.layout.group} rank {self.rank}: step "
+                      f"{self.manager.current_step() + 1} has run for more than the timeout ({self._timeout_s:g} s): "
+                      "leaving so the other groups go on; the launcher starts this group again",
+                      file=sys.stderr, flush=True)
+                os._exit(1)
+
+    # ----------------------------------------------------------------- healing
+    def heal_with(self, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """What a (re)joining group receives from a live peer: ``save()`` on the peer, ``load(state)`` here."""
+        self._save, self._load = save, load
+
+    def _state(self) -> Any:
+        return self._save() if self._save is not None else {}
+
+    def _load_state(self, state: Any) -> None:
+        self.healed_at = self.manager.current_step()
+        if self._load is not None:
+            self._load(state)
+        if self.rank == 0 and self.healed_at > 0:  # at step 0 every group takes group 0's start (torchft's init_sync)
+            print(f"unified_dist: replica group {self.layout.group} healed from a live peer at step {self.healed_at}"
+                  " (no checkpoint read)", file=sys.stderr, flush=True)
+
+    # ----------------------------------------------------------------- one step
+    def begin_step(self) -> None:
+        """Start this step's quorum, once per step (idempotent until :meth:`commit`)."""
+        if not self._open:
+            self._opened_at = time.monotonic()
+            self.manager.start_quorum()
+            self._open = True
+            if self._first_quorum:
+                self._first_quorum = False
+                self._refuse_a_restart_with_no_peer()
+
+    def _refuse_a_restart_with_no_peer(self) -> None:
+        """A group started again that found no live group at a later step would train from scratch, alone."""
+        if self.layout.restarts and not self.healed_at and self.participants < 2:
+            raise UnifiedDistError(
+                f"replica group {self.layout.group} was started again ({RESTARTS_VAR}={self.layout.restarts}) but "
+                "found no live replica group to heal from (the others ended or are down): it would train from "
+                "scratch; restart the job from its last checkpoint (ud.save) instead")
+
+    def average(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Average ``tensors`` in place over the groups taking part in this step (one all-reduce per dtype)."""
+        self.begin_step()
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        works = []
+        for group in _flat_by_dtype(tensors).values():
+            flat = _flatten_dense_tensors(group)
+            works.append((self.manager.allreduce(flat), flat, group))
+        for work, flat, group in works:
+            work.wait()
+            for t, averaged in zip(group, _unflatten_dense_tensors(flat, group)):
+                t.copy_(averaged)
+
+    def commit(self) -> bool:
+        """Whether this step's update may be applied (every group that took part got the same average).
+        Ends the step: the next :meth:`begin_step` starts the next quorum."""
+        self.begin_step()
+        self._open = False
+        ok = self.manager.should_commit()
+        self._opened_at = None
+        participants = self.participants
+        if participants < self.layout.groups:
+            self.short_steps.append((self.manager.current_step(), participants))
+        if participants != self._last_participants and self.rank == 0:
+            print(f"unified_dist: replica group {self.layout.group}: step {self.manager.current_step()} ran with "
+                  f"{participants} of {self.layout.groups} groups", file=sys.stderr, flush=True)
+        self._last_participants = participants
+        return ok
+
+    @property
+    def participants(self) -> int:
+        """Replica groups that took part in the latest quorum (all of them before the first)."""
+        try:
+            return int(self.manager.num_participants())
+        except Exception:  # noqa: BLE001 - no quorum yet
+            return self.layout.groups
+
+    @property
+    def step(self) -> int:
+        """Steps committed so far, as the replica groups agree on them (torchft's ``current_step``)."""
+        return int(self.manager.current_step())
+
+    def guard_state(self, reading: bool) -> None:
+        """Forbid (``reading=False``) or allow peers to read this process's state: off during an update."""
+        if reading:
+            self.manager.allow_state_dict_read()
+        else:
+            self.manager.disallow_state_dict_read()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+
+def refuse_layout(environ: Mapping[str, str], config: Any, backend: str, launcher: str) -> Optional[str]:
+    """Why this job cannot run with the replica groups its variables ask for, in one line (``None``: it can,
+    or none are asked for). Raises :class:`LaunchError` for malformed variables (:func:`layout_from`)."""
+    layout = layout_from(environ)
+    if layout is None:
+        return None
+    if backend != "torch":
+        return (f"replica groups ({LIGHTHOUSE_VAR} is set) run on the torch backend: {launcher} runs the "
+                f"{backend} backend, which torchft cannot make fault tolerant; start each group with torchrun, "
+                "srun, mpirun or python (unified-dist launch --replica-groups N does)")
+    what = None
+    if config.sharding.tp > 1:
+        what = f"tp={config.sharding.tp} (tensor parallelism)"
+    elif config.mixed_precision == "fp16":
+        what = "mixed_precision='fp16' (a loss scaler per group)"
+    elif config.gradient_compression:
+        what = f"gradient_compression={config.gradient_compression!r}"
+    elif config.sync_batchnorm:
+        what = "sync_batchnorm=True (batch statistics across groups)"
+    if what is None:
+        return None
+    return (f"{what} is not supported with replica groups ({GROUP_VAR}={layout.group} of {layout.groups}): "
+            "use DDP, FSDP2 or HSDP inside each group, bf16 or no mixed precision, or run without "
+            f"{LIGHTHOUSE_VAR}")
+
+
+def refuse_objects(objs: Iterable[Any], optimizers_so_far: int) -> Optional[str]:
+    """Why ``ud.prepare(*objs)`` cannot run with replica groups, in one line (``None``: it can)."""
+    objs = list(objs)
+    optimizers = optimizers_so_far + sum(isinstance(o, torch.optim.Optimizer) for o in objs)
+    if optimizers > 1:
+        return (f"replica groups commit one optimizer step per quorum, and this job prepares {optimizers} "
+                "optimizers: put every parameter group in one optimizer")
+    for obj in objs:
+        if isinstance(obj, torch.utils.data.DataLoader) and isinstance(obj.dataset, torch.utils.data.IterableDataset):
+            return ("a prepared stream (a DataLoader over an IterableDataset) cannot be handed to a replica group "
+                    "that rejoins: use a map-style dataset with replica groups")
+    return None
