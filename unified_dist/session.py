@@ -305,6 +305,12 @@ class Session:
     # ------------------------------------------------------------------ metrics
     def gather_for_metrics(self, x: Any) -> Any:
         """``ud.gather_for_metrics``'s work (see the facade)."""
+        replicas = self.backend.replicas
+        if replicas is not None and replicas.layout.groups > 1 and self.loaders.current is not None:
+            raise UnifiedDistError(
+                f"gather_for_metrics() inside a prepared loader under {replicas.layout.groups} replica groups would "
+                "gather one group's share of the data only: the groups hold equal weights, so evaluate on one "
+                "process (if ud.rank() == 0) with a DataLoader not given to ud.prepare, or in a separate job")
         if self.backend.tp_rank:  # its tensor-parallel group's rank 0 gives their (shared) rows, once
             x = collectives.map_each(x, lambda t: t.reshape(1)[:0] if t.dim() == 0 else t[:0], "gather_for_metrics")
         gathered = collectives.all_gather(self.backend, x, what="gather_for_metrics")

@@ -109,6 +109,10 @@ def check_survival(folder: Path, survivor: int, lost: int, lost_after: int, tota
         # after healing, the new group takes part in every step from the next one on
         back = [s for s, _ in steps(folder, lost, rank)][lost_after:]
         assert back == list(range(healed + 1, total + 1))
+        # the restarted group's first step ran its forward on the survivor's weights (healed before the batch)
+        first_back = [e for e in events(folder, lost, rank) if e["event"] == "step" and e["step"] == healed + 1]
+        same_step = [e for e in events(folder, survivor, rank) if e["event"] == "step" and e["step"] == healed + 1]
+        assert first_back[0]["used"] == same_step[0]["used"]
         assert all(dp == full for s, dp in kept if s > healed)
         digests = {end(folder, g, rank)["digest"] for g in (survivor, lost)}
         assert len(digests) == 1, "the groups ended with different weights"
@@ -121,6 +125,7 @@ def test_a_killed_group_is_healed_from_the_survivor_which_never_stopped(runs):
     assert "replica group 1 exited with" in out and "starting it again (restart 1 of 3)" in out
     assert "replica group 0: step 9 ran with 1 of 2 groups" in out
     assert "replica group 1 healed from a live peer at step" in out
+    assert "GET /checkpoint/" in out  # torchft's HTTP checkpoint transport served the copy
 
 
 def test_the_steps_with_fewer_samples_account_for_the_final_loss(runs):
@@ -144,3 +149,7 @@ def test_a_group_hung_past_the_timeout_leaves_and_comes_back_healed(runs):
 def test_fsdp_inside_groups_of_two_survives_the_loss_of_the_first_group(runs):
     check_survival(runs["fsdp"], survivor=1, lost=0, lost_after=6, total=40, ranks=(0, 1))
     assert {end(runs["fsdp"], g, r)["digest"] for g in (0, 1) for r in (0, 1)} == {end(runs["fsdp"], 1)["digest"]}
+    # rank and world size are the replica group's own; the data-parallel size counts every group's ranks
+    assert {(end(runs["fsdp"], g, r)["rank"], end(runs["fsdp"], g, r)["world"]) for g in (0, 1) for r in (0, 1)} == \
+        {(0, 2), (1, 2)}
+    assert steps(runs["fsdp"], 1)[0] == (1, 4)

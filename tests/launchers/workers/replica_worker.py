@@ -5,7 +5,8 @@ An MLP regression with SGD and momentum on 256 fixed examples, shuffled, 4 per r
 the optimizer has taken ``--steps`` steps. The count comes from the optimizer's state, which a healed group
 takes from its peer, so every group ends at the same step. Each process appends one JSON line per event to
 ``--out/group<G>_rank<R>.jsonl``: ``start`` (its pid), one ``step`` per optimizer step (the committed count,
-whether this one committed, ``ud.data_parallel_world_size()``, the time), and ``end`` (the parameters, their
+whether this one committed, the hash of the weights its forward ran on, ``ud.data_parallel_world_size()``,
+the time), and ``end`` (the parameters, their
 float64 sum and the raw bytes' hash, the loss on the whole data set, the step at which it was healed).
 
 ``--kill-group G --kill-at K``: the first process of group G to reach step K kills itself (SIGKILL; a marker
@@ -62,6 +63,12 @@ loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch
 model, optimizer, loader = ud.prepare(model, optimizer, loader)
 
 
+def digest(tensors) -> str:
+    """This rank's bytes of ``tensors`` (a sharded parameter's local shard), hashed."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return hashlib.sha1(b"".join(t.detach().numpy().tobytes() for t in local)).hexdigest()
+
+
 def once(name: str) -> bool:
     marker = out / f"{name}.done"
     try:
@@ -77,12 +84,13 @@ while optimizer.steps_taken < args.steps:
         ud.backward(loss)
         before = optimizer.steps_taken
         upcoming = before + 1
+        used = digest(model.parameters())  # the weights this step's forward ran on
         if group == args.hang_group and upcoming == args.hang_at and ud.rank() == 0 and once("hang"):
             record(event="hang", step=upcoming)
             time.sleep(args.hang_s)
         optimizer.step()
         optimizer.zero_grad()
-        record(event="step", step=optimizer.steps_taken, committed=optimizer.steps_taken > before,
+        record(event="step", step=optimizer.steps_taken, committed=optimizer.steps_taken > before, used=used,
                dp=ud.data_parallel_world_size(), loss=loss.item())
         if group == args.kill_group and optimizer.steps_taken == args.kill_at and ud.rank() == 0 and once("kill"):
             record(event="kill", step=optimizer.steps_taken)
@@ -96,7 +104,8 @@ params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in inner.par
 with torch.no_grad():
     full_loss = torch.nn.functional.mse_loss(inner(x), y).item()
 replicas = session.current_backend().replicas
-record(event="end", step=optimizer.steps_taken, checksum=sum(p.detach().double().sum().item() for p in params),
+record(event="end", step=optimizer.steps_taken, rank=ud.rank(), world=ud.world_size(),
+       checksum=sum(p.detach().double().sum().item() for p in params),
        digest=hashlib.sha1(b"".join(p.detach().numpy().tobytes() for p in params)).hexdigest(),
        loss=full_loss, params=torch.cat([p.detach().reshape(-1) for p in params]).tolist(),
        healed_at=None if replicas is None else replicas.healed_at,

@@ -136,3 +136,71 @@ def test_no_group_is_started_again_when_none_is_left_to_heal_from():
     members = [replicas.Group(0, fake_command("raise SystemExit(4)"), {})]
     assert supervise(members, 3) == 1
     assert members[0].exit_codes == [4]
+
+
+def test_gather_for_metrics_inside_a_prepared_loader_is_refused_across_groups():
+    """Each group holds only its share of a prepared loader, and the collectives span one group: the gathered
+    metric would silently cover a fraction of the data."""
+    from types import SimpleNamespace
+
+    from unified_dist.errors import UnifiedDistError
+    from unified_dist.session import Session
+
+    stack = LoaderStack()
+    backend = SimpleNamespace(replicas=SimpleNamespace(layout=SimpleNamespace(groups=2)))
+    session = Session(backend, None, None, stack)
+    stack.push(object())
+    with pytest.raises(UnifiedDistError, match="would gather one group's share of the data only") as caught:
+        session.gather_for_metrics(torch.zeros(2))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_restarted_group_takes_every_prepared_object_and_the_generators_from_the_peer():
+    """What the live peer sends (Session._replica_state) and the restarted group loads (_load_replica_state)."""
+    import random
+
+    from unified_dist.session import Session
+
+    def prepared():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        return model, loader()
+
+    peer_model, peer_loader = prepared()
+    peer = Session(None, None, None, LoaderStack(), healable=[peer_model, peer_loader])
+    with torch.no_grad():
+        peer_model.weight.add_(1.0)
+    it = iter(peer_loader)
+    next(it), next(it)
+    torch.manual_seed(5)
+    random.seed(5)
+    state = peer._replica_state()
+    expected_draws = (torch.rand(3).tolist(), random.random())
+
+    mine_model, mine_loader = prepared()
+    mine = Session(None, None, None, LoaderStack(), healable=[mine_model, mine_loader])
+    torch.manual_seed(9)
+    mine._load_replica_state(state)
+    assert torch.equal(mine_model.weight, peer_model.weight)
+    assert mine_loader.state_dict() == peer_loader.state_dict()
+    assert (torch.rand(3).tolist(), random.random()) == expected_draws
+    with pytest.raises(Exception, match="every replica group must run the same script"):
+        Session(None, None, None, LoaderStack(), healable=[mine_model])._load_replica_state(state)
+
+
+def test_a_restarted_group_with_no_live_peer_refuses_to_train_from_scratch():
+    from types import SimpleNamespace
+
+    from unified_dist.backends.replica_groups import ReplicaGroups, ReplicaLayout
+    from unified_dist.errors import UnifiedDistError
+
+    def check(restarts, healed_at, participants):
+        fake = SimpleNamespace(layout=ReplicaLayout(1, 2, "http://x", restarts), healed_at=healed_at,
+                               participants=participants)
+        ReplicaGroups._refuse_a_restart_with_no_peer(fake)
+
+    with pytest.raises(UnifiedDistError, match="found no live replica group to heal from") as caught:
+        check(restarts=1, healed_at=None, participants=1)
+    assert "\n" not in str(caught.value)
+    check(restarts=1, healed_at=20, participants=2)  # healed from a peer: trains on
+    check(restarts=0, healed_at=None, participants=1)  # a first start alone is a job's start
