@@ -45,9 +45,10 @@ def enable_fake_collectives() -> Optional[str]:
     ``scatter``, ...) run under ``FakeTensorMode``, as ``unified-dist plan`` needs.
 
     Their ``Meta`` kernels ship with torch. From torch 2.11 they are registered when torch is
-    imported (pytorch#162119); before, only when ``torch.distributed._tools.fake_collectives`` is
-    imported, and without them a collective on a fake tensor raises ``UnsupportedOperatorException:
-    c10d.allreduce_.default``. Returns the module imported to register them, or ``None`` where torch
+    imported (pytorch#162119; the 2.11 and 2.12 cells of the version matrix); in 2.10 only when
+    ``torch.distributed._tools.fake_collectives`` is imported, and without them a collective on a fake
+    tensor raises ``UnsupportedOperatorException: c10d.allreduce_.default`` (the 2.10 cell before this
+    switch). Returns the module imported to register them, or ``None`` where torch
     had them already. Raises ``RuntimeError`` in one line if they are missing after that.
     """
     if _collectives_run_on_fake_tensors():
