@@ -51,7 +51,7 @@ def runs(module_dirs):
          "--step-sleep", "0"], TIMEOUT, child_env()).check()
     found["reference"] = ref
     found["whole"] = tmp / "whole"
-    launch(found["whole"], 2, 1, ["--steps", str(STEPS), "--step-sleep", "0"])
+    launch(found["whole"], 2, 1, ["--steps", str(STEPS), "--step-sleep", "0", "--save"])
     found["kill"] = tmp / "kill"
     found["kill_output"] = launch(found["kill"], 2, 1, ["--steps", str(STEPS), "--step-sleep", "0.15",
                                                         "--kill-group", "1", "--kill-at", "8"]).output
@@ -93,6 +93,15 @@ def test_two_groups_of_batch_4_make_the_one_process_batch_8_update(runs):
     assert max(abs(a - b) for a, b in zip(got, expected)) <= 1e-6 * scale  # float32, 60 steps, another order
     assert abs(end(whole, 0)["loss"] - end(ref, 0)["loss"]) <= 1e-5 * end(ref, 0)["loss"]
     assert steps(whole, 0) == [(s, 2) for s in range(1, STEPS + 1)]  # both groups in every step
+
+
+def test_ud_save_under_replica_groups_writes_the_final_weights_for_a_whole_job_restart(runs):
+    import torch
+
+    saved = torch.load(runs["whole"] / "final.pt", weights_only=True)
+    flat = torch.cat([t.reshape(-1) for t in saved["model"].values()]).tolist()
+    assert flat == end(runs["whole"], 0)["params"]
+    assert saved["optimizer"]["steps_taken"] == STEPS
 
 
 def check_survival(folder: Path, survivor: int, lost: int, lost_after: int, total: int, ranks=(0,)) -> None:

@@ -11,7 +11,8 @@ float64 sum and the raw bytes' hash, the loss on the whole data set, the step at
 
 ``--kill-group G --kill-at K``: the first process of group G to reach step K kills itself (SIGKILL; a marker
 file makes it happen once). ``--hang-group G --hang-at K --hang-s S``: that process sleeps S seconds in the middle
-of step K (after its backward, before its step), once.
+of step K (after its backward, before its step), once. ``--save``: ``ud.save`` of the model and the optimizer
+to ``--out/final.pt`` at the end.
 """
 import argparse
 import hashlib
@@ -38,6 +39,7 @@ parser.add_argument("--hang-s", type=float, default=0.0)
 parser.add_argument("--step-sleep", type=float, default=0.05)
 parser.add_argument("--sharding", default=None)
 parser.add_argument("--timeout", type=float, default=10)
+parser.add_argument("--save", action="store_true", help="ud.save the model and optimizer to --out/final.pt at the end")
 args = parser.parse_args()
 
 ud.init(timeout=args.timeout, **({"sharding": args.sharding} if args.sharding else {}))
@@ -99,6 +101,8 @@ while optimizer.steps_taken < args.steps:
         if optimizer.steps_taken >= args.steps:
             break
 
+if args.save:  # every group's main process writes the same weights to the same file
+    ud.save({"model": model, "optimizer": optimizer}, str(out / "final.pt"))
 inner = ud.unwrap(model)
 params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in inner.parameters()]
 with torch.no_grad():
