@@ -29,8 +29,8 @@ def raw_ops(backend):
             dist.all_reduce(out)
             return out
 
-        # the best raw call for equal shapes: one buffer, no list + cat (torch >= 2.13 renamed it)
-        gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        # the best raw call for equal shapes: one buffer, no list + cat (its name per torch: unified_dist.compat)
+        from unified_dist.compat import all_gather_into_tensor as gather_into
 
         def gather(t):
             out = t.new_empty((dist.get_world_size() * t.shape[0], *t.shape[1:]))

@@ -127,7 +127,8 @@ def device_mesh() -> Any:
 
 def data_parallel_rank() -> int:
     """This rank's index among the ranks that see different data, 0 .. ``data_parallel_world_size() - 1``:
-    ``rank() // tp``. Tensor-parallel peers share it, and prepared loaders give them the same batches."""
+    ``rank() // tp``. Tensor-parallel peers share it, and prepared loaders give them the same batches. With
+    replica groups: ``g * G + r`` for rank ``r`` of group ``g`` (``G``: a group's data-parallel size)."""
     return current_backend().data_parallel_rank
 
 
@@ -135,7 +136,8 @@ def data_parallel_world_size() -> int:
     """How many ranks see different data: ``world_size() // tp`` (``world_size()`` without tensor
     parallelism). A prepared loader's global batch is ``batch_size`` times this. With replica groups
     (docs/fault-tolerance.md): the ranks that took part in the latest optimizer step, every group's
-    data-parallel ranks while all are up, fewer while a group is away."""
+    data-parallel ranks while all are up (and before the first step), fewer while a group is away; the
+    loader's global batch stays ``batch_size`` times every group's."""
     return current_backend().participating_world_size
 
 

@@ -88,13 +88,23 @@ class Session:
     healable: List[Any] = field(default_factory=list)  # prepared objects a rejoining replica group takes from a peer
 
     # ------------------------------------------------------------------ replica groups
+    def begin_replica_step(self) -> None:
+        """A prepared loader is about to fetch a batch: hold the step's quorum if it is a training pass (the
+        loader a ``ud.backward`` ran on before, or any loader before the first ``ud.backward``), so an
+        evaluation pass between steps holds none."""
+        current = self.loaders.current
+        if self._training_loader is None or current is self._training_loader:
+            self.backend.replicas.begin_step()
+
+    _training_loader: Any = None  # the prepared loader the latest ud.backward ran on (replica groups)
     def _replica_state(self) -> dict:
         """What a live peer sends a replica group that (re)joins: every prepared model, optimizer, scheduler
         and loader's state, in prepare order, and this process's generators."""
         return {"objects": [obj.state_dict() for obj in self.healable], "rng": rng.capture()}
 
-    def _load_replica_state(self, state: dict) -> None:
-        """Take a peer's state (:meth:`_replica_state`): a loader mid-pass continues at the peer's position."""
+    def _load_replica_state(self, state: dict, generators: bool = True) -> None:
+        """Take a peer's state (:meth:`_replica_state`), its generators if ``generators``: a loader mid-pass
+        continues at the peer's position."""
         objects = state.get("objects", [])
         if len(objects) != len(self.healable):
             raise UnifiedDistError(
@@ -105,7 +115,8 @@ class Session:
                 obj.jump_to(value)
             else:
                 obj.load_state_dict(value)
-        rng.restore(state["rng"])
+        if generators:
+            rng.restore(state["rng"])
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, objs: tuple) -> List[Any]:
@@ -199,6 +210,8 @@ class Session:
         self.sync.backward_calls += 1
         self.loaders.note_training()  # the current loader's pass is no peek (unified_dist.data.loaders.Epochs)
         self._backward_seen = True
+        if self.backend.replicas is not None:
+            self._training_loader = self.loaders.current
         if self.backend.config.check_finite:
             finite = torch.isfinite(loss.detach()).all()
             self._finite = finite if self._finite is None else self._finite & finite
@@ -367,7 +380,7 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     loaders = LoaderStack()
     _session = Session(instance, detection, GradientSync(instance, loaders), loaders)
     if instance.replicas is not None:
-        loaders.before_batch = instance.replicas.begin_step  # the quorum, and any healing, before the batch
+        loaders.before_batch = _session.begin_replica_step  # the quorum, and any healing, before the batch
     if config.stop_signals:
         _session.stops = preemption.StopSignals(config.stop_signals)
         _session.stops.install()

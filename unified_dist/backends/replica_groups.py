@@ -36,6 +36,9 @@ from ..errors import LaunchError, UnifiedDistError
 LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
 GROUP_VAR = "REPLICA_GROUP_ID"
 GROUPS_VAR = "NUM_REPLICA_GROUPS"
+MAX_UNCOMMITTED = 10
+"""Steps in a row that may fail to commit before the group stops with one line (a fault that heals does
+not last that long; a mismatch between groups, such as gradients for different parameters, would loop)."""
 QUORUM_TIMEOUT = datetime.timedelta(seconds=60)
 """The least a step's quorum waits (torchft's default): longer than the lighthouse's join timeout."""
 RESTARTS_VAR = "REPLICA_GROUP_RESTARTS"
@@ -93,10 +96,11 @@ class ReplicaGroups:
 
         self.layout = layout
         self.rank = rank
-        self._load: Optional[Callable[[Any], None]] = None
+        self._load: Optional[Callable[[Any, bool], None]] = None
         self._save: Optional[Callable[[], Any]] = None
         self._open = False  # the quorum of the step now running has been held
         self._first_quorum = True
+        self._uncommitted = 0  # steps in a row that did not commit
         self._last_participants = layout.groups
         self.healed_at: Optional[int] = None  # the step at which this group was healed from a peer
         self.short_steps: List[Tuple[int, int]] = []  # (step, participating groups) of each step with fewer
@@ -128,8 +132,9 @@ class ReplicaGroups:
                 os._exit(1)
 
     # ----------------------------------------------------------------- healing
-    def heal_with(self, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
-        """What a (re)joining group receives from a live peer: ``save()`` on the peer, ``load(state)`` here."""
+    def heal_with(self, save: Callable[[], Any], load: Callable[[Any, bool], None]) -> None:
+        """What a (re)joining group receives from a live peer: ``save()`` on the peer, ``load(state, rng)``
+        here (``rng``: whether to take the peer's generators too)."""
         self._save, self._load = save, load
 
     def _state(self) -> Any:
@@ -138,7 +143,9 @@ class ReplicaGroups:
     def _load_state(self, state: Any) -> None:
         self.healed_at = self.manager.current_step()
         if self._load is not None:
-            self._load(state)
+            # the generators too, except at step 0: there every group takes group 0's start (torchft's
+            # init_sync), and copying group 0's generators would undo per-rank seeds across groups
+            self._load(state, self.healed_at > 0)
         if self.rank == 0 and self.healed_at > 0:  # at step 0 every group takes group 0's start (torchft's init_sync)
             print(f"unified_dist: replica group {self.layout.group} healed from a live peer at step {self.healed_at}"
                   " (no checkpoint read)", file=sys.stderr, flush=True)
@@ -147,8 +154,8 @@ class ReplicaGroups:
     def begin_step(self) -> None:
         """Start this step's quorum, once per step (idempotent until :meth:`commit`)."""
         if not self._open:
+            self.manager.start_quorum()  # a copy to or from a restarted group happens in here: not timed
             self._opened_at = time.monotonic()
-            self.manager.start_quorum()
             self._open = True
             if self._first_quorum:
                 self._first_quorum = False
@@ -162,8 +169,15 @@ class ReplicaGroups:
                 "found no live replica group to heal from (the others ended or are down): it would train from "
                 "scratch; restart the job from its last checkpoint (ud.save) instead")
 
-    def average(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Average ``tensors`` in place over the groups taking part in this step (one all-reduce per dtype)."""
+    @property
+    def opened(self) -> bool:
+        """Whether this step's quorum has been held (by a prepared loader's fetch)."""
+        return self._open
+
+    def average(self, tensors: Iterable[torch.Tensor]) -> bool:
+        """Average ``tensors`` in place over the groups taking part in this step (one all-reduce per dtype).
+        Where the all-reduce failed (a group was lost during it), ``tensors`` are left as they were and the
+        result is ``False``; the step will then not commit."""
         self.begin_step()
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
@@ -171,10 +185,14 @@ class ReplicaGroups:
         for group in _flat_by_dtype(tensors).values():
             flat = _flatten_dense_tensors(group)
             works.append((self.manager.allreduce(flat), flat, group))
-        for work, flat, group in works:
+        for work, _, _ in works:
             work.wait()
+        if self.manager.errored() is not None:  # torchft zeroes what a failed all-reduce held
+            return False
+        for _, flat, group in works:
             for t, averaged in zip(group, _unflatten_dense_tensors(flat, group)):
                 t.copy_(averaged)
+        return True
 
     def commit(self) -> bool:
         """Whether this step's update may be applied (every group that took part got the same average).
@@ -183,6 +201,12 @@ class ReplicaGroups:
         self._open = False
         ok = self.manager.should_commit()
         self._opened_at = None
+        self._uncommitted = 0 if ok else self._uncommitted + 1
+        if self._uncommitted >= MAX_UNCOMMITTED:
+            raise UnifiedDistError(
+                f"replica group {self.layout.group}: {self._uncommitted} steps in a row did not commit (the last "
+                f"error: {self.manager.errored()!r}); every group must give gradients for the same parameters at "
+                "every step, and the groups must reach one another over gloo")
         participants = self.participants
         if participants < self.layout.groups:
             self.short_steps.append((self.manager.current_step(), participants))
@@ -194,23 +218,9 @@ class ReplicaGroups:
 
     @property
     def participants(self) -> int:
-        """Replica groups that took part in the latest quorum (all of them before the first)."""
-        try:
-            return int(self.manager.num_participants())
-        except Exception:  # noqa: BLE001 - no quorum yet
-            return self.layout.groups
-
-    @property
-    def step(self) -> int:
-        """Steps committed so far, as the replica groups agree on them (torchft's ``current_step``)."""
-        return int(self.manager.current_step())
-
-    def guard_state(self, reading: bool) -> None:
-        """Forbid (``reading=False``) or allow peers to read this process's state: off during an update."""
-        if reading:
-            self.manager.allow_state_dict_read()
-        else:
-            self.manager.disallow_state_dict_read()
+        """Replica groups that took part in the latest quorum (all of them before the first: torchft
+        answers 0 then)."""
+        return int(self.manager.num_participants()) or self.layout.groups
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import os
 from fractions import Fraction
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..detection import Detection
+from ..errors import UnifiedDistError
 from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Config
 from .buckets import ddp_kwargs
 from .process_group import local_rank_from_hosts, withdraw_rendezvous
@@ -64,8 +65,11 @@ class TorchBackend(TorchGroupBackend):
         return inner if self.replicas is None else inner * self.replicas.participants
 
     def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None, weight: Fraction = Fraction(1)) -> None:
-        if self.replicas is not None:
-            self.replicas.begin_step()
+        if self.replicas is not None and not self.replicas.opened:
+            raise UnifiedDistError(
+                "with replica groups, a step's batches must come from a DataLoader given to ud.prepare: the step's "
+                "quorum, and the copy a restarted group takes from a live one, happen before its batch is fetched "
+                "(here the forward already ran on weights a copy would replace)")
         super().backward(loss, scaler, weight)
 
     def _average_over_groups(self, optimizer: torch.optim.Optimizer) -> None:
@@ -81,6 +85,12 @@ class TorchBackend(TorchGroupBackend):
         if self.replicas is not None and not finalized:
             self._average_over_groups(optimizer)
         return super().step_context(optimizer, finalized)
+
+    def average_buffers_across_groups(self, buffers: List[torch.Tensor]) -> None:
+        if self.replicas is not None:
+            floating = [b for b in buffers if b.is_floating_point()]
+            if floating:
+                self.replicas.average(b.to_local() if hasattr(b, "to_local") else b for b in floating)
 
     def commit_step(self, optimizer: torch.optim.Optimizer) -> bool:
         return True if self.replicas is None else self.replicas.commit()

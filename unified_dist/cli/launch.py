@@ -404,4 +404,6 @@ def _run_replica_groups(args, plan: Plan, command: Command, groups: int) -> int:
     if args.dry_run:
         print(replicas.describe(command, groups))
         return 0
-    return replicas.run(command, groups, args.max_group_restarts)
+    import torch
+
+    return replicas.run(command, groups, args.max_group_restarts, plan.nproc, torch.cuda.device_count())

@@ -69,11 +69,24 @@ def lighthouse_command(port: int, groups: int, environ: Mapping[str, str] = os.e
 
 
 def group_env(command: Command, index: int, groups: int, lighthouse: str,
-              environ: Mapping[str, str] = os.environ) -> Dict[str, str]:
-    """Group ``index``'s environment: the launch command's, plus the replica-group variables."""
+              environ: Mapping[str, str] = os.environ, gpus: Optional[List[str]] = None,
+              nproc: int = 1) -> Dict[str, str]:
+    """Group ``index``'s environment: the launch command's, plus the replica-group variables, and its own
+    ``nproc`` of ``gpus`` (this host's visible GPUs) where there are enough for every group, so the groups
+    do not share GPUs."""
     env = environment(command, environ)
     env.update({LIGHTHOUSE_VAR: lighthouse, GROUP_VAR: str(index), GROUPS_VAR: str(groups)})
+    if gpus and len(gpus) >= groups * nproc:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[index * nproc:(index + 1) * nproc])
     return env
+
+
+def visible_gpus(count: int, environ: Mapping[str, str] = os.environ) -> List[str]:
+    """The GPUs this host shows the job: ``CUDA_VISIBLE_DEVICES``'s list where it is set, else 0..count-1."""
+    given = environ.get("CUDA_VISIBLE_DEVICES")
+    if given is not None:
+        return [d.strip() for d in given.split(",") if d.strip()]
+    return [str(i) for i in range(count)]
 
 
 def describe(command: Command, groups: int) -> str:
@@ -86,16 +99,19 @@ def describe(command: Command, groups: int) -> str:
     return "\n".join(lines)
 
 
-def run(command: Command, groups: int, max_restarts: int) -> int:
-    """Start the lighthouse and ``groups`` groups running ``command``; restart a group that fails (at most
-    ``max_restarts`` times each); return the job's exit status (the module doc)."""
+def run(command: Command, groups: int, max_restarts: int, nproc: int = 1, gpu_count: int = 0) -> int:
+    """Start the lighthouse and ``groups`` groups running ``command`` (``nproc`` processes each, on this host's
+    ``gpu_count`` GPUs); restart a group that fails (at most ``max_restarts`` times each); return the job's
+    exit status (the module doc)."""
     port = free_port()
     lighthouse = subprocess.Popen(lighthouse_command(port, groups), start_new_session=True,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"http://localhost:{port}"
     print(f"+ torchft lighthouse at {address} (pid {lighthouse.pid}); {groups} replica groups of: {command.line()}",
           file=sys.stderr, flush=True)
-    members = [Group(i, command, group_env(command, i, groups, address)) for i in range(groups)]
+    gpus = visible_gpus(gpu_count) if gpu_count else None
+    members = [Group(i, command, group_env(command, i, groups, address, gpus=gpus, nproc=nproc))
+               for i in range(groups)]
     stopping = {"signal": 0}
 
     def stop(signum, _frame) -> None:

@@ -303,9 +303,14 @@ class PreparedScheduler:
     def __init__(self, scheduler: Any, sync: GradientSync) -> None:
         self.scheduler = scheduler
         self._sync = sync
+        self._steps_at_last = sync.optimizer_steps  # committed optimizer steps when this scheduler last stepped
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._sync.sync_gradients and self._sync.committed:
+        # with replica groups, a step that did not commit is not counted, but one per epoch still steps after
+        # an epoch whose last optimizer step was dropped (committed ones ran since its last step)
+        committed_since = self._sync.optimizer_steps > self._steps_at_last
+        if self._sync.sync_gradients and (self._sync.committed or committed_since):
+            self._steps_at_last = self._sync.optimizer_steps
             self.scheduler.step(*args, **kwargs)
 
     def state_dict(self) -> dict:

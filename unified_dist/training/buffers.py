@@ -15,6 +15,8 @@ every backend: the
 same number of collectives as DDP's rule, one per buffer dtype. Between two steps (the micro-steps
 of an accumulation window) each rank's buffers follow its own micro-batches, as under DDP.
 
+With replica groups (docs/fault-tolerance.md), each group's rank 0 buffers are then averaged over the groups
+that took part in the step (:meth:`~unified_dist.backends.base.Backend.average_buffers_across_groups`).
 ``init(sync_batchnorm=True)`` changes what the statistics *are* (computed over the global batch,
 see :mod:`unified_dist.parallel.sync_batchnorm`); the rule here still keeps every rank's copy equal.
 """
@@ -64,7 +66,8 @@ class ModelBuffers:
 
     def add(self, model: torch.nn.Module) -> None:
         """Register a just-prepared model and give every rank rank 0's buffers now."""
-        if self.backend.world_size == 1 or not any(True for _ in model.buffers()):
+        alone = self.backend.world_size == 1 and self.backend.replicas is None
+        if alone or not any(True for _ in model.buffers()):
             return
         self._models.append(model)
         self._stepped_by.clear()
@@ -83,3 +86,4 @@ class ModelBuffers:
             self._stepped_by[id(optimizer)] = models
         if models:
             broadcast_from_main(self.backend, models)
+            self.backend.average_buffers_across_groups(_unique_buffers(models))

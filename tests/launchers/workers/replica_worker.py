@@ -9,6 +9,10 @@ whether this one committed, the hash of the weights its forward ran on, ``ud.dat
 the time), and ``end`` (the parameters, their
 float64 sum and the raw bytes' hash, the loss on the whole data set, the step at which it was healed).
 
+``--replay SCHEDULE``: one process without replica groups, batch 8 (2 shares of 4), replaying a run's schedule:
+a global batch whose step did not commit is skipped, and a step that ran with fewer groups trains on their shares
+of it only (the mean over those examples). Its end equals that run's if every step did what the schedule says.
+
 ``--kill-group G --kill-at K``: the first process of group G to reach step K kills itself (SIGKILL; a marker
 file makes it happen once). ``--hang-group G --hang-at K --hang-s S``: that process sleeps S seconds in the middle
 of step K (after its backward, before its step), once. ``--save``: ``ud.save`` of the model and the optimizer
@@ -37,9 +41,15 @@ parser.add_argument("--hang-group", type=int, default=-1)
 parser.add_argument("--hang-at", type=int, default=-1)
 parser.add_argument("--hang-s", type=float, default=0.0)
 parser.add_argument("--step-sleep", type=float, default=0.05)
+parser.add_argument("--alone-sleep", type=float, default=None,
+                    help="seconds to sleep after a step with fewer groups than the job has (default --step-sleep): "
+                         "paces a survivor so a restarted group finds it still running")
 parser.add_argument("--sharding", default=None)
 parser.add_argument("--timeout", type=float, default=10)
 parser.add_argument("--save", action="store_true", help="ud.save the model and optimizer to --out/final.pt at the end")
+parser.add_argument("--replay", default=None,
+                    help="one process, batch 8: a JSON list with one [committed, shares] per global batch, shares "
+                         "the data-parallel ranks (of 2) whose examples took part; trains on exactly those")
 args = parser.parse_args()
 
 ud.init(timeout=args.timeout, **({"sharding": args.sharding} if args.sharding else {}))
@@ -80,6 +90,29 @@ def once(name: str) -> bool:
         return False
 
 
+full_world = int(os.environ.get("NUM_REPLICA_GROUPS", "1")) * ud.world_size()
+if args.replay:
+    from unified_dist.data.loaders import shard
+
+    schedule = json.loads(Path(args.replay).read_text())
+    done = 0
+    while done < len(schedule):
+        for inputs, targets in loader:
+            if done == len(schedule):
+                break
+            committed, shares = schedule[done]
+            done += 1
+            if not committed:
+                continue
+            rows = torch.cat([torch.arange(offset, offset + count) for count, offset in
+                              (shard(inputs.shape[0], 2, r) for r in shares)])
+            loss = torch.nn.functional.mse_loss(model(inputs[rows]), targets[rows])
+            ud.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            record(event="step", step=optimizer.steps_taken, committed=True, dp=len(shares), loss=loss.item())
+    args.steps = 0  # the training loop below has nothing left to do
+
 while optimizer.steps_taken < args.steps:
     for inputs, targets in loader:
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
@@ -97,7 +130,8 @@ while optimizer.steps_taken < args.steps:
         if group == args.kill_group and optimizer.steps_taken == args.kill_at and ud.rank() == 0 and once("kill"):
             record(event="kill", step=optimizer.steps_taken)
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(args.step_sleep)
+        fewer = ud.data_parallel_world_size() < full_world
+        time.sleep(args.alone_sleep if fewer and args.alone_sleep is not None else args.step_sleep)
         if optimizer.steps_taken >= args.steps:
             break
 

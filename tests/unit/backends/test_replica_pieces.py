@@ -204,3 +204,99 @@ def test_a_restarted_group_with_no_live_peer_refuses_to_train_from_scratch():
     assert "\n" not in str(caught.value)
     check(restarts=1, healed_at=20, participants=2)  # healed from a peer: trains on
     check(restarts=0, healed_at=None, participants=1)  # a first start alone is a job's start
+
+
+def test_each_group_gets_its_own_gpus_where_there_are_enough():
+    command = Command(("torchrun", "train.py"))
+    gpus = replicas.visible_gpus(8, {})
+    assert [replicas.group_env(command, i, 2, "http://x", {}, gpus, 4)["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == \
+        ["0,1,2,3", "4,5,6,7"]
+    shown = replicas.visible_gpus(8, {"CUDA_VISIBLE_DEVICES": "3,5"})
+    assert [replicas.group_env(command, i, 2, "http://x", {}, shown, 1)["CUDA_VISIBLE_DEVICES"] for i in (0, 1)] == \
+        ["3", "5"]
+    assert "CUDA_VISIBLE_DEVICES" not in replicas.group_env(command, 1, 2, "http://x", {}, gpus[:3], 2)
+
+
+def test_a_step_whose_batch_came_from_no_prepared_loader_is_refused_at_backward():
+    """The quorum (and a copy into this group) must come before the forward; after it, the copy would replace
+    the weights the graph was built on."""
+    from types import SimpleNamespace
+
+    from unified_dist.backends.torch_ddp import TorchBackend
+    from unified_dist.errors import UnifiedDistError
+
+    fake = SimpleNamespace(replicas=SimpleNamespace(opened=False))
+    with pytest.raises(UnifiedDistError, match="must come from a DataLoader given to ud.prepare") as caught:
+        TorchBackend.backward(fake, torch.zeros(()))
+    assert "\n" not in str(caught.value)
+
+
+def test_only_the_training_loader_holds_a_quorum_once_known():
+    from types import SimpleNamespace
+
+    from unified_dist.session import Session
+
+    opened = []
+    stack = LoaderStack()
+    backend = SimpleNamespace(replicas=SimpleNamespace(begin_step=lambda: opened.append(stack.current)))
+    session = Session(backend, None, None, stack)
+    train, evaluation = object(), object()
+    stack.push(evaluation)
+    session.begin_replica_step()  # before any ud.backward: any loader's fetch holds the quorum
+    stack.remove(evaluation)
+    session._training_loader = train
+    stack.push(evaluation)
+    session.begin_replica_step()  # an evaluation pass between steps holds none
+    stack.remove(evaluation)
+    stack.push(train)
+    session.begin_replica_step()
+    assert opened == [evaluation, train]
+
+
+def test_ten_steps_in_a_row_that_do_not_commit_stop_the_group_in_one_line():
+    from types import SimpleNamespace
+
+    from unified_dist.backends.replica_groups import MAX_UNCOMMITTED, ReplicaGroups, ReplicaLayout
+    from unified_dist.errors import UnifiedDistError
+
+    manager = SimpleNamespace(should_commit=lambda: False, current_step=lambda: 3, errored=lambda: "gloo: sizes")
+    fake = SimpleNamespace(layout=ReplicaLayout(0, 2, "http://x"), manager=manager, _open=True, _uncommitted=0,
+                           _opened_at=None, begin_step=lambda: None, participants=2, short_steps=[],
+                           _last_participants=2, rank=1)
+    for _ in range(MAX_UNCOMMITTED - 1):
+        assert ReplicaGroups.commit(fake) is False
+    with pytest.raises(UnifiedDistError, match=f"{MAX_UNCOMMITTED} steps in a row did not commit") as caught:
+        ReplicaGroups.commit(fake)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_per_epoch_scheduler_still_steps_after_an_epoch_whose_last_step_was_dropped():
+    from types import SimpleNamespace
+
+    from unified_dist.training.accumulation import PreparedScheduler
+
+    calls = []
+    sync = SimpleNamespace(optimizer_steps=0, sync_gradients=True, committed=True)
+    scheduler = PreparedScheduler(SimpleNamespace(step=lambda: calls.append(sync.optimizer_steps)), sync)
+    sync.optimizer_steps, sync.committed = 5, False  # 5 steps committed in the epoch, its last one dropped
+    scheduler.step()
+    sync.committed = False  # a per-step scheduler after another dropped step: nothing committed since
+    scheduler.step()
+    sync.optimizer_steps, sync.committed = 6, True
+    scheduler.step()
+    assert calls == [5, 6]
+
+
+def test_buffers_of_a_one_process_group_are_averaged_across_groups_after_each_step():
+    from types import SimpleNamespace
+
+    from unified_dist.training.buffers import ModelBuffers
+
+    averaged = []
+    backend = SimpleNamespace(world_size=1, replicas=object(), communicates_at_prepare=True,
+                              average_buffers_across_groups=lambda buffers: averaged.append(len(buffers)))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    buffers = ModelBuffers(backend)
+    buffers.add(model)
+    buffers.after_step(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert averaged == [3]  # running_mean, running_var, num_batches_tracked (the backend keeps the floating ones)
