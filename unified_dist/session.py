@@ -366,7 +366,10 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
         raise LaunchError(detection.problems[0])
     for message in detection.warnings:
         warnings.warn(f"unified_dist: {message}", UserWarning, stacklevel=3)
-    cls = backend_class(detection.backend)
+    name = detection.backend
+    if name == "single" and replica_groups.layout_from(os.environ) is not None:
+        name = "torch"  # a replica group of one process (python, srun -n 1) is a torch world of one: torchft needs it
+    cls = backend_class(name)
     refusal = replica_groups.refuse_layout(os.environ, config, cls.name, detection.launcher)
     if refusal:
         raise UnifiedDistError(refusal)

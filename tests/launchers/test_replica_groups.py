@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -214,6 +215,7 @@ def srun_groups(module_dirs, slurm_cluster):
     try:
         survivor, lost = group(0), group(1)
         first = lost.wait(timeout=TIMEOUT)  # killed after its step 8
+        time.sleep(5)  # as a requeue would: the survivor goes on alone meanwhile (past the 2 s heartbeat timeout)
         again = group(1, restarts=1)
         codes = (first, survivor.wait(timeout=TIMEOUT), again.wait(timeout=TIMEOUT))
         output = "".join(p.read_text() for p in sorted(folder.parent.glob("srun_group*.log")))
