@@ -86,6 +86,7 @@ class Session:
     _exchanged: bool = False  # an exchange ran since the last should_stop()
     _backward_seen: bool = False  # ud.backward ran since the last should_stop()
     healable: List[Any] = field(default_factory=list)  # prepared objects a rejoining replica group takes from a peer
+    _training_loader: Any = None  # the prepared loader the latest ud.backward ran on (replica groups)
 
     # ------------------------------------------------------------------ replica groups
     def begin_replica_step(self) -> None:
@@ -96,7 +97,6 @@ class Session:
         if self._training_loader is None or current is self._training_loader:
             self.backend.replicas.begin_step()
 
-    _training_loader: Any = None  # the prepared loader the latest ud.backward ran on (replica groups)
     def _replica_state(self) -> dict:
         """What a live peer sends a replica group that (re)joins: every prepared model, optimizer, scheduler
         and loader's state, in prepare order, and this process's generators."""

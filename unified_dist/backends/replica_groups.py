@@ -5,15 +5,15 @@ one plain process) that know one another only through torchft's lighthouse. Insi
 is as without fault tolerance (DDP, FSDP2 or HSDP over the group's own default process group). Across
 groups, each optimizer step is one torchft step:
 
-- the step's quorum runs before the prepared loader fetches the step's batch (at the step's first
-  ``ud.backward`` in a loop without a prepared loader): the groups alive now, and any group that
+- the step's quorum runs before the training loader fetches the step's batch (a step without a
+  prepared loader's batch is refused at ``ud.backward``): the groups alive now, and any group that
   (re)joined, which is healed from a live peer first (the state :meth:`ReplicaGroups.heal_with`
   registered, sent over torchft's checkpoint transport: no file), so it draws the peer's next batch,
   computes it on the peer's weights and takes part in the step;
 - the gradients, already averaged inside the group, are averaged over the groups that took part
   (:meth:`ReplicaGroups.average`: one torchft all-reduce per dtype, gloo, divided by the participants);
 - the optimizer steps only if the step commits (:meth:`ReplicaGroups.commit`: torchft's
-  ``should_commit``, false when a group failed during the step; nothing is then updated anywhere).
+  ``should_commit``, false when a group failed during the step; that group then updates nothing).
 
 Launcher contract (``unified-dist launch --replica-groups N`` sets it; docs/fault-tolerance.md for
 several hosts): ``TORCHFT_LIGHTHOUSE`` (the lighthouse's address), ``REPLICA_GROUP_ID`` (0 .. N-1) and
@@ -142,11 +142,11 @@ class ReplicaGroups:
 
     def _load_state(self, state: Any) -> None:
         self.healed_at = self.manager.current_step()
+        # at step 0 every group takes group 0's start (torchft's init_sync): not its generators, which would undo
+        # per-rank seeds across groups, and no line
         if self._load is not None:
-            # the generators too, except at step 0: there every group takes group 0's start (torchft's
-            # init_sync), and copying group 0's generators would undo per-rank seeds across groups
             self._load(state, self.healed_at > 0)
-        if self.rank == 0 and self.healed_at > 0:  # at step 0 every group takes group 0's start (torchft's init_sync)
+        if self.rank == 0 and self.healed_at > 0:
             print(f"unified_dist: replica group {self.layout.group} healed from a live peer at step {self.healed_at}"
                   " (no checkpoint read)", file=sys.stderr, flush=True)
 
@@ -175,14 +175,15 @@ class ReplicaGroups:
         return self._open
 
     def average(self, tensors: Iterable[torch.Tensor]) -> bool:
-        """Average ``tensors`` in place over the groups taking part in this step (one all-reduce per dtype).
-        Where the all-reduce failed (a group was lost during it), ``tensors`` are left as they were and the
-        result is ``False``; the step will then not commit."""
+        """Average ``tensors`` in place over the groups taking part in this step (one all-reduce per dtype; a
+        DTensor's local shard: the groups' layouts match). Where the all-reduce failed (a group was lost during
+        it), ``tensors`` are left as they were and the result is ``False``; the step will then not commit."""
         self.begin_step()
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+        local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
         works = []
-        for group in _flat_by_dtype(tensors).values():
+        for group in _flat_by_dtype(local).values():
             flat = _flatten_dense_tensors(group)
             works.append((self.manager.allreduce(flat), flat, group))
         for work, _, _ in works:
@@ -224,7 +225,6 @@ class ReplicaGroups:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
-
 
 
 def refuse_layout(environ: Mapping[str, str], config: Any, backend: str, launcher: str) -> Optional[str]:

@@ -73,8 +73,8 @@ class TorchBackend(TorchGroupBackend):
         super().backward(loss, scaler, weight)
 
     def _average_over_groups(self, optimizer: torch.optim.Optimizer) -> None:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        self.replicas.average(g.to_local() if hasattr(g, "to_local") else g for g in grads)
+        self.replicas.average(p.grad for group in optimizer.param_groups for p in group["params"]
+                              if p.grad is not None)
 
     def finalize_gradients(self, optimizer: torch.optim.Optimizer, scaler: Optional[Any]) -> None:
         if self.replicas is not None:
@@ -90,7 +90,7 @@ class TorchBackend(TorchGroupBackend):
         if self.replicas is not None:
             floating = [b for b in buffers if b.is_floating_point()]
             if floating:
-                self.replicas.average(b.to_local() if hasattr(b, "to_local") else b for b in floating)
+                self.replicas.average(floating)
 
     def commit_step(self, optimizer: torch.optim.Optimizer) -> bool:
         return True if self.replicas is None else self.replicas.commit()

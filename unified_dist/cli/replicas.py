@@ -12,6 +12,7 @@ from a checkpoint instead). Each group is its own process session, killed with i
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -57,15 +58,20 @@ class Group:
             self.process.wait()
 
 
-def lighthouse_command(port: int, groups: int, environ: Mapping[str, str] = os.environ) -> List[str]:
-    """torchft's lighthouse on ``port``: a quorum needs one group; a silent group is dropped after
-    :data:`HEARTBEAT_TIMEOUT_MS`."""
+def lighthouse_flags(port: str) -> List[str]:
+    """The lighthouse's flags on ``port``: a quorum needs one group; a silent group is dropped after
+    :data:`HEARTBEAT_TIMEOUT_MS`, a late one after :data:`JOIN_TIMEOUT_MS`."""
+    return ["--min_replicas", "1", "--bind", f"[::]:{port}", "--quorum_tick_ms", "100",
+            "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
+
+
+def lighthouse_command(port: int, environ: Mapping[str, str] = os.environ) -> List[str]:
+    """torchft's lighthouse (the ``torchft_lighthouse`` its package installs) on ``port``."""
     path = shutil.which("torchft_lighthouse", path=environment(Command(()), environ)["PATH"])
     if path is None:
         raise UsageError("--replica-groups needs torchft's lighthouse (torchft_lighthouse), which is not installed "
                          "here: pip install 'unified_dist[fault-tolerance]' (torchft)")
-    return [path, "--min_replicas", "1", "--bind", f"[::]:{port}", "--quorum_tick_ms", "100",
-            "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
+    return [path, *lighthouse_flags(str(port))]
 
 
 def group_env(command: Command, index: int, groups: int, lighthouse: str,
@@ -91,8 +97,7 @@ def visible_gpus(count: int, environ: Mapping[str, str] = os.environ) -> List[st
 
 def describe(command: Command, groups: int) -> str:
     """The commands ``--dry-run`` prints: the lighthouse, then one line per group."""
-    lines = [f"torchft_lighthouse --min_replicas 1 --bind '[::]:PORT' --quorum_tick_ms 100 --join_timeout_ms "
-             f"{JOIN_TIMEOUT_MS} --heartbeat_timeout_ms {HEARTBEAT_TIMEOUT_MS}"]
+    lines = [shlex.join(["torchft_lighthouse", *lighthouse_flags("PORT")])]
     for index in range(groups):
         lines.append(f"{LIGHTHOUSE_VAR}=http://localhost:PORT {GROUP_VAR}={index} {GROUPS_VAR}={groups} "
                      + command.line())
@@ -104,7 +109,7 @@ def run(command: Command, groups: int, max_restarts: int, nproc: int = 1, gpu_co
     ``gpu_count`` GPUs); restart a group that fails (at most ``max_restarts`` times each); return the job's
     exit status (the module doc)."""
     port = free_port()
-    lighthouse = subprocess.Popen(lighthouse_command(port, groups), start_new_session=True,
+    lighthouse = subprocess.Popen(lighthouse_command(port), start_new_session=True,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"http://localhost:{port}"
     print(f"+ torchft lighthouse at {address} (pid {lighthouse.pid}); {groups} replica groups of: {command.line()}",
