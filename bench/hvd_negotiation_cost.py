@@ -1,11 +1,15 @@
 """Microseconds per call of small unified_dist.horovod collectives (4 floats) under torchrun x 2: unnamed
-allreduce, named allreduce, allgather and barrier; the median of 5 timings of 300 calls, printed by rank 0.
+allreduce, named allreduce, allgather and barrier, and per ``DistributedOptimizer`` step of a small MLP
+(3 Linear layers, 6 gradients; zero_grad, forward, backward, step); the median of 5 timings of 300
+calls, printed by rank 0.
 
-Run against two checkouts in alternation to see what the by-name negotiation (issue 50) costs::
+Run against two checkouts in alternation to see what the by-name negotiation (issue 50) or the step's
+one tick that lets a joined rank answer the gradient reductions (issue 58) costs::
 
     OMP_NUM_THREADS=1 PYTHONPATH=<checkout> torchrun --nproc_per_node 2 bench/hvd_negotiation_cost.py <label>
 
-Not a results file of its own: the closing note of issue 50 gives one such comparison (5 alternating pairs).
+Not a results file of its own: the closing notes of issues 50 and 58 give such comparisons (alternating
+pairs); bench/results/hvd_step_tick_i58.json holds issue 58's.
 """
 from __future__ import annotations
 
@@ -22,8 +26,19 @@ def main() -> None:
     x = torch.ones(4)
     for _ in range(50):
         hvd.allreduce(x)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
+                                   named_parameters=model.named_parameters())
+    batch = torch.randn(16, 32)
+
+    def step(i: int) -> None:
+        opt.zero_grad()
+        model(batch).sum().backward()
+        opt.step()
     calls = (("unnamed", lambda i: hvd.allreduce(x)), ("named", lambda i: hvd.allreduce(x, name=f"n{i % 7}")),
-             ("allgather", lambda i: hvd.allgather(x)), ("barrier", lambda i: hvd.barrier()))
+             ("allgather", lambda i: hvd.allgather(x)), ("barrier", lambda i: hvd.barrier()), ("step", step))
     best = {}
     for what, fn in calls:
         timings = []

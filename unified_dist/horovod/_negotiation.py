@@ -9,13 +9,16 @@ The contract:
 
 - Every operation of :mod:`._ops` goes through a **tick** (one small all-gather of fixed-size int64
   rows on the process set's negotiation group), except ``DistributedOptimizer``'s gradient reductions,
-  which every rank issues in one fixed order (the hot path: no tick, on the set's own group). An unnamed
+  which every rank issues in one fixed order (the hot path: no tick, on the set's own group); their
+  step makes one tick (``STEP``: their count and a signature of their shapes) once they started. An unnamed
   operation ticks when it is issued (the tick is also its shape check, so it costs what the check cost
   before); a named one is queued, and ticks when this rank synchronizes it (or issues any other
   operation, or joins).
-- In a tick every member sends the operation it is blocked on (kind, root or reduce op, dtype, shape),
-  or ``WAIT`` (it synchronizes a queued named operation), or ``JOIN``, plus the names of its queued
-  named operations (the first :data:`SLOTS`). From the same rows every member derives the same plan:
+- In a tick every member sends the operation it is blocked on (kind, root or reduce op, dtype, shape,
+  device type, its place in its request and the request's count of tensors), or ``WAIT`` (it
+  synchronizes a queued named operation), or ``JOIN``, plus the names of its queued named operations
+  (the first :data:`SLOTS`, and how many it has: when the rows' names share none and some did not fit,
+  the members compare their whole queues). From the same rows every member derives the same plan:
 
   1. the named operations queued on every member that has not joined run, in the order of the first
      such member's queue; each is an exchange of rows (its shapes, checked) then its data;
@@ -24,10 +27,13 @@ The contract:
      every member joined, with the global rank that joined last.
 
 - A joined member answers the others' allreduces with zeros (``Average`` still divides by the set's
-  size, as Horovod); any other collective while a member is joined raises :class:`HorovodInternalError`
+  size, as Horovod), and a ``STEP``'s gradient reductions too (the first member still stepping sends it
+  their shapes); any other collective while a member is joined raises :class:`HorovodInternalError`
   on the members that issued it (Horovod's error too), and the joined member goes on waiting.
-- Rows that disagree (kind, dtype, shape, root, reduce op, the number of tensors of a grouped
-  operation) raise :class:`HorovodInternalError` on every member, naming each member's tensor.
+- Rows that disagree (kind, dtype, shape, device type, root, reduce op, the number of tensors of a
+  grouped request) raise :class:`HorovodInternalError` on every member, naming each member's request.
+- A transfer that fails on one member after the rows agreed leaves the others waiting for its share:
+  that member raises, and refuses every later operation of the set in one line (``Controller.broken``).
 - A tick in which nothing can run is a deadlock under Horovod's semantics too (no member can change what
   it is blocked on): every member raises one line naming each member's operation and queued names.
 
@@ -43,27 +49,30 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, WAIT, JOIN = range(1, 9)
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, WAIT, JOIN, STEP = range(1, 10)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast", ALLTOALL: "alltoall",
               REDUCESCATTER: "reducescatter", BARRIER: "barrier", WAIT: "waiting for a named operation",
-              JOIN: "join"}
+              JOIN: "join", STEP: "DistributedOptimizer step"}
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
 CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
+DEVICES = ["cpu", "cuda", "xpu", "mps", "hpu", "meta"]
 MAX_DIMS = 16
 SLOTS = 64
 """How many queued names one row carries (the oldest first); later ones wait for a later tick."""
 
 # one row: kind, extra (root or reduce op), dtype code, ndim, shape[MAX_DIMS], parts (tensors of the
-# request still to come, this one included), joined-at tick, joined-at microseconds, number of names,
-# then the names' keys
+# request still to come, this one included), count (tensors of the whole request), device type code,
+# signature (a DistributedOptimizer step's gradients), joined-at tick, joined-at microseconds, queued
+# (names this member has queued, all of them), number of names carried, then the names' keys
 _KIND, _EXTRA, _DTYPE, _NDIM, _SHAPE = 0, 1, 2, 3, 4
-_PARTS, _JOINED_TICK, _JOINED_US, _NNAMES = 4 + MAX_DIMS, 5 + MAX_DIMS, 6 + MAX_DIMS, 7 + MAX_DIMS
-HEAD = 8 + MAX_DIMS
+_PARTS, _COUNT, _DEVICE, _SIGN = 4 + MAX_DIMS, 5 + MAX_DIMS, 6 + MAX_DIMS, 7 + MAX_DIMS
+_JOINED_TICK, _JOINED_US, _QUEUED, _NNAMES = 8 + MAX_DIMS, 9 + MAX_DIMS, 10 + MAX_DIMS, 11 + MAX_DIMS
+HEAD = 12 + MAX_DIMS
 WIDTH = HEAD + SLOTS
 _OPS = {0: "Average", 1: "Sum", 3: "Min", 4: "Max", 5: "Product"}  # Horovod's integers (_ops)
 _SHAPED = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER)
-_JOIN_ANSWERS = (ALLREDUCE, BARRIER)  # what a joined member answers; anything else raises on the others
+_JOIN_ANSWERS = (ALLREDUCE, BARRIER, STEP)  # what a joined member answers; anything else raises on the others
 
 Rows = List[List[int]]
 
@@ -85,8 +94,10 @@ class Part:
     returns ``(work or None, finish)``."""
 
     def __init__(self, kind: int, extra: int, tensor: Optional[torch.Tensor],
-                 issue: Callable[[Optional[Rows], Optional[List[int]]], Tuple[Any, Callable[[], Any]]]) -> None:
-        self.kind, self.extra, self.tensor, self.issue = kind, extra, tensor, issue
+                 issue: Callable[[Optional[Rows], Optional[List[int]]], Tuple[Any, Callable[[], Any]]],
+                 sign: int = 0) -> None:
+        self.kind, self.extra, self.tensor, self.issue, self.sign = kind, extra, tensor, issue, sign
+        self.left = self.count = 1  # this tensor's place in its request: tensors still to come, of how many
 
 
 class Request:
@@ -97,15 +108,22 @@ class Request:
 
 
 def make_row(kind: int, extra: int = 0, tensor: Optional[torch.Tensor] = None, parts: int = 1,
-             keys: Sequence[int] = (), joined: Tuple[int, int] = (-1, -1)) -> List[int]:
+             keys: Sequence[int] = (), joined: Tuple[int, int] = (-1, -1), count: Optional[int] = None,
+             sign: int = 0) -> List[int]:
+    """One member's row; ``keys`` are all its queued names, of which it carries the first :data:`SLOTS`
+    (and how many there are: the controller compares whole queues when that matters)."""
     row = [0] * WIDTH
-    row[_KIND], row[_EXTRA], row[_PARTS] = kind, int(extra), parts
+    row[_KIND], row[_EXTRA], row[_PARTS], row[_SIGN] = kind, int(extra), parts, sign
+    row[_COUNT] = parts if count is None else count
     row[_JOINED_TICK], row[_JOINED_US] = joined
     if tensor is not None:
         if tensor.dim() > MAX_DIMS:
             raise ValueError(f"collectives take at most {MAX_DIMS} dimensions, got {tensor.dim()}")
         row[_DTYPE], row[_NDIM] = CODES.get(tensor.dtype, -2), tensor.dim()
         row[_SHAPE:_SHAPE + tensor.dim()] = list(tensor.shape)
+        device = tensor.device.type
+        row[_DEVICE] = DEVICES.index(device) if device in DEVICES else len(DEVICES) + sum(map(ord, device))
+    row[_QUEUED] = len(keys)
     keys = list(keys)[:SLOTS]
     row[_NNAMES] = len(keys)
     row[HEAD:HEAD + len(keys)] = keys
@@ -132,16 +150,31 @@ def keys(row: List[int]) -> List[int]:
     return row[HEAD:HEAD + row[_NNAMES]]
 
 
-def describe(row: List[int]) -> str:
-    """``allreduce float32[3, 4] op Sum`` — one member's operation, for messages."""
+def device_of(row: List[int]) -> str:
+    code = row[_DEVICE]
+    return DEVICES[code] if 0 <= code < len(DEVICES) else f"device {code}"
+
+
+def describe(row: List[int], devices: bool = False) -> str:
+    """``allreduce float32[3, 4] op Sum`` (``devices``: ``... on cuda``), or for a grouped request
+    ``grouped allreduce of 3 tensors, tensor 1: float32[3] op Sum`` — one member's operation, for messages."""
     k = row[_KIND]
+    if k == STEP:
+        return (f"{KIND_NAMES[k]} reducing {row[_COUNT]} gradients op {_OPS.get(row[_EXTRA], row[_EXTRA])} "
+                f"(shapes and dtypes {row[_SIGN]:x})")
     if k not in _SHAPED:
         return KIND_NAMES.get(k, f"kind {k}")
     dt = str(dtype(row)).replace("torch.", "") if dtype(row) is not None else "unsupported dtype"
-    said = f"{KIND_NAMES[k]} {dt}{list(shape(row))}"
+    said = f"{dt}{list(shape(row))}"
     if k in (ALLREDUCE, REDUCESCATTER):
-        return f"{said} op {_OPS.get(row[_EXTRA], row[_EXTRA])}"
-    return f"{said} root {row[_EXTRA]}" if k == BROADCAST else said
+        said = f"{said} op {_OPS.get(row[_EXTRA], row[_EXTRA])}"
+    elif k == BROADCAST:
+        said = f"{said} root {row[_EXTRA]}"
+    if devices:
+        said = f"{said} on {device_of(row)}"
+    if row[_COUNT] > 1:
+        return f"grouped {KIND_NAMES[k]} of {row[_COUNT]} tensors, tensor {row[_COUNT] - row[_PARTS] + 1}: {said}"
+    return f"{KIND_NAMES[k]} {said}"
 
 
 def problem(rows: Rows, active: List[int], ranks: Sequence[int]) -> Optional[str]:
@@ -154,14 +187,15 @@ def problem(rows: Rows, active: List[int], ranks: Sequence[int]) -> Optional[str
         return (f"hvd.{KIND_NAMES[k]} cannot run while rank(s) {joined} have called hvd.join() (only allreduce "
                 "and barrier can, as in Horovod): finish it before join, or reduce instead")
     def comparable(row: List[int]) -> Tuple[int, ...]:
+        same = (row[_KIND], row[_EXTRA], row[_DTYPE], row[_PARTS], row[_COUNT], row[_DEVICE], row[_SIGN])
         if row[_KIND] in (ALLGATHER, ALLTOALL):  # the first dimension may differ
-            return (row[_KIND], row[_EXTRA], row[_DTYPE], row[_NDIM]) + shape(row)[1:] + (row[_PARTS],)
-        return (row[_KIND], row[_EXTRA], row[_DTYPE], row[_PARTS]) + shape(row)
+            return same + (row[_NDIM],) + shape(row)[1:]
+        return same + shape(row)
     if len({comparable(rows[i]) for i in active}) != 1 or (k in _SHAPED and first[_DTYPE] < 0):
-        per_rank = "; ".join(f"rank {ranks[i]}: {describe(rows[i])}" + (f" ({rows[i][_PARTS]} tensors left)"
-                                                                         if rows[i][_PARTS] > 1 else "")
-                             for i in active)
-        return f"Mismatched operations, tensor shapes, dtypes, roots or reduce ops across ranks: {per_rank}"
+        devices = len({rows[i][_DEVICE] for i in active}) > 1
+        per_rank = "; ".join(f"rank {ranks[i]}: {describe(rows[i], devices)}" for i in active)
+        return ("Mismatched operations, tensor counts, shapes, dtypes, devices, roots or reduce ops across ranks: "
+                f"{per_rank}")
     return None
 
 
@@ -177,14 +211,21 @@ class Controller:
     """The negotiation of one process set on this member: its queue of named requests and its ticks.
 
     ``answer(row)`` issues a joined member's share of an allreduce described by ``row`` (zeros) on
-    ``group``; ``ranks`` are the set's global ranks; ``index`` is this member's position in them."""
+    ``group``; ``answer_step(rows, active)`` its share of a ``DistributedOptimizer`` step's gradient
+    reductions; ``ranks`` are the set's global ranks; ``index`` is this member's position in them.
+
+    Once a transfer failed on this member after the ranks agreed to run it (or a tick failed), the
+    members are out of step: every later operation is refused, in one line naming the first failure."""
 
     def __init__(self, group: Any, ranks: Sequence[int], index: int, device: torch.device,
-                 answer: Callable[[List[int]], None]) -> None:
+                 answer: Callable[[List[int]], None],
+                 answer_step: Optional[Callable[[Rows, List[int]], None]] = None) -> None:
         self.group, self.ranks, self.index, self.device, self.answer = group, list(ranks), index, device, answer
+        self.answer_step = answer_step
         self.queue: Dict[int, Request] = {}
         self.ticks = 0
         self.joined: Tuple[int, int] = (-1, -1)
+        self.broken: Optional[str] = None  # why the members are out of step (every later operation refused)
 
     # ------------------------------------------------------------------ exchanges
     def exchange(self, row: List[int], doing: Callable[[], str]) -> Rows:
@@ -194,25 +235,51 @@ class Controller:
             rows = gather_rows(row, self.group, len(self.ranks), self.device)
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise _error(f"rank {self.ranks[self.index]} was {doing()} when the other ranks stopped answering "
-                         f"({first}); every rank must issue the same Horovod operations") from exc
+            self.broken = (f"rank {self.ranks[self.index]} was {doing()} when the other ranks stopped answering "
+                           f"({first})")
+            raise _error(f"{self.broken}; every rank must issue the same Horovod operations") from exc
         self.ticks += 1
         return rows
+
+    def gather_objects(self, obj: Any) -> List[Any]:
+        """Every member's ``obj`` (pickled; only on the rare paths: a deadlock's message, long queues)."""
+        out: List[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def _queued_keys(self) -> List[int]:
         return list(self.queue)
 
+    def _refuse_if_broken(self) -> None:
+        if self.broken is not None:
+            raise _error(f"an earlier Horovod operation left this process set's ranks out of step ({self.broken}): "
+                         "every later operation on it is refused; restart the job")
+
+    def _issue(self, part: Part, rows: Rows, active: List[int], what: str) -> Tuple[Any, Callable[[], Any]]:
+        """Start ``part``'s transfer, which the other members are starting too: if it fails here they
+        wait for this member's share, so the set is out of step from now on (refused, one line)."""
+        try:
+            return part.issue(rows, active)
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.broken = f"{what} failed on rank {self.ranks[self.index]}: {type(exc).__name__}: {first}"
+            raise _error(f"{self.broken}; the other ranks' share of it cannot complete, and every later "
+                         "operation on this process set is refused; restart the job") from exc
+
     # ------------------------------------------------------------------ the loop
     def run_unnamed(self, part: Part) -> Tuple[Any, Callable[[], Any]]:
         """Tick until every member that has not joined issues ``part``'s operation, then start it."""
+        self._refuse_if_broken()
         return self._drive(part=part)
 
     def wait(self, pending: Any) -> None:
         """Tick until the queued named operation of ``pending`` ran."""
+        self._refuse_if_broken()
         self._drive(pending=pending)
 
     def join(self) -> int:
         """Tick as a joined member until every member joined; the global rank that joined last."""
+        self._refuse_if_broken()
         self.joined = (self.ticks, int(time.time() * 1e6))
         try:
             return self._drive()
@@ -222,7 +289,8 @@ class Controller:
     def _drive(self, part: Optional[Part] = None, pending: Any = None) -> Any:
         while True:
             if part is not None:
-                own = make_row(part.kind, part.extra, part.tensor, keys=self._queued_keys())
+                own = make_row(part.kind, part.extra, part.tensor, part.left, self._queued_keys(),
+                               count=part.count, sign=part.sign)
                 doing = lambda own=own: f"issuing an unnamed {describe(own)}"  # noqa: E731 - formatted on failure only
             elif pending is not None:
                 own = make_row(WAIT, keys=self._queued_keys())
@@ -235,18 +303,22 @@ class Controller:
             if not active:  # everyone joined: the last to join, by tick then by clock
                 last = max(range(len(rows)), key=lambda i: (rows[i][_JOINED_TICK], rows[i][_JOINED_US], i))
                 return self.ranks[last]
+            issuing = all(rows[i][_KIND] != WAIT for i in active)
             agreed = self._agreed(rows, active)
+            if not agreed and not issuing and any(rows[i][_QUEUED] > rows[i][_NNAMES] for i in active):
+                agreed = self._agreed_in_full(active)  # some names did not fit in the rows: compare them all
             for key in agreed:
                 self._run_named(key)
-            issuing = all(rows[i][_KIND] != WAIT for i in active)
             if issuing:
                 verdict = problem(rows, active, self.ranks)
                 if part is not None:
                     if verdict is not None:
                         raise _error(verdict)
-                    return part.issue(rows, active)
+                    return self._issue(part, rows, active, f"an unnamed {describe(own)}")
                 if verdict is None and kind(rows[active[0]]) == ALLREDUCE:
                     self.answer(rows[active[0]])  # a joined member's zeros
+                if verdict is None and kind(rows[active[0]]) == STEP and self.answer_step is not None:
+                    self.answer_step(rows, active)  # a joined member's zeros for each gradient
             if pending is not None and not pending.queued:
                 return None
             if not agreed and not issuing:
@@ -259,6 +331,14 @@ class Controller:
             common &= set(keys(rows[i]))
         return [k for k in keys(rows[active[0]]) if k in common]
 
+    def _agreed_in_full(self, active: List[int]) -> List[int]:
+        """:meth:`_agreed` over every member's whole queue (one gather of the key lists, every member)."""
+        queues = self.gather_objects(self._queued_keys())
+        common = set(queues[active[0]])
+        for i in active[1:]:
+            common &= set(queues[i])
+        return [k for k in queues[active[0]] if k in common]
+
     def _run_named(self, key: int) -> None:
         """Run one agreed named request: one exchange and one transfer per tensor (a joined member that
         did not queue it answers an allreduce with zeros and skips the rest)."""
@@ -269,13 +349,14 @@ class Controller:
         started = []
         try:
             for i, part in enumerate(request.parts):
-                row = make_row(part.kind, part.extra, part.tensor, parts=len(request.parts) - i)
+                row = make_row(part.kind, part.extra, part.tensor, parts=len(request.parts) - i,
+                               count=len(request.parts))
                 rows = self.exchange(row, lambda: f"running {request.name!r}")
                 active = [j for j, r in enumerate(rows) if r[_KIND] != JOIN]
                 verdict = problem(rows, active, self.ranks)
                 if verdict is not None:
                     raise _error(f"{request.name!r}: {verdict}")
-                started.append(part.issue(rows, active))
+                started.append(self._issue(part, rows, active, f"{request.name!r}"))
         except Exception as exc:  # raised where the user synchronizes it, as Horovod
             request.pending.fail(exc)
             return
@@ -298,9 +379,8 @@ class Controller:
         """Every member reaches this in the same tick: name each one's operation and queued names."""
         mine = f"rank {self.ranks[self.index]}: {doing()}; queued by name: " + (
             ", ".join(repr(r.name) for r in self.queue.values()) or "none")
-        described: List[Any] = [None] * len(self.ranks)
         try:
-            dist.all_gather_object(described, mine, group=self.group)
+            described = self.gather_objects(mine)
         except RuntimeError:
             described = [f"rank {self.ranks[i]}: {describe(r)}" for i, r in enumerate(rows)]
         return _error("the ranks' Horovod operations cannot be paired by name (Horovod would wait forever): "

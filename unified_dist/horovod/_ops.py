@@ -224,6 +224,8 @@ def _submit(parts: Sequence[_neg.Part], name: Optional[str], ps: ProcessSet,
     if not _communicates(ps):
         return _handle(*_started([part.issue(None, None) for part in parts], combine))
     controller = _controller(ps)
+    for i, part in enumerate(parts):  # each row carries its request's count: grouped requests must match
+        part.left, part.count = len(parts) - i, len(parts)
     if name is None:
         started = [controller.run_unnamed(part) for part in parts]
         return _handle(*_started(started, combine))
@@ -296,7 +298,8 @@ def _controller(ps: ProcessSet) -> _neg.Controller:
     if controller is None:
         group = ps._control
         controller = _neg.Controller(group, ps.ranks, ps.ranks.index(_world.rank), _group_device(group),
-                                     lambda row: _answer_with_zeros(row, group))
+                                     lambda row: _answer_with_zeros(row, group),
+                                     lambda rows, active: _answer_step_with_zeros(rows, active, ps))
         _world.controllers[ps.process_set_id] = controller
     return controller
 
@@ -364,6 +367,20 @@ def _answer_with_zeros(row: List[int], group: Any) -> None:
     dist.all_reduce(zeros, op=getattr(dist.ReduceOp, _TORCH_OP[_neg.extra(row)]), group=group)
 
 
+def _answer_step_with_zeros(rows: List[List[int]], active: List[int], ps: ProcessSet) -> None:
+    """A joined member's share of a ``DistributedOptimizer`` step the others run (:func:`gradient_step`):
+    the first of them sends the step's wire specs, then zeros for each gradient on the set's own group."""
+    box: List[Any] = [None, None]
+    dist.broadcast_object_list(box, src=ps.ranks[active[0]], group=ps._control)
+    specs, op = box
+    device = _group_device(ps._group)
+    works = [dist.all_reduce(torch.zeros(shape, dtype=_neg.DTYPES[code], device=device),
+                             op=getattr(dist.ReduceOp, _TORCH_OP[op]), group=ps._group, async_op=True)
+             for code, *shape in specs]
+    for work in works:
+        work.wait()
+
+
 def _reduce(tensor: torch.Tensor, op: int, prescale_factor: float, postscale_factor: float, size: int,
             group: Any) -> Tuple[Any, Callable[[], torch.Tensor]]:
     """Reduce ``tensor`` in place over ``group`` (``None``: alone): the transfer and its finisher."""
@@ -373,7 +390,7 @@ def _reduce(tensor: torch.Tensor, op: int, prescale_factor: float, postscale_fac
     work = None
     wire = tensor
     if group is not _ALONE:
-        wire = tensor.to(_reduce_wire_dtype(tensor.dtype))
+        wire = tensor.to(_reduce_wire_dtype(tensor.dtype)).contiguous()  # a copy for gloo, unless it is one
         work = dist.all_reduce(wire, op=getattr(dist.ReduceOp, _TORCH_OP[op]), group=group, async_op=True)
 
     def finish() -> torch.Tensor:
@@ -409,16 +426,37 @@ def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name:
 
 
 def gradient_allreduce_async_(tensor: torch.Tensor, op: int, prescale_factor: float, postscale_factor: float,
-                              process_set: ProcessSet) -> int:
+                              process_set: ProcessSet) -> Tuple[int, Optional[Tuple[int, ...]]]:
     """:func:`allreduce_async_` for ``DistributedOptimizer``'s gradients: the hot path. Every rank issues
     them in one fixed order, so they skip the negotiation and travel on the set's own group (never the
-    negotiation group); under ``ud.init(debug=True)`` the ranks first compare shapes."""
+    negotiation group); :func:`gradient_step` then agrees on the step. Returns the handle and the wire's
+    spec for :func:`gradient_step` (``None``: negotiated like any unnamed allreduce, which
+    ``ud.init(debug=True)`` asks for: each reduction then compares shapes across ranks first)."""
     group, size, _ = _members(process_set)
+    if _communicates(process_set) and _world.check:
+        return _submit([_allreduce_part(tensor, op, prescale_factor, postscale_factor, process_set)], None,
+                       process_set), None
     alone = not _communicates(process_set)
-    if not alone and _world.check:
-        _agree(tensor, op, group, process_set.ranks)
     work, finish = _reduce(tensor, op, prescale_factor, postscale_factor, size, _ALONE if alone else group)
-    return _handle([work], finish)
+    return _handle([work], finish), (_neg.CODES[_reduce_wire_dtype(tensor.dtype)],) + tuple(tensor.shape)
+
+
+def gradient_step(specs: Sequence[Tuple[int, ...]], op: int, process_set: ProcessSet) -> None:
+    """One tick per ``DistributedOptimizer`` step, after its gradient reductions started (``specs``: theirs,
+    in issue order): raises on every member unless all reduce the same gradients, and lets a member in
+    :func:`join` answer them with zeros on the set's own group (the first member still stepping sends it
+    the specs), as Horovod's join answers every allreduce."""
+    if not specs or not _communicates(process_set):
+        return
+    group = process_set._control
+
+    def issue(rows: Any, active: Any) -> Tuple[Any, Callable[[], None]]:
+        if len(active) < len(rows):  # a member has joined: it learns what to answer
+            dist.broadcast_object_list([list(specs), op], src=process_set.ranks[active[0]], group=group)
+        return None, lambda: None
+    part = _neg.Part(_neg.STEP, op, None, issue, sign=hash(tuple(specs)) & (2 ** 63 - 1))
+    part.count = len(specs)
+    _controller(process_set).run_unnamed(part)
 
 
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
@@ -460,18 +498,6 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] 
     """Reduce every tensor of ``tensors`` in place; returns them."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
                                                 process_set))
-
-
-# ---------------------------------------------------------------------- the hot path's shape check
-def _agree(tensor: torch.Tensor, op: int, group: Any, ranks: List[int]) -> None:
-    """Raise :class:`HorovodInternalError` on every member unless all reduce the same dtype and shape with
-    the same op (one small gather of the negotiation's row head on ``group``, judged by its rule):
-    ``ud.init(debug=True)``'s check of gradient reductions."""
-    row = _neg.make_row(_neg.ALLREDUCE, op, tensor)[:_neg.HEAD]  # no names: the head is the whole row
-    rows = _neg.gather_rows(row, group, len(ranks), _group_device(group))
-    verdict = _neg.problem(rows, list(range(len(ranks))), ranks)
-    if verdict is not None:
-        raise HorovodInternalError(f"gradient allreduce: {verdict}")
 
 
 # ---------------------------------------------------------------------- allgather
@@ -521,9 +547,16 @@ def _broadcast_part(tensor: torch.Tensor, root_rank: int, process_set: ProcessSe
     def issue(rows: Any, active: Any) -> Tuple[Any, Callable[[], torch.Tensor]]:
         if rows is None:
             return None, lambda: tensor
+        wire = tensor if tensor.is_contiguous() else tensor.contiguous()  # gloo moves contiguous tensors
+
+        def finish() -> torch.Tensor:
+            if wire is not tensor:
+                with torch.no_grad():
+                    tensor.copy_(wire)
+            return tensor
         with torch.no_grad():
-            work = dist.broadcast(_movable(tensor), src=root_rank, group=process_set._control, async_op=True)
-        return work, lambda: tensor
+            work = dist.broadcast(_movable(wire), src=root_rank, group=process_set._control, async_op=True)
+        return work, finish
     return _neg.Part(_neg.BROADCAST, root_rank, tensor, issue)
 
 
@@ -579,7 +612,10 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str]
         dist.all_to_all_single(received, counts, group=group)
         recv = received.cpu().tolist()
         source = tensor.detach().contiguous()
-        flat = source.reshape(source.shape[0], -1) if source.dim() > 0 else source.reshape(1, 1)
+        width = 1
+        for n in source.shape[1:]:
+            width *= n
+        flat = source.reshape(source.shape[0], width) if source.dim() > 0 else source.reshape(1, 1)  # 0 rows too
         out = _movable(flat.new_empty((sum(recv), flat.shape[1])))
         work = dist.all_to_all_single(out, _movable(flat), output_split_sizes=recv, input_split_sizes=send,
                                       group=group, async_op=True)

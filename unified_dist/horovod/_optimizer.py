@@ -9,6 +9,8 @@ Contract (Horovod 0.28.1's):
 - ``step()`` first waits for every reduction (``synchronize()``), reducing now the gradients backward
   never reached (zeros where there was none); after an explicit ``synchronize()``, ``step()`` inside
   ``skip_synchronize()`` does not reduce again;
+- a rank in ``hvd.join()`` answers the others' reductions with zeros (``Average`` still divides by the
+  set's size), so ranks with fewer batches join while the others step on, each keeping its own weights;
 - ``gradient_predivide_factor`` f (``Average`` only) scales by 1/f before the sum and f/size after;
 - ``compression`` decides what travels (``Compression.fp16``: float16);
 - ``zero_grad()`` between a backward and the step raises, as Horovod's does;
@@ -46,6 +48,7 @@ class _Averaging:
         self._order: List[torch.Tensor] = []  # the one order in which every rank sends its gradients
         self._ready: set = set()  # accumulated backward_passes_per_step times, waiting for their turn
         self._sent = 0  # how many of _order this step has sent
+        self._specs: List[Tuple[int, ...]] = []  # what this step's reductions put on the wire, in order
         self._synchronized = False
         self._should_synchronize = True
         if process_set.included() and _ops._world.size > 1:
@@ -98,7 +101,9 @@ class _Averaging:
         wire, ctx = self._compression.compress(p.grad)
         pre, post = ((1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor)
                      if self.op == Average else (1.0, 1.0))
-        handle = _ops.gradient_allreduce_async_(wire, self.op, pre, post, self.process_set)
+        handle, spec = _ops.gradient_allreduce_async_(wire, self.op, pre, post, self.process_set)
+        if spec is not None:
+            self._specs.append(spec)
         return handle, ctx
 
     def synchronize(self) -> None:
@@ -108,6 +113,7 @@ class _Averaging:
             return
         for p in self._order[self._sent:]:  # in order; zeros for a gradient this rank never computed
             self._handles[p] = self._start(p)
+        _ops.gradient_step(self._specs, self.op, self.process_set)  # a member in hvd.join() answers them
         for p in self._order:
             handle, ctx = self._handles[p]
             self._delay[p] = self.backward_passes_per_step
@@ -123,6 +129,7 @@ class _Averaging:
     def _forget_step(self) -> None:
         self._handles.clear()
         self._ready.clear()
+        self._specs = []
         self._sent = 0
 
     @contextlib.contextmanager

@@ -462,6 +462,75 @@ def operations_that_cannot_be_paired_raise_on_every_rank_naming_them():
     same(hvd.synchronize(handle), torch.tensor([float(hvd.size())]))
 
 
+@check
+def grouped_requests_of_different_counts_raise_on_every_rank():
+    """Issue 58: rank 0 grouped_allreduce([a, b]), rank 1 grouped_allreduce([a, b, c]): both raise, naming
+    each rank's request, and a following allreduce(d) sums the d's (it summed rank 0's d with rank 1's c).
+    Real Horovod waits forever here (FACTS.md, 2026-11-28)."""
+    if os.environ.get("HOROVOD_RANK") is not None or hvd.size() == 1:
+        return
+    r, n = hvd.rank(), hvd.size()
+    for name in (None, "grouped.counts"):
+        tensors = [torch.ones(3), torch.full((3,), 10.0)] + ([torch.full((3,), 200.0)] if r > 0 else [])
+        try:
+            hvd.grouped_allreduce(tensors, op=hvd.Sum, name=name)
+        except RuntimeError as exc:
+            message = str(exc)
+            assert type(exc).__name__ == "HorovodInternalError" and "\n" not in message, message
+            assert "rank 0: grouped allreduce of 2 tensors" in message, message
+            assert "rank 1: grouped allreduce of 3 tensors" in message, message
+        else:
+            raise AssertionError("grouped requests of different counts did not raise")
+        d = torch.full((3,), 1000.0 * (r + 1))
+        same(hvd.allreduce(d, op=hvd.Sum), torch.full((3,), 1000.0 * n * (n + 1) / 2))
+
+
+@check
+def more_queued_names_than_a_row_carries_still_pair():
+    """Issue 58: rank 0 queues SLOTS + 6 names, rank 1 only the last 6 and synchronizes one of them: the
+    rows carry the first 64 names only, which once gave a false "cannot be paired" error."""
+    r, n = hvd.rank(), hvd.size()
+    names = [f"many.{i}" for i in range(70)]
+    value = lambda i: torch.tensor([float(i + r)])  # noqa: E731
+    if r == 0:
+        handles = {k: hvd.allreduce_async(value(i), name=k, op=hvd.Sum) for i, k in enumerate(names)}
+    else:
+        handles = {k: hvd.allreduce_async(value(i), name=k, op=hvd.Sum) for i, k in enumerate(names) if i >= 64}
+        handles[names[-1]] = hvd.synchronize(handles[names[-1]])  # its result
+        handles.update({k: hvd.allreduce_async(value(i), name=k, op=hvd.Sum) for i, k in enumerate(names) if i < 64})
+    for i, k in enumerate(names):
+        result = handles[k] if isinstance(handles[k], torch.Tensor) else hvd.synchronize(handles[k])
+        same(result, torch.tensor([float(n * i + n * (n - 1) / 2)]))
+
+
+@check
+def alltoall_of_no_rows_and_non_contiguous_tensors():
+    """Issue 58: an alltoall where rank 0 sends no rows, and collectives of non-contiguous tensors (once a
+    local error inside the transfer on one rank, the other rank left waiting)."""
+    r, n = hvd.rank(), hvd.size()
+    send = torch.full((0, 2), 5.0) if r == 0 else torch.arange(2.0 * n).reshape(n, 2) + 10 * r
+    splits = torch.tensor([0] * n if r == 0 else [1] * n, dtype=torch.int32)
+    out, received = hvd.alltoall(send, splits=splits)
+    same(received, torch.tensor([0] + [1] * (n - 1), dtype=torch.int32))
+    same(out, torch.cat([torch.arange(2.0 * r, 2.0 * r + 2).reshape(1, 2) + 10 * k for k in range(1, n)]))
+    base = lambda k: torch.arange(6.0).reshape(2, 3) * (k + 1)  # noqa: E731
+    total = sum(base(k) for k in range(n))
+    if os.environ.get("HOROVOD_RANK") is not None:
+        try:
+            hvd.allreduce(base(r).t(), op=hvd.Sum)
+        except ValueError as exc:  # real Horovod refuses them on the calling rank (every rank here)
+            assert "contiguous" in str(exc), exc
+            return
+    same(hvd.allreduce(base(r).t(), op=hvd.Sum), total.t())
+    inplace = base(r).t()
+    hvd.allreduce_(inplace, op=hvd.Sum)
+    same(inplace, total.t())
+    cast = base(r).t()
+    hvd.broadcast_(cast, root_rank=n - 1)
+    same(cast, base(n - 1).t())
+    same(hvd.allgather(base(r).t()), torch.cat([base(k).t() for k in range(n)]))
+
+
 # ---------------------------------------------------------------------- (6) elastic
 @check
 def elastic_state_syncs_commits_and_restores():
@@ -543,6 +612,56 @@ def joined_ranks_answer_allreduces_with_zeros_and_refuse_the_rest():
                 last = hvd.join()  # also after a failed assertion: the joined rank is waiting for it
         assert last != first, (last, first)
         assert hvd.allgather_object(last) == [last] * n
+
+
+@check
+def distributed_optimizer_with_uneven_steps_joins():
+    """Issue 58, Horovod's idiom for uneven data: rank 0 trains 6 steps, the others 3, each then calls
+    hvd.join(); the joined ranks answer the gradient reductions with zeros (Average still divides by the
+    full size) and each rank keeps its own weights. Expected: a one-process float64 replay in plain torch."""
+    r, n = hvd.rank(), hvd.size()
+    steps = lambda k: 6 if k == 0 else 3  # noqa: E731
+    inputs = lambda k, step: (x_of(k, torch.float64) * (step + 1)).reshape(1, 3)  # noqa: E731
+    target = lambda k, step: torch.tensor([[0.5 * k - step]], dtype=torch.float64)  # noqa: E731
+
+    def fresh():
+        model = torch.nn.Linear(3, 1, bias=False).double()
+        with torch.no_grad():
+            model.weight.copy_(torch.tensor([[0.3, -0.2, 0.1]], dtype=torch.float64))
+        return model
+
+    def loss(model, k, step):
+        return ((model(inputs(k, step)) - target(k, step)) ** 2).sum()
+
+    model = fresh()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5),
+                                   named_parameters=model.named_parameters())
+    start = time.monotonic()
+    for step in range(steps(r)):
+        opt.zero_grad()
+        loss(model, r, step).backward()
+        opt.step()
+    last = hvd.join()
+    seconds = time.monotonic() - start
+    # the replay: every rank's copy of the model, the gradient of a step the average over the ranks still
+    # training of their own gradient at their own weights, zeros from the joined ones
+    replicas = [fresh() for _ in range(n)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.5) for m in replicas]
+    for step in range(max(steps(k) for k in range(n))):
+        training = [k for k in range(n) if step < steps(k)]
+        grads = []
+        for k in training:
+            replicas[k].zero_grad()
+            loss(replicas[k], k, step).backward()
+            grads.append(replicas[k].weight.grad.clone())
+        for k in training:
+            replicas[k].weight.grad = sum(grads) / n
+            opts[k].step()
+    assert last == 0, last  # rank 0 joined last
+    same(model.weight.detach(), replicas[r].weight.detach(), 1e-12)
+    if r > 0:  # the joined rank kept the weights of its own 3 steps
+        assert not torch.equal(model.weight.detach(), replicas[0].weight.detach())
+    assert seconds < 60, f"{seconds:.1f} s"
 
 
 def main() -> None:

@@ -14,9 +14,13 @@ from unified_dist.horovod import _negotiation as neg
 from unified_dist.horovod._ops import HorovodInternalError
 
 
-def allreduce_row(shape=(3,), dtype=torch.float32, op=1, names=(), parts=1):
-    return neg.make_row(neg.ALLREDUCE, op, torch.empty(shape, dtype=dtype), parts=parts,
-                        keys=[neg.key_of(n) for n in names])
+def allreduce_row(shape=(3,), dtype=torch.float32, op=1, names=(), parts=1, count=None, device="cpu"):
+    return neg.make_row(neg.ALLREDUCE, op, torch.empty(shape, dtype=dtype, device=device), parts=parts,
+                        keys=[neg.key_of(n) for n in names], count=count)
+
+
+def step_row(specs, op=0):
+    return neg.make_row(neg.STEP, op, count=len(specs), sign=hash(tuple(specs)) & (2 ** 63 - 1))
 
 
 def wait_row(names):
@@ -26,12 +30,19 @@ def wait_row(names):
 class FakeController(neg.Controller):
     """A controller whose exchanges return scripted rows (the other members' answers)."""
 
-    def __init__(self, scripted: List[List[List[int]]]):
-        super().__init__(None, [0, 1], 0, torch.device("cpu"), self._answer)
-        self.scripted, self.sent, self.answered = list(scripted), [], []
+    def __init__(self, scripted: List[List[List[int]]], queues=None):
+        super().__init__(None, [0, 1], 0, torch.device("cpu"), self._answer, self._answer_step)
+        self.scripted, self.sent, self.answered, self.steps = list(scripted), [], [], []
+        self.queues = queues  # the other member's whole queue, for gather_objects
 
     def _answer(self, row):
         self.answered.append(row)
+
+    def _answer_step(self, rows, active):
+        self.steps.append((rows, active))
+
+    def gather_objects(self, obj):
+        return [obj, self.queues]
 
     def exchange(self, row, doing):
         self.sent.append(row)
@@ -119,7 +130,10 @@ def test_a_joined_member_answers_an_unnamed_allreduce_and_returns_the_last_to_jo
     (allreduce_row((3,), torch.float64), "float64"),
     (allreduce_row((3,), op=0), "op Average"),
     (neg.make_row(neg.ALLGATHER, 0, torch.empty(3)), "allgather"),
-    (allreduce_row((3,), parts=2), "2 tensors left"),
+    (allreduce_row((3,), parts=2), "rank 1: grouped allreduce of 2 tensors, tensor 1: float32[3] op Sum"),
+    (allreduce_row((3,), parts=2, count=3), "grouped allreduce of 3 tensors, tensor 2: float32[3]"),
+    (allreduce_row((3,), device="meta"), "rank 0: allreduce float32[3] op Sum on cpu; rank 1: allreduce "
+                                         "float32[3] op Sum on meta"),
 ])
 def test_rows_that_disagree_are_refused_naming_every_members_tensor(other, fragment):
     verdict = neg.problem([allreduce_row((3,)), other], [0, 1], [0, 1])
@@ -145,3 +159,64 @@ def test_only_allreduce_and_barrier_run_while_a_member_has_joined():
 def test_a_name_key_is_stable_and_distinct():
     assert neg.key_of("grad.w") == neg.key_of("grad.w") != neg.key_of("grad.b")
     assert 0 <= neg.key_of("x") < 2 ** 63
+
+
+def test_grouped_requests_of_different_counts_are_refused_at_their_first_tensor_naming_each_request():
+    """Issue 58: rank 0 grouped_allreduce([a, b]), rank 1 grouped_allreduce([a, b, c]): the first tick
+    already differs (each row carries its request's count), so neither rank runs a tensor of it."""
+    rows = [allreduce_row((3,), parts=2), allreduce_row((3,), parts=3)]
+    verdict = neg.problem(rows, [0, 1], [0, 1])
+    assert verdict is not None and "\n" not in verdict
+    assert ("rank 0: grouped allreduce of 2 tensors, tensor 1: float32[3] op Sum; "
+            "rank 1: grouped allreduce of 3 tensors, tensor 1: float32[3] op Sum") in verdict
+
+
+def test_an_unnamed_grouped_request_carries_its_count_in_every_tick():
+    ctl = FakeController([[None, allreduce_row((2,), parts=2)], [None, allreduce_row((2,), parts=1, count=2)]])
+    parts = [neg.Part(neg.ALLREDUCE, 1, torch.zeros(2), lambda rows, active: (None, lambda: None)) for _ in range(2)]
+    for i, part in enumerate(parts):
+        part.left, part.count = 2 - i, 2
+        ctl.run_unnamed(part)
+    assert [(r[neg._PARTS], r[neg._COUNT]) for r in ctl.sent] == [(2, 2), (1, 2)]
+
+
+def test_a_step_runs_while_a_member_has_joined_and_the_joined_member_answers_it():
+    specs = [(8, 3, 4), (8, 4)]
+    assert neg.problem([step_row(specs), neg.make_row(neg.JOIN)], [0], [0, 1]) is None
+    ctl = FakeController([[None, step_row(specs)], [None, neg.make_row(neg.JOIN, joined=(7, 1))]])
+    assert ctl.join() == 1
+    assert len(ctl.steps) == 1 and ctl.steps[0][1] == [1] and ctl.answered == []
+
+
+@pytest.mark.parametrize("other", [[(8, 3, 4)], [(8, 3, 4), (8, 5)], [(9, 3, 4), (8, 4)]])
+def test_steps_reducing_different_gradients_are_refused(other):
+    verdict = neg.problem([step_row([(8, 3, 4), (8, 4)]), step_row(other)], [0, 1], [0, 1])
+    assert verdict is not None and "DistributedOptimizer step reducing 2 gradients" in verdict
+
+
+def test_names_beyond_the_rows_slots_are_compared_in_full_instead_of_a_false_deadlock():
+    """Issue 58: this member queued SLOTS + 6 names; the other queued only the last 6 and waits for one.
+    The rows carry this member's first SLOTS names, so they share none: the whole queues decide."""
+    names = [f"n{i}" for i in range(neg.SLOTS + 6)]
+    issued: List[str] = []
+    late = [neg.key_of(n) for n in names[neg.SLOTS:]]
+    ctl = FakeController([[None, wait_row(names[neg.SLOTS:])]] + [[None, allreduce_row((2,))] for _ in late],
+                         queues=late)
+    pendings = [queue(ctl, n, issued=issued) for n in names]
+    ctl.wait(pendings[-1])
+    assert issued == names[neg.SLOTS:] and ctl.sent[0][neg._QUEUED] == neg.SLOTS + 6
+
+
+def test_a_transfer_that_fails_on_this_member_refuses_every_later_operation_in_one_line():
+    def broken(rows, active):
+        raise RuntimeError("Tensors must be contiguous\nmore")
+
+    ctl = FakeController([[None, allreduce_row((2,))]])
+    with pytest.raises(HorovodInternalError, match="failed on rank 0: RuntimeError: Tensors must be contiguous;"):
+        ctl.run_unnamed(neg.Part(neg.ALLREDUCE, 1, torch.zeros(2), broken))
+    for later in (lambda: ctl.run_unnamed(neg.Part(neg.ALLREDUCE, 1, torch.zeros(2), broken)), ctl.join,
+                  lambda: ctl.wait(Pending("x"))):
+        with pytest.raises(HorovodInternalError, match="out of step .* every later operation on it is refused") as info:
+            later()
+        assert "\n" not in str(info.value)
+    assert len(ctl.sent) == 1  # nothing more was sent
