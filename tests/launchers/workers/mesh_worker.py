@@ -51,6 +51,22 @@ STEPS = 2  # gradient_accumulation_steps
 MAX_NORM = 0.3
 """Below every step's gradient norm in the reference (checked), so every step's clipping scales."""
 LR = 0.02
+DTYPE = torch.float64
+"""Every layout trains and is compared in float64, so the bounds below follow from the arithmetic, not from one CPU's
+kernels: the mesh sums each gradient in another order than one process, each sum of n <= 16 terms (widths,
+micro-batch rows, ranks) moving by at most n * 2**-53 ~ 2e-15 of its terms' magnitudes (O(1) here). AdamW
+divides by sqrt(v) + eps >= eps = 1e-8, so a gradient error dg moves a step of lr by at most lr * dg / eps; with
+dg ~ 1e-16 that is ~1e-10 at lr 0.02 (and ~lr * dg / |g| ~ 1e-17 where |g| is not tiny). In float32 the same
+argument gives lr * 1e-9 / eps ~ 1e-3 at worst, and the tiny Llama moved by 3.0e-6 against its former bound
+1e-5 (the tp layout's clipping norms by 1.9e-6 against 1e-5), measured on an Intel Xeon 2026-11-28."""
+PARAM_TOL = 1e-9
+"""Parameters after 3 clipped AdamW steps (lr 0.02): <= ~3 steps x 1e-10 at worst (above), measured <= 3.5e-16
+(2026-11-28); a gradient averaged over the wrong ranks or a step on the local shard's norm moves a weight by ~lr
+(2e7 times more)."""
+NORM_TOL = 1e-11
+"""The clipping norms (0.6 .. 14): a float64 sum of squares of ~700 gradients and a square root, ~700 * 2**-53 ~
+8e-14 relative, ~1.1e-12 at most; measured <= 1.8e-15. Clipping by one mesh's norm only gives another norm by
+O(0.1)."""
 
 
 class _Block(torch.nn.Module):
@@ -82,8 +98,8 @@ class MeshNet(torch.nn.Module):
 
 def data(n):
     g = torch.Generator().manual_seed(99)
-    x = torch.randn(n, 6, generator=g)
-    y = torch.randn(n, 1, generator=g)
+    x = torch.randn(n, 6, generator=g, dtype=DTYPE)
+    y = torch.randn(n, 1, generator=g, dtype=DTYPE)
     return x, y, torch.arange(n)
 
 
@@ -96,7 +112,7 @@ def windows(n, global_batch):
 
 def reference(x, y, steps_of):
     """One plain process: each step's mean squared error over its samples, clipped to MAX_NORM, AdamW."""
-    model = MeshNet()
+    model = MeshNet().to(DTYPE)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     norms = []
     for idx in steps_of:
@@ -144,7 +160,7 @@ def run_layout(name, keywords, expect):
 
     n = 5 * PER_RANK * dp - 1  # 2 full steps, then one ragged micro-batch split unevenly over the dp ranks
     x, y, ids = data(n)
-    model = MeshNet()
+    model = MeshNet().to(DTYPE)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y, ids), batch_size=PER_RANK)
     model, opt, loader = ud.prepare(model, opt, loader)
@@ -177,11 +193,11 @@ def run_layout(name, keywords, expect):
     def training():
         assert min(ref_norms) > MAX_NORM, ref_norms
         assert len(norms) == len(ref_norms), (len(norms), len(ref_norms))
-        close(torch.stack(norms), ref_norms, atol=1e-5)
+        close(torch.stack(norms), ref_norms, atol=NORM_TOL)
         for (pname, p), q in zip(ud.unwrap(model).named_parameters(), ref.parameters()):
             got = full(p.detach()).cpu()
             err = (got - q.detach()).abs().max().item()
-            assert err <= 5e-6, f"{pname}: max error {err:.2e}"
+            assert err <= PARAM_TOL, f"{pname}: max error {err:.2e}"
     attempt("adamw_with_accumulation_ragged_batch_and_clipping_equals_one_process", training)
 
     def quiet():
@@ -245,7 +261,7 @@ def run_layout(name, keywords, expect):
         state = torch.load(path, weights_only=True)["model"]
         for key, value in ref.state_dict().items():
             err = (state[key] - value).abs().max().item()
-            assert err <= 5e-6, f"{key}: {err:.2e}"
+            assert err <= PARAM_TOL, f"{key}: {err:.2e}"
     attempt("save_gathers_the_full_state_from_the_mesh", full_checkpoint)
     results["config"] = {"sharding": sharding.mode, "cpu_offload": sharding.cpu_offload,
                          "activation_checkpointing": sharding.activation_checkpointing,
@@ -255,6 +271,12 @@ def run_layout(name, keywords, expect):
 
 
 LLAMA_VOCAB, LLAMA_LR, LLAMA_STEPS = 96, 1e-3, 3
+LLAMA_TOL = 1e-10
+"""Float64 (DTYPE): sums of <= 128 terms (widths, vocabulary, 64 tokens) round by 128 * 2**-53 ~ 1.4e-14 of their
+magnitudes, so gradients (<= 1e-2) differ by ~1e-16, and 3 AdamW steps at lr 1e-3 by <= 3 * lr * 1e-16 / eps ~
+3e-11 at worst; measured 1.4e-15 for this model under plain TP (tests/unit/parallel/test_tensor_parallel.py).
+transformers computes the loss in float32 from the logits; both runs round the same float64 logits, which agree
+to ~1e-16, to float32. A wrong gradient (a rank's batch lost, no reduction over dp) moves weights by ~lr."""
 
 
 def tiny_llama():
@@ -270,16 +292,16 @@ def tiny_llama():
 
 def run_llama(expect):
     """FSDP x TP 2x2 with tp_plan="auto" through ud.prepare on a tiny Llama: AdamW steps on one batch
-    of token ids per data-parallel rank equal one plain process on the concatenated batches.
-    Tolerance 1e-5 at lr 1e-3: AdamW moves each weight by ~lr per step whatever the gradient's size,
-    so float32 rounding of the split sums (~1e-7 relative) shows as ~1e-6; a wrong gradient as ~lr."""
+    of token ids per data-parallel rank equal one plain process on the concatenated batches, in float64.
+    Tolerance LLAMA_TOL: AdamW moves each weight by ~lr = 1e-3 per step whatever the gradient's size, so a
+    wrong gradient shows as ~lr; rounding of the split sums as at most ~lr * dg / eps (DTYPE's note)."""
     results = {}
     R, S, T = expect
     ud.init(sharding="fsdp", tp=T, dp_replicate=R, tp_plan="auto")
     dp, dp_rank = R * S, ud.rank() // T
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, LLAMA_VOCAB, (LLAMA_STEPS, 2 * dp, 16), generator=g)
-    model = tiny_llama()
+    model = tiny_llama().to(DTYPE)
     opt = torch.optim.AdamW(model.parameters(), lr=LLAMA_LR, weight_decay=0.1)
     model, opt = ud.prepare(model, opt)
     for step in range(LLAMA_STEPS):
@@ -288,7 +310,7 @@ def run_llama(expect):
         ud.backward(loss)
         opt.step()
         opt.zero_grad()
-    plain = tiny_llama()
+    plain = tiny_llama().to(DTYPE)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=LLAMA_LR, weight_decay=0.1)
     for step in range(LLAMA_STEPS):
         plain(input_ids=ids[step], labels=ids[step]).loss.backward()
@@ -300,7 +322,7 @@ def run_llama(expect):
         assert [type(pl).__name__ for pl in q.placements] == ["_StridedShard", "Shard"], q.placements
         worst = max(((full(p.detach()).cpu() - r.detach()).abs().max().item(), name)
                     for (name, p), r in zip(inner.named_parameters(), plain.parameters()))
-        assert worst[0] <= 1e-5, worst
+        assert worst[0] <= LLAMA_TOL, worst
         results["tp_plan_auto_on_a_tiny_llama_equals_one_process"] = "ok"
     except Exception as exc:  # noqa: BLE001
         results["tp_plan_auto_on_a_tiny_llama_equals_one_process"] = f"FAIL: {type(exc).__name__}: {exc}"
