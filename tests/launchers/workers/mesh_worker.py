@@ -58,7 +58,7 @@ micro-batch rows, ranks) moving by at most n * 2**-53 ~ 2e-15 of its terms' magn
 divides by sqrt(v) + eps >= eps = 1e-8, so a gradient error dg moves a step of lr by at most lr * dg / eps; with
 dg ~ 1e-16 that is ~1e-10 at lr 0.02 (and ~lr * dg / |g| ~ 1e-17 where |g| is not tiny). In float32 the same
 argument gives lr * 1e-9 / eps ~ 1e-3 at worst, and the tiny Llama moved by 3.0e-6 against its former bound
-1e-5 (the tp layout's clipping norms by 1.9e-6 against 1e-5), measured on an Intel Xeon 2026-11-28."""
+1e-5 (the tp layout's clipping norms by 1.9e-6 against 1e-5), measured on an AMD EPYC 2026-11-28."""
 PARAM_TOL = 1e-9
 """Parameters after 3 clipped AdamW steps (lr 0.02): <= ~3 steps x 1e-10 at worst (above), measured <= 3.5e-16
 (2026-11-28); a gradient averaged over the wrong ranks or a step on the local shard's norm moves a weight by ~lr

@@ -38,7 +38,7 @@ LR = 1e-3
 DTYPE = torch.float64
 """Both copies train in float64: the sharded copy sums its split matmuls in another order than the plain one,
 and AdamW turns a rounding difference in a gradient near 0 into a visible one (in float32 the llama case moved
-a weight by 5.4e-6 of a 1e-3 step, measured on an Intel Xeon 2026-11-28; 3.7e-6 on another CPU): float64
+a weight by 5.4e-6 of a 1e-3 step, measured on an AMD EPYC 2026-11-28; 3.7e-6 on another CPU): float64
 makes that rounding 2**-29 times smaller, so the test's bounds no longer depend on the CPU's kernels
 (tests/unit/parallel/test_tensor_parallel.py). Gloo and DTensor run float64 as they run float32."""
 BATCH, SEQ, VOCAB = 4, 8, 128

@@ -147,7 +147,7 @@ sqrt(v) + eps >= eps = 1e-8, so a gradient error dg moves a step of lr = 1e-3 by
 (and by ~lr * dg / |g| ~ 1e-16 where |g| is not tiny): over 3 steps <= ~3e-11; measured 1.4e-15 (2026-11-28).
 1e-10 covers that worst case 3x, while a wrong shard or a missing reduction moves a parameter by ~lr = 1e-3
 (10**7 times more). Float32 gradients differ by ~1e-10, which the same argument turns into ~lr * 1e-10 / eps
-~ 1e-5: 5.4e-6 was measured on an Intel Xeon (3.7e-6 on another CPU) against the former bound 1e-5, hence
+~ 1e-5: 5.4e-6 was measured on an AMD EPYC (3.7e-6 on another CPU) against the former bound 1e-5, hence
 float64. (transformers computes Llama's loss in float32 from the float64 logits; the two copies' logits, equal
 to ~1e-16, round to the same float32 values unless one straddles a float32 rounding boundary: a chance of
 ~1e-16 / 6e-8 per logit, never seen.)"""
