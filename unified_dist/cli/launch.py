@@ -311,9 +311,11 @@ def with_accelerate_api(command: Command, plan: Plan) -> Command:
 def add_arguments(parser, backend_required: bool = True) -> None:
     """The ``launch`` subcommand's options (``unified-dist plan`` takes the same; there ``--backend``
     may be left out)."""
-    parser.add_argument("--backend", required=backend_required, choices=BACKENDS,
+    # required by launch itself (main), not argparse: --replica-groups implies torch, its only backend
+    parser.add_argument("--backend", choices=BACKENDS,
                         help="the backend, started by its launcher: "
-                        + ", ".join(f"{name} ({LAUNCHER_OF[name]})" for name in BACKENDS))
+                        + ", ".join(f"{name} ({LAUNCHER_OF[name]})" for name in BACKENDS)
+                        + (" (required, except with --replica-groups: torch)" if backend_required else ""))
     parser.add_argument("--nproc", type=int, default=1, metavar="N", help="processes per node (default 1)")
     parser.add_argument("--nnodes", type=int, default=1, metavar="M", help="number of nodes (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's rank (torch, accelerate)")
@@ -338,11 +340,14 @@ def add_arguments(parser, backend_required: bool = True) -> None:
                           "launcher (docs/accelerate-migration.md)")
     replica = parser.add_argument_group("replica groups (docs/fault-tolerance.md)")
     replica.add_argument("--replica-groups", type=int, metavar="N",
-                         help="N replica groups of --nproc processes on this host (--backend torch) with torchft's "
+                         help="N replica groups of --nproc processes on this host (torch, implied) with torchft's "
                               "lighthouse: a group that fails is started again and heals from a live one while the "
                               "others train on")
     replica.add_argument("--max-group-restarts", type=int, default=3, metavar="M",
                          help="starts of a failed replica group after its first, per group (default 3)")
+    replica.add_argument("--replica-log-dir", metavar="DIR",
+                         help="where --replica-groups writes the lighthouse's log and each group's exit records "
+                              "(default: a new folder in the temporary directory, named when the job starts)")
     parser.add_argument("--dry-run", action="store_true", help="print the command on stdout; do not run it")
     parser.add_argument("script", help="the training script")
     parser.add_argument("script_args", nargs="...", help="arguments for the script")
@@ -366,7 +371,7 @@ def _add_setting_flag(parser, setting: settings.Setting) -> None:
 
 def main(args) -> int:
     """Build, check and print the command; run it unless ``--dry-run``."""
-    plan = Plan(backend=args.backend, script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
+    plan = Plan(backend=_backend(args), script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
                 nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                 master_port=args.master_port, hosts=args.hosts, network_interface=args.network_interface,
                 settings={name: getattr(args, name) for name in settings.FLAGS if getattr(args, name) is not None})
@@ -390,20 +395,36 @@ def main(args) -> int:
     run(command)
 
 
+def _backend(args) -> str:
+    """``--backend``; with ``--replica-groups`` torch, the only backend they run (another is refused)."""
+    groups = getattr(args, "replica_groups", None)
+    if groups is not None and args.backend in (None, "torch"):
+        return "torch"
+    if groups is not None:
+        raise UsageError(f"--replica-groups runs the torch backend's groups (torchft cannot make {args.backend} "
+                         f"fault tolerant): leave out --backend {args.backend}")
+    if args.backend is None:
+        raise UsageError(f"--backend is required: one of {', '.join(BACKENDS)}")
+    return args.backend
+
+
 def _run_replica_groups(args, plan: Plan, command: Command, groups: int) -> int:
     from . import replicas
 
-    if plan.backend != "torch" or args.accelerate_api or args.horovod_api:
+    if args.accelerate_api or args.horovod_api:
         raise UsageError("--replica-groups runs the torch backend's groups (torchft cannot make Accelerate or "
-                         "Horovod fault tolerant): use --backend torch without --accelerate-api/--horovod-api")
+                         "Horovod fault tolerant): leave out --accelerate-api/--horovod-api")
     if groups < 1 or plan.nnodes != 1:
         raise UsageError(f"--replica-groups {groups} --nnodes {plan.nnodes}: one host, at least 1 group; on several "
                          "hosts start one group per command against one lighthouse (docs/fault-tolerance.md)")
     if args.max_group_restarts < 0:
         raise UsageError(f"--max-group-restarts must be at least 0, got {args.max_group_restarts}")
+    import torch
+
+    gpus = torch.cuda.device_count()
+    replicas.check_gpus(groups, plan.nproc, gpus)  # groups that would share GPUs: refused, also in a dry run
     if args.dry_run:
         print(replicas.describe(command, groups))
         return 0
-    import torch
-
-    return replicas.run(command, groups, args.max_group_restarts, plan.nproc, torch.cuda.device_count())
+    return replicas.run(replicas.with_runner(command, plan), groups, args.max_group_restarts, plan.nproc, gpus,
+                        args.replica_log_dir)

@@ -1,0 +1,228 @@
+"""Issue #58, the launcher's side: ``unified-dist launch --replica-groups`` supervises what it starts.
+
+Each decision is tested here on small stand-ins (groups that are ``python -c`` one-liners, the real lighthouse
+process, which starts in a fraction of a second); tests/launchers/test_replica_groups_supervision.py runs them
+under the real launcher with torchft groups.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from unified_dist.cli import replica_child, replicas
+from unified_dist.cli.errors import UsageError
+from unified_dist.cli.launch import Command
+
+pytestmark = pytest.mark.distributed  # stand-in groups and the lighthouse: several processes at once
+
+def group(index: int, code: str, tmp_path: Path, nproc: int = 1) -> replicas.Group:
+    """A stand-in group: ``python -c code`` with the variables and the status folder the launcher gives."""
+    command = Command((sys.executable, "-c", code))
+    return replicas.Group(index, command, replicas.group_env(command, index, 2, "http://x"), nproc=nproc,
+                          status_root=tmp_path / "status")
+
+
+RECORDS = ("import json, os, pathlib, sys, time\n"
+           "folder = pathlib.Path(os.environ['REPLICA_GROUP_STATUS_DIR'])\n"
+           "def leave(code, usage=False):\n"
+           "    (folder / 'rank0.json').write_text(json.dumps({'code': code, 'usage': usage})); sys.exit(1)\n")
+"""What each stand-in group starts with: ``leave(code)`` records ``code`` and exits 1, as torchrun would."""
+
+
+def watch(members, max_restarts=3, lighthouse=None, stopping=None):
+    for member in members:
+        member.start()
+    try:
+        return replicas._watch(members, max_restarts, stopping or {"signal": 0}, lighthouse)
+    finally:
+        for member in members:
+            member.kill()
+
+
+# ---------------------------------------------------------------------- how a group ended
+def test_torchruns_status_1_is_read_through_the_processes_records():
+    agreed = [{"code": 75, "usage": False}, {"code": 75, "usage": False}]
+    assert replicas.ending_of(1, agreed, 2) == replicas.Ending(75)  # a requeue, saved on every process
+    assert replicas.ending_of(1, agreed[:1], 2) == replicas.Ending(1)  # one process never said: a failure
+    assert replicas.ending_of(1, [{"code": 1, "usage": True}], 2) == replicas.Ending(1, usage=True)
+    assert replicas.ending_of(1, [{"code": 2, "usage": False}], 2) == replicas.Ending(2, usage=True)
+    assert replicas.ending_of(-9, [], 1) == replicas.Ending(137)
+    assert replicas.ending_of(0, [{"code": 75, "usage": False}], 1) == replicas.Ending(0)
+
+
+def test_each_process_records_its_exit_status_and_whether_it_was_a_usage_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    cases = {"pass": (None, 0, False), "raise SystemExit(75)": (SystemExit, 75, False),
+             "raise SystemExit(2)": (SystemExit, 2, False), "raise ValueError('x')": (ValueError, 1, False),
+             "from unified_dist.errors import SettingError\nraise SettingError('bad')": (Exception, 1, True),
+             "from unified_dist.errors import PeerLost\nraise PeerLost('gone')": (Exception, 1, False)}
+    for i, (body, (raised, code, usage)) in enumerate(cases.items()):
+        script = tmp_path / f"script{i}.py"
+        script.write_text(body + "\n")
+        folder = tmp_path / f"status{i}"
+        folder.mkdir()
+        environ = {replica_child.STATUS_VAR: str(folder), "RANK": "1"}
+        if raised is None:
+            replica_child.run_script([str(script)], environ)
+        else:
+            with pytest.raises(raised):
+                replica_child.run_script([str(script)], environ)
+        assert json.loads((folder / "rank1.json").read_text()) == {"code": code, "usage": usage}, body
+
+
+# ---------------------------------------------------------------------- item 1b: a late restart after a good end
+def test_a_group_failing_after_another_ended_well_ends_the_job_well(tmp_path, capsys):
+    finished = group(0, "pass", tmp_path)
+    late = group(1, "import time; time.sleep(1.5); raise SystemExit(1)", tmp_path)
+    assert watch([finished, late]) == 0
+    assert late.exit_codes == [1] and late.restarts == 0  # not started again: nothing left to do
+    lines = [line for line in capsys.readouterr().err.splitlines() if "unified-dist launch" in line]
+    assert lines == ["unified-dist launch: replica group 1 exited with 1 after replica group 0 ended well: group 0's "
+                     "final state stands, and the late restart had nothing left to do"]
+
+
+# ---------------------------------------------------------------------- item 4: a usage error is not restarted
+@pytest.mark.parametrize("body", ["leave(2)", "leave(1, usage=True)", "sys.exit(2)"])
+def test_a_usage_error_on_a_first_start_is_not_restarted_and_stops_the_job(tmp_path, capsys, body):
+    steady = group(0, "import time; time.sleep(60)", tmp_path)
+    wrong = group(1, RECORDS + body, tmp_path)
+    started = time.monotonic()
+    expected = 1 if "usage=True" in body else 2
+    assert watch([steady, wrong]) == expected
+    assert time.monotonic() - started < 30 and wrong.exit_codes and wrong.restarts == 0
+    assert f"replica group 1 stopped on a usage error (exit status {expected})" in capsys.readouterr().err
+
+
+def test_a_restarted_groups_failure_before_its_first_step_is_restarted_as_any_failure(tmp_path):
+    marker = tmp_path / "second-start"
+    steady = group(0, "import time; time.sleep(4)", tmp_path)
+    code = RECORDS + (f"p = pathlib.Path({str(marker)!r})\n"
+                      "if os.environ['REPLICA_GROUP_RESTARTS'] == '0': sys.exit(3)\n"
+                      "if not p.exists(): p.touch(); leave(1, usage=True)\n")
+    flaky = group(1, code, tmp_path)
+    assert watch([steady, flaky]) == 0
+    assert flaky.exit_codes == [3, 1, 0]
+
+
+# ---------------------------------------------------------------------- item 3: a stop signal reaches the groups
+STOPPABLE = RECORDS + ("import signal\n"
+                       "signal.signal(signal.SIGTERM, lambda *_: leave(75))\n"
+                       "open(folder.parent.parent / f'ready{os.environ[\"REPLICA_GROUP_ID\"]}', 'w').close()\n"
+                       "time.sleep(60)\n")
+
+
+def test_sigterm_is_passed_to_every_group_and_the_job_exits_with_the_status_they_agreed(tmp_path, capsys):
+    members = [group(i, STOPPABLE, tmp_path) for i in (0, 1)]
+    stopping = {"signal": 0}
+    for member in members:
+        member.start()
+    try:
+        while not all((tmp_path / "status" / f"ready{i}").exists() for i in (0, 1)):
+            time.sleep(0.1)
+        stopping["signal"] = signal.SIGTERM
+        assert replicas._watch(members, 3, stopping) == 75
+    finally:
+        for member in members:
+            member.kill()
+    assert [m.process.returncode for m in members] == [1, 1]  # each ended on its own, within the grace
+    err = capsys.readouterr().err
+    assert "SIGTERM: passing it to replica groups 0, 1, which have 30 s to stop at an agreed step and save" in err
+    assert "every replica group stopped and ended with 75 (saved for a requeue" in err
+
+
+def test_a_group_that_does_not_stop_within_the_grace_is_killed_and_the_job_fails(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(replicas, "STOP_GRACE_S", 1.0)
+    monkeypatch.setattr(replicas, "TORCHRUN_REPORT_S", 0.5)
+    stubborn = RECORDS + ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                          "open(folder.parent.parent / 'ready', 'w').close()\ntime.sleep(60)\n")
+    members = [group(0, stubborn, tmp_path)]
+    members[0].start()
+    try:
+        while not (tmp_path / "status" / "ready").exists():
+            time.sleep(0.1)
+        assert replicas._watch(members, 3, {"signal": signal.SIGTERM}) == 137
+    finally:
+        members[0].kill()
+    assert "replica groups 0 did not stop within the grace: killed" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- item 2: the lighthouse
+def test_the_lighthouse_binds_a_port_it_chose_and_comes_back_on_it_after_a_sigkill(tmp_path, capsys):
+    lighthouse = replicas.Lighthouse(tmp_path / "lighthouse.log")
+    lighthouse.start()
+    try:
+        port, first = lighthouse.port, lighthouse.process.pid
+        assert port > 0
+        with socket.create_connection(("localhost", port), timeout=5):
+            pass
+        steady = group(0, "import time; time.sleep(3)", tmp_path)
+        steady.start()
+        os.kill(first, signal.SIGKILL)
+        assert replicas._watch([steady], 3, {"signal": 0}, lighthouse) == 0
+        assert lighthouse.alive() and lighthouse.port == port and lighthouse.process.pid != first
+        with socket.create_connection(("localhost", port), timeout=5):
+            pass
+    finally:
+        lighthouse.kill()
+    log = (tmp_path / "lighthouse.log").read_text()
+    assert log.count(f"{replica_child.READY}{port}") == 2
+    assert f"the torchft lighthouse (pid {first}) exited with 137; starting it again at http://localhost:{port}" in \
+        capsys.readouterr().err
+
+
+def test_a_lighthouse_that_cannot_come_back_stops_the_job_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(replicas, "LIGHTHOUSE_START_S", 2.0)
+    lighthouse = replicas.Lighthouse(tmp_path / "lighthouse.log")
+    lighthouse.start()
+    squatter = socket.socket(socket.AF_INET6)
+    try:
+        os.kill(lighthouse.process.pid, signal.SIGKILL)
+        lighthouse.process.wait()
+        squatter.bind(("::", lighthouse.port))  # another program takes the port meanwhile
+        squatter.listen()
+        steady = group(0, "import time; time.sleep(30)", tmp_path)
+        steady.start()
+        try:
+            assert replicas._watch([steady], 3, {"signal": 0}, lighthouse) == 1
+        finally:
+            steady.kill()
+    finally:
+        squatter.close()
+        lighthouse.kill()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "could not be started again" in line]
+    assert len(lines) == 1 and "Address already in use" in lines[0] and "stopping the job" in lines[0]
+
+
+# ---------------------------------------------------------------------- 5c, 5d
+def test_replica_groups_imply_the_torch_backend_and_refuse_another(cli_in_process, tmp_path):
+    (tmp_path / "train.py").write_text("")
+    implied = cli_in_process("launch", "--dry-run", "--replica-groups", "2", "train.py", cwd=tmp_path)
+    assert implied.returncode == 0, implied.stderr
+    assert "torchrun --standalone --nproc_per_node 1 train.py" in implied.stdout.splitlines()[1]
+    other = cli_in_process("launch", "--dry-run", "--backend", "horovod", "--replica-groups", "2", "train.py",
+                           cwd=tmp_path)
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1
+    assert "leave out --backend horovod" in other.stderr
+    missing = cli_in_process("launch", "--dry-run", "train.py", cwd=tmp_path)
+    assert missing.returncode == 2 and "--backend is required" in missing.stderr
+
+
+def test_groups_that_would_share_gpus_are_refused():
+    assert replicas.check_gpus(2, 2, 0, {}) is None  # no GPU: nothing to share
+    assert replicas.check_gpus(2, 2, 4, {}) == ["0", "1", "2", "3"]
+    assert replicas.check_gpus(2, 1, 8, {"CUDA_VISIBLE_DEVICES": "3,5"}) == ["3", "5"]
+    with pytest.raises(UsageError, match="needs 4 GPUs, one per process, and this host shows 3") as caught:
+        replicas.check_gpus(2, 2, 3, {})
+    assert "\n" not in str(caught.value)
+    with pytest.raises(UsageError, match=r"shows 1 \(CUDA_VISIBLE_DEVICES=6\)"):
+        replicas.check_gpus(2, 1, 1, {"CUDA_VISIBLE_DEVICES": "6"})
+    with pytest.raises(UsageError, match="needs 2 GPUs"):  # listed, but CUDA shows only the first
+        replicas.check_gpus(2, 1, 1, {"CUDA_VISIBLE_DEVICES": "0,7"})
