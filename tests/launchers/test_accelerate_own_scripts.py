@@ -1,6 +1,7 @@
 """Accelerate's own test scripts, as installed (``accelerate/test_utils/scripts``), with no line changed,
 through ``python -m unified_dist.accelerate`` under launchers Accelerate does not read (issue #41: "the
-assertions of Accelerate's test_ops.py and test_sync.py pass under every launcher").
+assertions of Accelerate's test_ops.py and test_sync.py pass under every launcher"; issue #58, item 10: all four,
+``test_distributed_data_loop.py`` included, one launch per launcher).
 
 - ``test_ops.py`` (gather, gather_object, broadcast, pad_across_processes, reduce...) is built on
   ``PartialState()``, which on a machine without CUDA runs every process alone (``DistributedType.NO``)
@@ -9,56 +10,70 @@ assertions of Accelerate's test_ops.py and test_sync.py pass under every launche
 - ``test_sync.py`` (``no_sync``, ``accumulate``, with an optimizer and a scheduler) and ``test_script.py``
   (the script ``accelerate test`` runs: process execution, splitting, the data loaders, RNG
   synchronisation, training parity, breakpoints) are built on ``Accelerator()``.
+- ``test_distributed_data_loop.py`` (even and uneven batches, ``join_uneven_inputs`` with a DDP model and 2 vs 1
+  batches, pickling, the data loaders, stateful loaders resumed): Accelerate's ``join_uneven_inputs`` does
+  nothing on ``MULTI_CPU`` ("only supported for multi-GPU training"), so the rank with fewer batches leaves
+  while the other waits in its gradient all-reduce: a hang. ``unified_dist.accelerate.Accelerator`` joins there.
 
-Each script asserts its own expectations (a failed one exits non-zero); here each launch must exit 0,
-the main process must report a world of 2 over gloo, and no process may report a world of 1. One launch
-per (launcher, script); torchrun and ``accelerate launch`` join ``Accelerator()`` already, so torchrun
-runs ``test_ops.py`` only (the ``PartialState`` case). ``test_distributed_data_loop.py`` is left out: its
-uneven-inputs test deadlocks on CPU (Accelerate: "Joining uneven inputs is only supported for multi-GPU
-training"), and it asserts two GPUs.
+One launch per launcher runs the four scripts in turn (tests/launchers/workers/accelerate_own_scripts.py: each
+script's ``main()`` in a state a fresh process would have). Each script asserts its own expectations; here every
+process must report every test the script's ``main()`` calls over a world of 2, in the order below (read from
+the scripts of Accelerate 1.15: the tests ``main()`` runs on ``MULTI_CPU`` with 2 processes), and no process may
+report a world of 1.
 """
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
-from unified_dist.testing.launchers import launch
+from unified_dist.testing.launchers import ROOT, child_env, command, launch, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-TIMEOUT = 180
-LAUNCHES = [("horovodrun", "test_ops"), ("horovodrun", "test_sync"), ("horovodrun", "test_script"),
-            ("srun", "test_ops"), ("srun", "test_sync"), ("mpirun", "test_ops"), ("mpirun", "test_sync"),
-            ("torchrun", "test_ops")]
+TIMEOUT = 600
+LAUNCHERS = ["torchrun", "horovodrun", "mpirun", "srun"]
 FIXTURE = {"srun": "slurm_cluster", "mpirun": "mpirun_available"}
-# what each script prints on its main process once its checks ran (a script stopping early prints fewer)
-DONE = {"test_ops": "testing sending tensors across devices",
-        "test_sync": "**Test `accumulate` gradient accumulation with optimizer and scheduler",
-        "test_script": "**Test reinstantiated state**"}
-# the line that shows the world: test_sync prints it only in a multi-process world
-WORLD = {"test_ops": "Num processes: 2", "test_script": "Num processes: 2",
-         "test_sync": "**Test Distributed `no_sync` context manager**"}
+WORKER = ROOT / "tests" / "launchers" / "workers" / "accelerate_own_scripts.py"
+# the tests each script's main() calls on MULTI_CPU with 2 processes, in order (a GPU-only or
+# single-process branch of main() would call others: test_sync's test_noop_sync, test_gradient_accumulation)
+TESTS = {
+    "test_ops": ["test_gather", "test_gather_object", "test_gather_non_contiguous", "test_broadcast",
+                 "test_pad_across_processes", "test_reduce_sum", "test_reduce_mean", "test_reduce_max",
+                 "test_op_checker", "test_copy_tensor_to_devices"],
+    "test_sync": ["test_dataloader_break", "test_distributed_sync", "test_distributed_sync_multiple_fwd",
+                  "test_gradient_accumulation_with_opt_and_scheduler"],
+    "test_script": ["init_state_check", "process_execution_check", "test_split_between_processes_list",
+                    "test_split_between_processes_nested_dict", "test_split_between_processes_tensor",
+                    "test_split_between_processes_evenly", "test_split_between_processes_dataset",
+                    "rng_sync_check", "dl_preparation_check", "central_dl_preparation_check",
+                    "custom_sampler_check", "check_seedable_sampler", "check_seedable_sampler_with_data_seed",
+                    "check_seedable_sampler_in_batch_sampler_shard", "training_check", "training_check",
+                    "test_trigger", "test_reinstantiated_state"],
+    "test_distributed_data_loop": [
+        "test_default_ensures_even_batch_sizes", "test_can_disable_even_batches", "test_can_join_uneven_inputs",
+        "test_join_can_override_even_batches", "test_join_can_override_for_mixed_type_dataloaders",
+        "test_join_raises_warning_for_iterable_when_overriding_even_batches",
+        "test_join_raises_warning_for_non_ddp_distributed", "test_pickle_accelerator", "test_data_loader",
+        "test_data_loader", "test_data_loader", "test_data_loader", "test_stateful_dataloader",
+        "test_stateful_dataloader_save_state"],
+}
 
 
-def script_path(name: str) -> str:
-    import accelerate
-
-    return str(Path(accelerate.__file__).parent / "test_utils" / "scripts" / f"{name}.py")
-
-
-@pytest.mark.parametrize("launcher,script", LAUNCHES, ids=[f"{a}-{b}" for a, b in LAUNCHES])
-def test_accelerates_own_script_passes_over_the_launchers_world(launcher, script, request):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_accelerates_own_scripts_pass_whole_in_one_launch(launcher, request, tmp_path):
     env = request.getfixturevalue(FIXTURE[launcher]) if launcher in FIXTURE else None
-    result = launch(launcher, "-m", ["unified_dist.accelerate", script_path(script)], nproc=2,
-                    timeout=TIMEOUT, env=env if isinstance(env, dict) else None)
-    result.check()
+    cmd = command(launcher, "-m", ["unified_dist.accelerate", str(WORKER), str(tmp_path), *TESTS], nproc=2)
+    result = run(cmd, TIMEOUT, child_env(env if isinstance(env, dict) else None))
     out = result.output
-    assert DONE[script] in out, out[-3000:]
-    assert WORLD[script] in out, out[-3000:]
+    reports = re.findall(r"^own-scripts (\S+) (rank \S+ (?:of \d+|alone)): (.{0,40})", out, re.MULTILINE)
+    print(f"{launcher}: " + "; ".join(f"{name} {rank}: {what}" for name, rank, what in reports))  # the counts
+    result.check()
+    for name, expected in TESTS.items():
+        for rank in ("0", "1"):
+            line = rf"own-scripts {name} rank {rank} of 2: {len(expected)} passed \([0-9.]+ s\): {' '.join(expected)}$"
+            assert re.search(line, out, re.MULTILINE), f"{launcher}: {name} on rank {rank}\n{out[-4000:]}"
+    assert "DistributedType.MULTI_CPU  Backend: gloo" in out, out[-3000:]
     assert not re.search(r"Num processes: 1\b|DistributedType\.NO\b", out), out[-3000:]
-    if script != "test_sync":
-        assert "DistributedType.MULTI_CPU  Backend: gloo" in out, out[-3000:]
 
 
 def test_accelerates_own_partial_state_under_mpirun_joins_the_launchers_world(mpirun_available, tmp_path):

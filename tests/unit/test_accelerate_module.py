@@ -84,6 +84,44 @@ def test_one_plain_process_is_accelerates_world_of_one(fresh_accelerate):
     assert (accelerator.num_processes, accelerator.distributed_type) == (1, accelerate.DistributedType.NO)
 
 
+def test_join_uneven_inputs_enters_torchs_join_over_cpu_processes_as_over_gpus(fresh_accelerate, monkeypatch):
+    """Issue #58, item 10: Accelerate's ``join_uneven_inputs`` does nothing on ``MULTI_CPU`` but warn; unified_dist's
+    enters torch's ``Join`` there, with Accelerate's arguments (``enable`` when batches are uneven), and leaves
+    ``multi_device`` Accelerate's answer outside that moment. ``Join`` is recorded here; the real one over gloo:
+    tests/launchers/test_accelerate_own_scripts.py (``test_can_join_uneven_inputs``, 2 batches against 1)."""
+    import accelerate
+    import accelerate.accelerator
+    import torch
+
+    from unified_dist.accelerate import Accelerator
+
+    entered = []
+
+    class RecordedJoin:
+        def __init__(self, joinables, enable, throw_on_early_termination):
+            entered.append((joinables, enable, throw_on_early_termination))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(accelerate.accelerator, "Join", RecordedJoin)
+    accelerator = Accelerator()
+    model = torch.nn.Linear(1, 1)
+    with accelerator.join_uneven_inputs([model]):  # one process (DistributedType.NO): Accelerate's nothing
+        pass
+    assert entered == []
+    accelerator.state.distributed_type = accelerate.DistributedType.MULTI_CPU  # as the launch gives
+    with accelerator.join_uneven_inputs([model], even_batches=False):
+        assert accelerator.multi_device is False
+    with accelerator.join_uneven_inputs([model], even_batches=True):
+        pass
+    assert entered == [([model], True, False), ([model], False, False)]
+    assert accelerator.multi_device is False
+
+
 def test_a_state_made_alone_before_the_accelerator_is_refused(fresh_accelerate, monkeypatch):
     from accelerate.state import PartialState
 

@@ -14,6 +14,7 @@ this class).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import inspect
 import weakref
@@ -42,8 +43,12 @@ class Accelerator(accelerate.Accelerator):
     - under horovodrun, srun and mpirun the processes form one torch group (Accelerate: alone, or
       ``MASTER_ADDR expected``);
     - ``log_with`` trackers are :mod:`unified_dist.trackers`' (``get_tracker(name)`` gives an object with
-      ``.name`` and ``.tracker``, the library's own run object).
+      ``.name`` and ``.tracker``, the library's own run object);
+    - :meth:`join_uneven_inputs` joins over CPU processes too (Accelerate: GPUs only).
     """
+
+    _ud_joining_on_cpu = False
+    """True only while :meth:`join_uneven_inputs` enters Accelerate's, over several CPU processes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         bound = _PARAMETERS.bind(self, *args, **kwargs)
@@ -58,6 +63,30 @@ class Accelerator(accelerate.Accelerator):
         super().__init__(**given)
         leave_at_exit()
         _LIVE.add(self)
+
+    @property
+    def multi_device(self) -> bool:
+        """Accelerate's answer (several GPUs, NPUs...), and ``True`` while :meth:`join_uneven_inputs` enters
+        over several CPU processes."""
+        return super().multi_device or self._ud_joining_on_cpu
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: Any, even_batches: Optional[bool] = None) -> Any:
+        """Accelerate's ``join_uneven_inputs`` on every device: torch's ``Join`` over ``joinables`` (the prepared
+        DDP models), the prepared map-style loaders' ``even_batches`` set to ``even_batches`` meanwhile; with
+        uneven batches, a process that runs out shadows the others' gradient all-reduces until all are done.
+
+        Accelerate's own does nothing over several CPU processes (``MULTI_CPU``) but warn "only supported for
+        multi-GPU training": a process with fewer batches then leaves its loop while the others wait in their
+        next gradient all-reduce until the group's timeout. torch's ``Join`` runs over gloo, so here Accelerate's
+        code runs as on GPUs (it asks :attr:`multi_device` on entering, to choose ``Join`` or nothing)."""
+        with contextlib.ExitStack() as joined:
+            self._ud_joining_on_cpu = self.distributed_type == accelerate.DistributedType.MULTI_CPU
+            try:
+                joined.enter_context(super().join_uneven_inputs(joinables, even_batches=even_batches))
+            finally:
+                self._ud_joining_on_cpu = False
+            yield
 
     # ------------------------------------------------------------------ trackers (unified_dist.trackers)
     def init_trackers(self, project_name: str, config: Optional[dict] = None,
