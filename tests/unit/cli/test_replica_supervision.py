@@ -226,3 +226,10 @@ def test_groups_that_would_share_gpus_are_refused():
         replicas.check_gpus(2, 1, 1, {"CUDA_VISIBLE_DEVICES": "6"})
     with pytest.raises(UsageError, match="needs 2 GPUs"):  # listed, but CUDA shows only the first
         replicas.check_gpus(2, 1, 1, {"CUDA_VISIBLE_DEVICES": "0,7"})
+
+
+def test_groups_ask_the_lighthouse_again_for_a_quorum_its_death_broke():
+    command = Command(("torchrun", "train.py"))
+    assert replicas.group_env(command, 0, 2, "http://x", {})["TORCHFT_QUORUM_RETRIES"] == "10"
+    assert replicas.group_env(command, 0, 2, "http://x", {"TORCHFT_QUORUM_RETRIES": "3"})["TORCHFT_QUORUM_RETRIES"] \
+        == "3"  # the user's own choice stands
