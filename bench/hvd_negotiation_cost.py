@@ -8,8 +8,13 @@ one tick that lets a joined rank answer the gradient reductions (issue 58) costs
 
     OMP_NUM_THREADS=1 PYTHONPATH=<checkout> torchrun --nproc_per_node 2 bench/hvd_negotiation_cost.py <label>
 
-Not a results file of its own: the closing notes of issues 50 and 58 give such comparisons (alternating
-pairs); bench/results/hvd_step_tick_i58.json holds issue 58's.
+Within one run it also pairs blocks of 50 steps with and without the step's tick (``step_without_tick``:
+``gradient_step`` patched out, which is what a step cost before issue 58), alternating, so both halves
+see the same load: ``step_tick_ratio`` is the median over 10 pairs of (with / without). On a machine
+shared by other work this paired ratio is the number to read; the absolute timings move with the load.
+
+Not a results file of its own: the closing notes of issues 50 and 58 give such comparisons;
+bench/results/hvd_step_tick_i58.json holds issue 58's.
 """
 from __future__ import annotations
 
@@ -48,6 +53,21 @@ def main() -> None:
                 fn(i)
             timings.append((time.perf_counter() - start) / 300 * 1e6)
         best[what] = round(sorted(timings)[2], 1)
+    from unified_dist.horovod import _ops
+
+    if hasattr(_ops, "gradient_step"):  # the code since issue 58: pair steps with and without its tick
+        ticking, ratios = _ops.gradient_step, []
+        for pair in range(10):
+            timed = {}
+            for with_tick in ((True, False) if pair % 2 == 0 else (False, True)):  # each first in half the pairs
+                _ops.gradient_step = ticking if with_tick else (lambda *args: None)
+                begin = time.perf_counter()
+                for i in range(50):
+                    step(i)
+                timed[with_tick] = (time.perf_counter() - begin) / 50 * 1e6
+            ratios.append(timed[True] / timed[False])
+        _ops.gradient_step = ticking
+        best["step_tick_ratio"] = round(sorted(ratios)[len(ratios) // 2], 3)
     if hvd.rank() == 0:
         print(sys.argv[1] if len(sys.argv) > 1 else "run", "median of 5 x 300 calls, us per call:", best, flush=True)
     hvd.shutdown()

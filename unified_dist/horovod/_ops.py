@@ -438,7 +438,7 @@ def gradient_allreduce_async_(tensor: torch.Tensor, op: int, prescale_factor: fl
                        process_set), None
     alone = not _communicates(process_set)
     work, finish = _reduce(tensor, op, prescale_factor, postscale_factor, size, _ALONE if alone else group)
-    return _handle([work], finish), (_neg.CODES[_reduce_wire_dtype(tensor.dtype)],) + tuple(tensor.shape)
+    return _handle([work], finish), (_neg.CODES.get(_reduce_wire_dtype(tensor.dtype), -2),) + tuple(tensor.shape)
 
 
 def gradient_step(specs: Sequence[Tuple[int, ...]], op: int, process_set: ProcessSet) -> None:

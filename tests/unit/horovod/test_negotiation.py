@@ -220,3 +220,24 @@ def test_a_transfer_that_fails_on_this_member_refuses_every_later_operation_in_o
             later()
         assert "\n" not in str(info.value)
     assert len(ctl.sent) == 1  # nothing more was sent
+
+
+def test_a_step_row_carries_its_gradients_count_and_a_signature_of_their_shapes(monkeypatch):
+    """What gradient_step (unified_dist/horovod/_ops.py) ticks with: the rows of two steps compare equal
+    only when they reduce the same number of gradients of the same dtypes and shapes."""
+    from unified_dist.horovod import _ops
+
+    ticked = []
+
+    class Ticks:
+        def run_unnamed(self, part):
+            ticked.append(neg.make_row(part.kind, part.extra, part.tensor, part.left, count=part.count,
+                                       sign=part.sign))
+    monkeypatch.setattr(_ops, "_communicates", lambda ps: True)
+    monkeypatch.setattr(_ops, "_controller", lambda ps: Ticks())
+    for specs in ([(8, 3, 4), (8, 4)], [(8, 3, 4), (8, 4)], [(8, 4, 3), (8, 4)], [(8, 3, 4)], [(9, 3, 4), (8, 4)]):
+        _ops.gradient_step(specs, _ops.Average, _ops.global_process_set)
+    assert [r[neg._COUNT] for r in ticked] == [2, 2, 2, 1, 2]
+    assert neg.problem(ticked[:2], [0, 1], [0, 1]) is None
+    for other in ticked[2:]:
+        assert "DistributedOptimizer step" in neg.problem([ticked[0], other], [0, 1], [0, 1])
