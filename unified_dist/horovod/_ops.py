@@ -14,7 +14,10 @@ The contract of each function is Horovod's; what differs is how it is carried:
   of its process set asked for that name, in one order agreed by all (:mod:`._negotiation`), so
   ranks may issue named operations in different orders; unnamed ones pair in call order. A second
   operation under a name still queued is a ``ValueError``; :func:`join` answers the others'
-  allreduces with zeros. Operations that cannot be paired raise on every rank, never mix.
+  allreduces with zeros, ``DistributedOptimizer``'s gradient reductions included (:func:`gradient_step`).
+  Operations that cannot be paired raise on every rank, never mix; grouped requests pair only with
+  grouped requests of the same count.
+- tensors that are not contiguous travel as contiguous copies (in-place results are copied back).
 - ``allgather`` takes a different first dimension per rank (the negotiation's rows carry each
   rank's shape; a mismatch in any other dimension or in dtype is an error on every rank, naming
   each rank's shape).
