@@ -192,6 +192,15 @@ def _facade_steps(per_rank_batch, steps, opt_cls, accumulation, set_to_none=True
 
 
 def _same_params(model, ref, atol=1e-6):
+    """The float32 bounds of the checks that use this (all but the ragged ones, float64: RAGGED_TOL). One process
+    and the ranks sum each gradient in another order: the mean over n <= 12 rows moves by at most n * 2**-24 ~ 7e-7
+    of the rows' mean |gradient| (O(1) here), so one SGD step of lr 0.5 by <= ~4e-7 at worst: atol 1e-6 for the
+    one-step SGD checks (measured 3.0e-8 for accumulation_matches_single_process_sgd, 3.7e-9 for the clipped
+    steps, whose gradients are scaled to norm 0.1). AdamW's m / sqrt(v) turns a rounding dg into lr * dg / |g|,
+    which has no useful worst case in float32 (a gradient near 0): its checks (2-3 steps, lr 0.05) use 1e-5 and
+    measured 3.0e-8 (2026-11-28, AMD EPYC), a margin that depends only on how a CPU's kernels round (the data, and
+    so each |g|, are fixed), which moved such errors by 1.5-2x between CPUs (issue #58). Checks whose float32
+    rounding came within 10x of their bound run in float64. A mistake moves a weight by ~lr x its gradient: > 1e-3."""
     for (_name, p), q in zip(model.named_parameters(), ref.parameters()):
         close(full(p.detach()).cpu(), q.detach(), atol=atol)
 
