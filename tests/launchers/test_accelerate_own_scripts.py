@@ -65,7 +65,7 @@ def test_accelerates_own_scripts_pass_whole_in_one_launch(launcher, request, tmp
     cmd = command(launcher, "-m", ["unified_dist.accelerate", str(WORKER), str(tmp_path), *TESTS], nproc=2)
     result = run(cmd, TIMEOUT, child_env(env if isinstance(env, dict) else None))
     out = result.output
-    reports = re.findall(r"^own-scripts (\S+) (rank \S+ (?:of \d+|alone)): (.{0,40})", out, re.MULTILINE)
+    reports = re.findall(r"own-scripts (\S+) (rank \S+ (?:of \d+|alone)): (.{0,40})", out, re.MULTILINE)
     print(f"{launcher}: " + "; ".join(f"{name} {rank}: {what}" for name, rank, what in reports))  # the counts
     result.check()
     for name, expected in TESTS.items():
