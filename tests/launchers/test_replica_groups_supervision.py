@@ -21,8 +21,10 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from test_replica_groups import events  # pytest puts this folder on sys.path
@@ -51,10 +53,11 @@ def starts(out: Path, group: int) -> list:
 class Launch:
     """``unified-dist launch --replica-groups 2`` of the worker, in the background, its output in a file."""
 
-    def __init__(self, folder: Path, *args: str) -> None:
-        self.out, self.run_dir, self.log = folder / "out", folder / "run", folder / "launch.log"
-        cmd = [str(BIN / "unified-dist"), "launch", "--nproc", "1", "--replica-groups", "2", "--replica-log-dir",
-               str(self.run_dir), str(SCRIPT), "--out", str(self.out), *args]
+    def __init__(self, folder: Path, *args: str, run_dir: Optional[Path] = None) -> None:
+        self.out, self.log = folder / "out", folder / "launch.log"
+        given = ["--replica-log-dir", str(run_dir)] if run_dir else []  # else a new folder the first line names
+        cmd = [str(BIN / "unified-dist"), "launch", "--nproc", "1", "--replica-groups", "2", *given, str(SCRIPT),
+               "--out", str(self.out), *args]
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
@@ -62,6 +65,11 @@ class Launch:
     @property
     def output(self) -> str:
         return self.log.read_text()
+
+    @property
+    def run_dir(self) -> Path:
+        """The run's folder, as the launcher's first line names it."""
+        return Path(re.search(r"\+ torchft lighthouse at \S+ \(pid \d+, log (\S+)/lighthouse.log\)", self.output)[1])
 
     def wait_for(self, condition, limit: float, what: str) -> None:
         deadline = time.monotonic() + limit
@@ -105,7 +113,8 @@ def test_a_killed_lighthouse_comes_back_on_its_address_and_the_groups_train_on(p
     assert (f"the torchft lighthouse (pid {preempted['lighthouse_pid']}) exited with 137; starting it again at "
             f"http://localhost:{port}") in launch.output
     assert f"the torchft lighthouse is back at http://localhost:{port}" in launch.output
-    # its output is kept beside the run: both starts said they listen, on the same port
+    # its output is kept beside the run (a new folder in the temporary directory): both starts listened on one port
+    assert launch.run_dir.parent == Path(tempfile.gettempdir())
     assert (launch.run_dir / "lighthouse.log").read_text().count(f"{READY}{port}") == 2
     for g in (0, 1):
         assert len(starts(launch.out, g)) == 1, "a group was started again: the lighthouse's death reached it"
@@ -164,9 +173,10 @@ def test_a_restart_that_comes_after_the_survivor_finished_ends_the_job_well(late
 @pytest.fixture(scope="module")
 def usage_error(module_dirs):
     """Launch 3 of the module doc."""
-    launch = Launch(module_dirs.mktemp("replica_usage_error"), "--steps", "100000", "--usage-error-group", "1")
+    folder = module_dirs.mktemp("replica_usage_error")
+    launch = Launch(folder, "--steps", "100000", "--usage-error-group", "1", run_dir=folder / "run")
     try:
-        return {"launch": launch, "code": launch.wait(START_S)}
+        return {"launch": launch, "code": launch.wait(START_S), "folder": folder}
     finally:
         kill_session(launch.process.pid)
 
@@ -179,3 +189,7 @@ def test_a_usage_error_is_not_restarted_and_stops_the_job_with_its_status(usage_
     assert "starting it again" not in launch.output
     assert len(starts(launch.out, 1)) == 1
     assert [e["event"] for e in events(launch.out, 1)] == ["start", "usage-error"]
+    # --replica-log-dir holds the run's folder: the lighthouse's log, and the record that told the launcher
+    assert launch.run_dir == usage_error["folder"] / "run" and (launch.run_dir / "lighthouse.log").exists()
+    assert json.loads((launch.run_dir / "status" / "group1" / "start0" / "rank0.json").read_text()) == \
+        {"code": 2, "usage": False}

@@ -350,6 +350,8 @@ def run(command: Command, groups: int, max_restarts: int, nproc: int = 1, gpu_co
             print(f"unified-dist launch: torchft's lighthouse did not start ({exc}; log: {lighthouse.log})",
                   file=sys.stderr, flush=True)
             return 1
+        if stopping["signal"]:  # stopped while the lighthouse started: no group has anything to save
+            return 128 + stopping["signal"]
         print(f"+ torchft lighthouse at {lighthouse.address} (pid {lighthouse.process.pid}, log {lighthouse.log}); "
               f"{groups} replica groups of: {command.line()}", file=sys.stderr, flush=True)
         members += [Group(i, command, group_env(command, i, groups, lighthouse.address, gpus=gpus, nproc=nproc),

@@ -179,9 +179,9 @@ def test_the_lighthouse_binds_a_port_it_chose_and_comes_back_on_it_after_a_sigki
 
 
 def test_a_lighthouse_that_cannot_come_back_stops_the_job_in_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(replicas, "LIGHTHOUSE_START_S", 2.0)
     lighthouse = replicas.Lighthouse(tmp_path / "lighthouse.log")
     lighthouse.start()
+    monkeypatch.setattr(replicas, "LIGHTHOUSE_START_S", 8.0)  # for the restart: a few tries (each a Python start)
     squatter = socket.socket(socket.AF_INET6)
     try:
         os.kill(lighthouse.process.pid, signal.SIGKILL)
