@@ -1,7 +1,7 @@
 """A facade training loop for replica groups (tests/launchers/test_replica_groups.py, bench/replica_groups.py).
 
-An MLP regression with SGD and momentum on 256 fixed examples, shuffled, 4 per rank: the loop is the usual one
-(``ud.init``, ``ud.prepare(model, optimizer, loader)``, ``ud.backward``, ``optimizer.step``), and it runs until
+An MLP regression (float64) with SGD and momentum on 256 fixed examples, shuffled, 4 per rank: the loop is the
+usual one (``ud.init``, ``ud.prepare(model, optimizer, loader)``, ``ud.backward``, ``optimizer.step``), and it runs until
 the optimizer has taken ``--steps`` steps. The count comes from the optimizer's state, which a healed group
 takes from its peer, so every group ends at the same step. Each process appends one JSON line per event to
 ``--out/group<G>_rank<R>.jsonl``: ``start`` (its pid), one ``step`` per optimizer step (the committed count,
@@ -65,6 +65,9 @@ def record(**event):
 
 
 record(event="start")
+# float64 throughout: the physics checks then hold to ~1e-12 on any CPU, where float32's reordered sums
+# (another CPU, another kernel) drift by ~1e-6 over 60 steps and a bound tuned on one machine fails on another
+torch.set_default_dtype(torch.float64)
 data = torch.Generator().manual_seed(7)
 x = torch.randn(256, 16, generator=data)
 y = x @ torch.randn(16, 4, generator=data) + 0.1 * torch.randn(256, 4, generator=data)
