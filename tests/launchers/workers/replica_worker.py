@@ -1,8 +1,8 @@
 """A facade training loop for replica groups (tests/launchers/test_replica_groups.py, bench/replica_groups.py).
 
 An MLP regression (float64) with SGD and momentum on 256 fixed examples, shuffled, 4 per rank: the loop is the
-usual one (``ud.init``, ``ud.prepare(model, optimizer, loader)``, ``ud.backward``, ``optimizer.step``), and it runs until
-the optimizer has taken ``--steps`` steps. The count comes from the optimizer's state, which a healed group
+usual one (``ud.init``, ``ud.prepare(model, optimizer, loader)``, ``ud.backward``, ``optimizer.step``), and it runs
+until the optimizer has taken ``--steps`` steps. The count comes from the optimizer's state, which a healed group
 takes from its peer, so every group ends at the same step. Each process appends one JSON line per event to
 ``--out/group<G>_rank<R>.jsonl``: ``start`` (its pid), one ``step`` per optimizer step (the committed count,
 whether this one committed, the hash of the weights its forward ran on, ``ud.data_parallel_world_size()``,
