@@ -9,8 +9,8 @@ the checkpoint), ``end`` (the step, the weights' hash).
 
 ``--kill-group G --kill-at K``: group G's first process to commit step K kills itself (SIGKILL), once.
 ``--restart-waits-for NAME``: a restarted group (``REPLICA_GROUP_RESTARTS`` > 0) waits, before ``ud.init``, until
-``--out/NAME`` exists (a slow restart, made certain). ``--usage-error-group G``: group G's ``ud.init`` is given a
-setting it refuses, and the script says so in one line and exits 2, as the examples do.
+``--out/NAME`` exists, then 3 s (a slow restart, made certain). ``--usage-error-group G``: group G's ``ud.init`` is
+given a setting it refuses, and the script says so in one line and exits 2, as the examples do.
 """
 import argparse
 import hashlib
@@ -53,6 +53,7 @@ record(event="start", restarts=restarts)
 if restarts and args.restart_waits_for:
     while not (out / args.restart_waits_for).exists():
         time.sleep(0.2)
+    time.sleep(3)  # and the survivor's process has ended
 try:
     ud.init(timeout=args.timeout, **({"sharding": "tensor-parallel-please"} if group == args.usage_error_group else {}))
 except ud.UnifiedDistError as exc:
