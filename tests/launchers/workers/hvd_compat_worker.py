@@ -388,6 +388,81 @@ def sync_batchnorm_normalises_over_the_global_batch():
     same(bn.running_var, reference.running_var, 1e-5)
 
 
+# issue 58's checks run before the by-name checks: after a_second_operation_under_a_queued_name_is_a_value_error
+# real Horovod's handle counts differ across ranks, and its unnamed operations no longer pair
+@check
+def grouped_requests_of_different_counts_raise_on_every_rank():
+    """Issue 58: rank 0 grouped_allreduce([a, b]), rank 1 grouped_allreduce([a, b, c]): both raise, naming
+    each rank's request, and a following allreduce(d) sums the d's (it summed rank 0's d with rank 1's c).
+    Real Horovod waits forever here (FACTS.md, 2026-11-28)."""
+    if os.environ.get("HOROVOD_RANK") is not None or hvd.size() == 1:
+        return
+    r, n = hvd.rank(), hvd.size()
+    for name in (None, "grouped.counts"):
+        tensors = [torch.ones(3), torch.full((3,), 10.0)] + ([torch.full((3,), 200.0)] if r > 0 else [])
+        try:
+            hvd.grouped_allreduce(tensors, op=hvd.Sum, name=name)
+        except RuntimeError as exc:
+            message = str(exc)
+            assert type(exc).__name__ == "HorovodInternalError" and "\n" not in message, message
+            assert "rank 0: grouped allreduce of 2 tensors" in message, message
+            assert "rank 1: grouped allreduce of 3 tensors" in message, message
+        else:
+            raise AssertionError("grouped requests of different counts did not raise")
+        d = torch.full((3,), 1000.0 * (r + 1))
+        same(hvd.allreduce(d, op=hvd.Sum), torch.full((3,), 1000.0 * n * (n + 1) / 2))
+
+
+@check
+def more_queued_names_than_a_row_carries_still_pair():
+    """Issue 58: rank 0 queues SLOTS + 6 names, rank 1 only the last 6 and synchronizes one of them: the
+    rows carry the first 64 names only, which once gave a false "cannot be paired" error."""
+    r, n = hvd.rank(), hvd.size()
+    names = [f"many.{i}" for i in range(70)]
+    value = lambda i: torch.tensor([float(i + r)])  # noqa: E731
+    if r == 0:
+        handles = {k: hvd.allreduce_async(value(i), name=k, op=hvd.Sum) for i, k in enumerate(names)}
+    else:
+        handles = {k: hvd.allreduce_async(value(i), name=k, op=hvd.Sum) for i, k in enumerate(names) if i >= 64}
+        handles[names[-1]] = hvd.synchronize(handles[names[-1]])  # its result
+        handles.update({k: hvd.allreduce_async(value(i), name=k, op=hvd.Sum) for i, k in enumerate(names) if i < 64})
+    for i, k in enumerate(names):
+        result = handles[k] if isinstance(handles[k], torch.Tensor) else hvd.synchronize(handles[k])
+        same(result, torch.tensor([float(n * i + n * (n - 1) / 2)]))
+
+
+@check
+def alltoall_of_no_rows_and_non_contiguous_tensors():
+    """Issue 58: an alltoall where rank 0 sends no rows, and collectives of non-contiguous tensors (once a
+    local error inside the transfer on one rank, the other rank left waiting)."""
+    r, n = hvd.rank(), hvd.size()
+    send = torch.full((0, 2), 5.0) if r == 0 else torch.arange(2.0 * n).reshape(n, 2) + 10 * r
+    splits = torch.tensor([0] * n if r == 0 else [1] * n, dtype=torch.int32)
+    out, received = hvd.alltoall(send, splits=splits)
+    same(received, torch.tensor([0] + [1] * (n - 1), dtype=torch.int32))
+    same(out, torch.cat([torch.arange(2.0 * r, 2.0 * r + 2).reshape(1, 2) + 10 * k for k in range(1, n)]))
+    base = lambda k: torch.arange(6.0).reshape(2, 3) * (k + 1)  # noqa: E731
+    total = sum(base(k) for k in range(n))
+    if os.environ.get("HOROVOD_RANK") is not None:
+        try:
+            hvd.allreduce(base(r).t(), op=hvd.Sum)
+        except ValueError as exc:  # real Horovod refuses them on the calling rank (every rank here)
+            assert "contiguous" in str(exc), exc
+            return
+    # the odd ranks' tensors are transposed views, the even ranks' the same values laid out contiguously:
+    # moving raw memory would mix elements of different positions
+    mine = lambda: base(r).t() if r % 2 else base(r).t().contiguous()  # noqa: E731
+    assert mine().is_contiguous() == (r % 2 == 0)
+    same(hvd.allreduce(mine(), op=hvd.Sum), total.t())
+    inplace = mine()
+    hvd.allreduce_(inplace, op=hvd.Sum)
+    same(inplace, total.t())
+    cast = mine()
+    hvd.broadcast_(cast, root_rank=n - 1)
+    same(cast, base(n - 1).t())
+    same(hvd.allgather(mine()), torch.cat([base(k).t() for k in range(n)]))
+
+
 @check
 def named_operations_pair_by_name_in_any_order():
     """Ranks issue the same named operations in opposite orders: each pairs with its name (Horovod's
@@ -460,79 +535,6 @@ def operations_that_cannot_be_paired_raise_on_every_rank_naming_them():
     if r > 0:
         handle = hvd.allreduce_async(torch.ones(1), name="only.rank0", op=hvd.Sum)
     same(hvd.synchronize(handle), torch.tensor([float(hvd.size())]))
-
-
-@check
-def grouped_requests_of_different_counts_raise_on_every_rank():
-    """Issue 58: rank 0 grouped_allreduce([a, b]), rank 1 grouped_allreduce([a, b, c]): both raise, naming
-    each rank's request, and a following allreduce(d) sums the d's (it summed rank 0's d with rank 1's c).
-    Real Horovod waits forever here (FACTS.md, 2026-11-28)."""
-    if os.environ.get("HOROVOD_RANK") is not None or hvd.size() == 1:
-        return
-    r, n = hvd.rank(), hvd.size()
-    for name in (None, "grouped.counts"):
-        tensors = [torch.ones(3), torch.full((3,), 10.0)] + ([torch.full((3,), 200.0)] if r > 0 else [])
-        try:
-            hvd.grouped_allreduce(tensors, op=hvd.Sum, name=name)
-        except RuntimeError as exc:
-            message = str(exc)
-            assert type(exc).__name__ == "HorovodInternalError" and "\n" not in message, message
-            assert "rank 0: grouped allreduce of 2 tensors" in message, message
-            assert "rank 1: grouped allreduce of 3 tensors" in message, message
-        else:
-            raise AssertionError("grouped requests of different counts did not raise")
-        d = torch.full((3,), 1000.0 * (r + 1))
-        same(hvd.allreduce(d, op=hvd.Sum), torch.full((3,), 1000.0 * n * (n + 1) / 2))
-
-
-@check
-def more_queued_names_than_a_row_carries_still_pair():
-    """Issue 58: rank 0 queues SLOTS + 6 names, rank 1 only the last 6 and synchronizes one of them: the
-    rows carry the first 64 names only, which once gave a false "cannot be paired" error."""
-    r, n = hvd.rank(), hvd.size()
-    names = [f"many.{i}" for i in range(70)]
-    value = lambda i: torch.tensor([float(i + r)])  # noqa: E731
-    if r == 0:
-        handles = {k: hvd.allreduce_async(value(i), name=k, op=hvd.Sum) for i, k in enumerate(names)}
-    else:
-        handles = {k: hvd.allreduce_async(value(i), name=k, op=hvd.Sum) for i, k in enumerate(names) if i >= 64}
-        handles[names[-1]] = hvd.synchronize(handles[names[-1]])  # its result
-        handles.update({k: hvd.allreduce_async(value(i), name=k, op=hvd.Sum) for i, k in enumerate(names) if i < 64})
-    for i, k in enumerate(names):
-        result = handles[k] if isinstance(handles[k], torch.Tensor) else hvd.synchronize(handles[k])
-        same(result, torch.tensor([float(n * i + n * (n - 1) / 2)]))
-
-
-@check
-def alltoall_of_no_rows_and_non_contiguous_tensors():
-    """Issue 58: an alltoall where rank 0 sends no rows, and collectives of non-contiguous tensors (once a
-    local error inside the transfer on one rank, the other rank left waiting)."""
-    r, n = hvd.rank(), hvd.size()
-    send = torch.full((0, 2), 5.0) if r == 0 else torch.arange(2.0 * n).reshape(n, 2) + 10 * r
-    splits = torch.tensor([0] * n if r == 0 else [1] * n, dtype=torch.int32)
-    out, received = hvd.alltoall(send, splits=splits)
-    same(received, torch.tensor([0] + [1] * (n - 1), dtype=torch.int32))
-    same(out, torch.cat([torch.arange(2.0 * r, 2.0 * r + 2).reshape(1, 2) + 10 * k for k in range(1, n)]))
-    base = lambda k: torch.arange(6.0).reshape(2, 3) * (k + 1)  # noqa: E731
-    total = sum(base(k) for k in range(n))
-    if os.environ.get("HOROVOD_RANK") is not None:
-        try:
-            hvd.allreduce(base(r).t(), op=hvd.Sum)
-        except ValueError as exc:  # real Horovod refuses them on the calling rank (every rank here)
-            assert "contiguous" in str(exc), exc
-            return
-    # the odd ranks' tensors are transposed views, the even ranks' the same values laid out contiguously:
-    # moving raw memory would mix elements of different positions
-    mine = lambda: base(r).t() if r % 2 else base(r).t().contiguous()  # noqa: E731
-    assert mine().is_contiguous() == (r % 2 == 0)
-    same(hvd.allreduce(mine(), op=hvd.Sum), total.t())
-    inplace = mine()
-    hvd.allreduce_(inplace, op=hvd.Sum)
-    same(inplace, total.t())
-    cast = mine()
-    hvd.broadcast_(cast, root_rank=n - 1)
-    same(cast, base(n - 1).t())
-    same(hvd.allgather(mine()), torch.cat([base(k).t() for k in range(n)]))
 
 
 # ---------------------------------------------------------------------- (6) elastic
