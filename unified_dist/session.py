@@ -20,7 +20,7 @@ import random
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, List, Mapping, Optional
+from typing import Any, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -87,15 +87,58 @@ class Session:
     _backward_seen: bool = False  # ud.backward ran since the last should_stop()
     healable: List[Any] = field(default_factory=list)  # prepared objects a rejoining replica group takes from a peer
     _training_loader: Any = None  # the prepared loader the latest ud.backward ran on (replica groups)
+    _evaluating: dict = field(default_factory=dict)  # prepared loader -> why its latest pass is an evaluation
 
     # ------------------------------------------------------------------ replica groups
     def begin_replica_step(self) -> None:
         """A prepared loader is about to fetch a batch: hold the step's quorum if it is a training pass (the
         loader a ``ud.backward`` ran on before, or any loader before the first ``ud.backward``), so an
-        evaluation pass between steps holds none."""
+        evaluation pass (:meth:`_evaluation_pass`) holds none."""
         current = self.loaders.current
+        if current in self._evaluating:
+            return
         if self._training_loader is None or current is self._training_loader:
             self.backend.replicas.begin_step()
+
+    def end_replica_pass(self, loader: Any) -> None:
+        """A pass of a prepared loader ended: a training loop that left its loader with a step's quorum held
+        (a ``break`` right after a fetch) stops that step's timing until its next fetch
+        (:meth:`~unified_dist.backends.replica_groups.ReplicaGroups.pause_step`)."""
+        replicas = self.backend.replicas
+        if loader not in self._evaluating and replicas.opened:
+            replicas.pause_step()
+
+    def _evaluation_pass(self, loader: Any) -> Optional[str]:
+        """Why the pass of ``loader`` beginning now is an evaluation, in words (``None``: a training pass).
+
+        With replica groups the two differ. A training pass holds each step's quorum and gives each group its
+        share of the data. An evaluation pass holds none and is sharded over the group's own ranks: the groups
+        hold equal weights, so each evaluates the whole split and ``gather_for_metrics`` (a gather inside the
+        group) returns every example once. A pass is an evaluation when it begins with gradients off, else
+        when it is not the training loader's (the loader ``ud.backward`` ran on) and either every prepared
+        model is in eval mode or another loader is the training loader."""
+        if not torch.is_grad_enabled():
+            return "it began with gradients off (torch.no_grad or torch.inference_mode)"
+        if loader is self._training_loader:
+            return None
+        models = [obj for obj in self.healable if isinstance(obj, torch.nn.Module)]
+        if models and not any(model.training for model in models):
+            return "it began with every prepared model in eval mode (model.eval())"
+        if self._training_loader is not None:
+            return "another prepared loader is the training loader (the one ud.backward ran on)"
+        return None
+
+    def _replica_pass_topology(self, loader: Any) -> Optional[Tuple[int, int]]:
+        """The (rank, world size) a pass of ``loader`` beginning now is sharded over: the group's own
+        data-parallel ranks for an evaluation pass, ``None`` (every group's) for a training pass."""
+        why = self._evaluation_pass(loader)
+        if why is None:
+            self._evaluating.pop(loader, None)
+            return None
+        self._evaluating[loader] = why
+        backend, layout = self.backend, self.backend.replicas.layout
+        world = backend.data_parallel_world_size // layout.groups
+        return backend.data_parallel_rank - layout.group * world, world
 
     def _replica_state(self) -> dict:
         """What a live peer sends a replica group that (re)joins: every prepared model, optimizer, scheduler
@@ -211,7 +254,14 @@ class Session:
         self.loaders.note_training()  # the current loader's pass is no peek (unified_dist.data.loaders.Epochs)
         self._backward_seen = True
         if self.backend.replicas is not None:
-            self._training_loader = self.loaders.current
+            current = self.loaders.current
+            if current in self._evaluating:
+                raise UnifiedDistError(
+                    "ud.backward() in a pass of a prepared loader that replica groups take for an evaluation, as "
+                    f"{self._evaluating[current]}: that pass is sharded over this group's ranks and holds no step's "
+                    "quorum. Train with gradients on and the model in train mode (model.train() before the loop), "
+                    "on one prepared training loader")
+            self._training_loader = current
         if self.backend.config.check_finite:
             finite = torch.isfinite(loss.detach()).all()
             self._finite = finite if self._finite is None else self._finite & finite
@@ -319,11 +369,14 @@ class Session:
     def gather_for_metrics(self, x: Any) -> Any:
         """``ud.gather_for_metrics``'s work (see the facade)."""
         replicas = self.backend.replicas
-        if replicas is not None and replicas.layout.groups > 1 and self.loaders.current is not None:
+        current = self.loaders.current
+        if replicas is not None and replicas.layout.groups > 1 and current is not None \
+                and current not in self._evaluating:
             raise UnifiedDistError(
-                f"gather_for_metrics() inside a prepared loader under {replicas.layout.groups} replica groups would "
-                "gather one group's share of the data only: the groups hold equal weights, so evaluate on one "
-                "process (if ud.rank() == 0) with a DataLoader not given to ud.prepare, or in a separate job")
+                f"gather_for_metrics() in a training pass of a prepared loader under {replicas.layout.groups} replica "
+                "groups would gather one group's share of the data only: evaluate with gradients off (torch.no_grad()) "
+                "or the model in eval mode (model.eval()) when the pass begins; then each group evaluates the whole "
+                "split over its own ranks")
         if self.backend.tp_rank:  # its tensor-parallel group's rank 0 gives their (shared) rows, once
             x = collectives.map_each(x, lambda t: t.reshape(1)[:0] if t.dim() == 0 else t[:0], "gather_for_metrics")
         gathered = collectives.all_gather(self.backend, x, what="gather_for_metrics")
@@ -384,6 +437,8 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     _session = Session(instance, detection, GradientSync(instance, loaders), loaders)
     if instance.replicas is not None:
         loaders.before_batch = _session.begin_replica_step  # the quorum, and any healing, before the batch
+        loaders.pass_topology = _session._replica_pass_topology  # an evaluation pass: the group's own ranks
+        loaders.pass_ended = _session.end_replica_pass
     if config.stop_signals:
         _session.stops = preemption.StopSignals(config.stop_signals)
         _session.stops.install()
@@ -440,6 +495,8 @@ def shutdown() -> None:
     """Leave the process group; a later call to any function initialises again."""
     global _session
     if _session is not None:
+        if _session.backend.replicas is not None:  # after the last step nothing is timed (replica groups)
+            _session.backend.replicas.disarm()
         failure = None
         try:
             _session.settle_saves()  # the save in flight is written, and its failure known, before the group goes
@@ -485,6 +542,8 @@ def _shutdown_at_exit() -> None:
     Skipped after an uncaught exception: a reducer with a collective still pending on a lost
     peer cannot be freed, and the launcher must see this process end.
     """
+    if _session is not None and _session.backend.replicas is not None:  # no step is timed at the exit
+        _session.backend.replicas.disarm()
     failed_write = background_save.report_at_exit()  # the write in flight ends first
     if _session is not None and not _session.failed:
         with contextlib.suppress(Exception):

@@ -253,9 +253,9 @@ class Backend(ABC):
         return contextlib.nullcontext()
 
     def average_buffers_across_groups(self, buffers: List[torch.Tensor]) -> None:  # noqa: B027 - optional hook
-        """After a committed step, with replica groups: make the floating-point ``buffers`` (BatchNorm's
-        statistics) the average over the groups that took part, so every group evaluates alike. Elsewhere
-        nothing (a job has one group)."""
+        """Inside a step, before its commit decision, with replica groups: make the floating-point ``buffers``
+        (BatchNorm's statistics) the average over the groups taking part, so every group evaluates alike.
+        Elsewhere nothing (a job has one group)."""
 
     def commit_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Asked right before ``optimizer`` steps: whether this step's update may be applied. Always, except

@@ -11,9 +11,16 @@ groups, each optimizer step is one torchft step:
   registered, sent over torchft's checkpoint transport: no file), so it draws the peer's next batch,
   computes it on the peer's weights and takes part in the step;
 - the gradients, already averaged inside the group, are averaged over the groups that took part
-  (:meth:`ReplicaGroups.average`: one torchft all-reduce per dtype, gloo, divided by the participants);
+  (:meth:`ReplicaGroups.average`: one torchft all-reduce per dtype, gloo, divided by the participants), and so
+  are the floating-point buffers (BatchNorm's statistics), still inside the step;
 - the optimizer steps only if the step commits (:meth:`ReplicaGroups.commit`: torchft's
   ``should_commit``, false when a group failed during the step; that group then updates nothing).
+
+Nothing runs across groups between two steps: an evaluation pass of a prepared loader holds no quorum and is
+sharded over the group's own ranks (each group evaluates the whole split; ``unified_dist.session``). A
+:class:`StepWatchdog` times each step's own work, from its quorum to its commit, apart from the waits for the
+other groups, which torchft's own timeouts bound. A group started again commits nothing before it holds the
+job's state (:meth:`ReplicaGroups._refuse_to_train_without_the_jobs_state`).
 
 Launcher contract (``unified-dist launch --replica-groups N`` sets it; docs/fault-tolerance.md for
 several hosts): ``TORCHFT_LIGHTHOUSE`` (the lighthouse's address), ``REPLICA_GROUP_ID`` (0 .. N-1) and
@@ -21,13 +28,14 @@ several hosts): ``TORCHFT_LIGHTHOUSE`` (the lighthouse's address), ``REPLICA_GRO
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -82,6 +90,99 @@ def _flat_by_dtype(tensors: Iterable[torch.Tensor]) -> Dict[Tuple[torch.dtype, t
     return buckets
 
 
+RESTARTED_PREFIX = "unified_dist_restarted_group_"
+
+
+def replica_id(layout: ReplicaLayout) -> str:
+    """The name a group gives torchft: whether it was started again is in it, so the others' quorums tell a
+    job's start (a group on its first start) from restarted groups that met nobody with the job's state. It
+    ends with the group's index, from which torchft derives its ranks."""
+    return f"{RESTARTED_PREFIX if layout.restarts else 'unified_dist_group_'}{layout.group}"
+
+
+def first_start(torchft_replica_id: str) -> bool:
+    """Whether a quorum's member (torchft's ``name:uuid``) is a group on its first start."""
+    return not torchft_replica_id.startswith(RESTARTED_PREFIX)
+
+
+class _QuorumsSeen:
+    """torchft's ``ManagerClient``, keeping its latest quorum's answer (:attr:`latest`: who took part, at which
+    step); every other call goes through unchanged."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.latest: Any = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.latest = self._client._quorum(*args, **kwargs)
+        return self.latest
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+class StepWatchdog:
+    """Times a group's own work in each step, from its quorum to its commit, and calls ``leave`` once that
+    outlasts ``timeout_s``.
+
+    Waiting for the other groups is not the group's own work (:meth:`paused`): the cross-group all-reduces,
+    the quorum and any copy to or from a restarted group, and ``should_commit`` are bounded by torchft's own
+    timeouts. So a healthy group whose all-reduce waits for a peer that is still healing (the peer's copy has
+    torchft's timeout) has not used its step's time, and fails only that step (not committed) rather than
+    leaving; the two budgets are separate. Nothing is timed outside a step (:meth:`disarm` at the commit,
+    :meth:`stop` at ``ud.shutdown``): after its last step a program may evaluate and save for as long as it needs.
+    """
+
+    def __init__(self, timeout_s: float, leave: Callable[[], None]) -> None:
+        self.timeout_s = timeout_s
+        self._leave = leave
+        self._deadline: Optional[float] = None  # when the step's own time runs out (None: nothing timed now)
+        self._left: Optional[float] = None  # paused: the step's own time left
+        self._stopped = False
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="unified_dist-replica-watchdog", daemon=True).start()
+
+    def arm(self) -> None:
+        if not self._stopped:
+            self._deadline, self._left = time.monotonic() + self.timeout_s, None
+
+    def disarm(self) -> None:
+        self._deadline = self._left = None
+
+    @property
+    def armed(self) -> bool:
+        return self._deadline is not None or self._left is not None
+
+    def stop(self) -> None:
+        self._stopped = True
+        self.disarm()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        deadline = self._deadline
+        if deadline is None:
+            yield
+            return
+        self._left, self._deadline = deadline - time.monotonic(), None
+        try:
+            yield
+        finally:
+            if self._left is not None and not self._stopped:
+                self._deadline, self._left = time.monotonic() + self._left, None
+
+    def overdue(self) -> bool:
+        deadline = self._deadline
+        return deadline is not None and time.monotonic() > deadline
+
+    def _watch(self) -> None:
+        while not self._stopped:
+            time.sleep(min(1.0, self.timeout_s / 4))
+            if self.overdue():
+                self._leave()
+                return
+
+
 class ReplicaGroups:
     """This process's side of the replica groups: torchft's ``Manager`` over a reconfigurable gloo group.
 
@@ -99,37 +200,36 @@ class ReplicaGroups:
         self._load: Optional[Callable[[Any, bool], None]] = None
         self._save: Optional[Callable[[], Any]] = None
         self._open = False  # the quorum of the step now running has been held
-        self._first_quorum = True
         self._uncommitted = 0  # steps in a row that did not commit
         self._last_participants = layout.groups
         self.healed_at: Optional[int] = None  # the step at which this group was healed from a peer
         self.short_steps: List[Tuple[int, int]] = []  # (step, participating groups) of each step with fewer
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None, min_replica_size=1,
-            use_async_quorum=False, replica_id=f"unified_dist_group_{layout.group}", lighthouse_addr=layout.lighthouse,
+            use_async_quorum=False, replica_id=replica_id(layout), lighthouse_addr=layout.lighthouse,
             rank=rank,
             world_size=world_size, timeout=timeout, connect_timeout=timeout,
             # the lighthouse waits up to its join timeout for a group that is alive but late (a hang): the
             # quorum must outwait it, else the groups that are on time give up first
             quorum_timeout=max(timeout, QUORUM_TIMEOUT))
         self.manager.register_state_dict_fn("unified_dist", self._load_state, self._state)
+        self._quorums = _QuorumsSeen(self.manager._client)  # the latest quorum's answer: who, at which step
+        self.manager._client = self._quorums
         self._timeout_s = timeout.total_seconds()
-        self._opened_at: Optional[float] = None  # when the step now running held its quorum
-        threading.Thread(target=self._watch_for_a_hang, name="unified_dist-replica-watchdog", daemon=True).start()
+        self._may_commit = layout.restarts == 0  # a restarted group: only once it holds the job's state
+        self._watchdog = StepWatchdog(self._timeout_s, self._leave)
+        self._watchdog.start()
 
-    def _watch_for_a_hang(self) -> None:
-        """Leave (exit 1) when a step outlasts the timeout. torchft's heartbeat runs on its own thread, so
-        a group whose training hangs still looks alive, and the others would wait for it at every quorum;
-        once it exits, they go on without it and the launcher starts it again, healed from them."""
-        while True:
-            time.sleep(min(1.0, self._timeout_s / 4))
-            opened = self._opened_at
-            if opened is not None and time.monotonic() - opened > self._timeout_s:
-                print(f"unified_dist: replica group {self.layout.group} rank {self.rank}: step "
-                      f"{self.manager.current_step() + 1} has run for more than the timeout ({self._timeout_s:g} s): "
-                      "leaving so the other groups go on; the launcher starts this group again",
-                      file=sys.stderr, flush=True)
-                os._exit(1)
+    def _leave(self) -> None:
+        """The watchdog's end for a group whose own work in a step outlasted the timeout: exit 1. torchft's
+        heartbeat runs on its own thread, so a group whose training hangs still looks alive, and the others
+        would wait for it at every quorum; once it exits, they go on without it and the launcher starts it
+        again, healed from them."""
+        print(f"unified_dist: replica group {self.layout.group} rank {self.rank}: step "
+              f"{self.manager.current_step() + 1} has run for more than the timeout ({self._timeout_s:g} s): "
+              "leaving so the other groups go on; the launcher starts this group again",
+              file=sys.stderr, flush=True)
+        os._exit(1)
 
     # ----------------------------------------------------------------- healing
     def heal_with(self, save: Callable[[], Any], load: Callable[[Any, bool], None]) -> None:
@@ -152,22 +252,49 @@ class ReplicaGroups:
 
     # ----------------------------------------------------------------- one step
     def begin_step(self) -> None:
-        """Start this step's quorum, once per step (idempotent until :meth:`commit`)."""
+        """Start this step's quorum, once per step (idempotent until :meth:`commit`), and time the group's own
+        work in the step from here (:class:`StepWatchdog`)."""
         if not self._open:
             self.manager.start_quorum()  # a copy to or from a restarted group happens in here: not timed
-            self._opened_at = time.monotonic()
+            if not self._may_commit:
+                self._refuse_to_train_without_the_jobs_state()
             self._open = True
-            if self._first_quorum:
-                self._first_quorum = False
-                self._refuse_a_restart_with_no_peer()
+            self._watchdog.arm()
+        elif not self._watchdog.armed:  # the loop came back to a step it left (pause_step)
+            self._watchdog.arm()
 
-    def _refuse_a_restart_with_no_peer(self) -> None:
-        """A group started again that found no live group at a later step would train from scratch, alone."""
-        if self.layout.restarts and not self.healed_at and self.participants < 2:
-            raise UnifiedDistError(
-                f"replica group {self.layout.group} was started again ({RESTARTS_VAR}={self.layout.restarts}) but "
-                "found no live replica group to heal from (the others ended or are down): it would train from "
-                "scratch; restart the job from its last checkpoint (ud.save) instead")
+    def pause_step(self) -> None:
+        """The training loop left its loader with this step's quorum held (a ``break`` right after a fetch):
+        what the program does now (an evaluation, a save) is not the step's own work and is not timed; a fetch
+        from the training loader times the step again."""
+        self._watchdog.disarm()
+
+    def _holds_the_jobs_state(self) -> bool:
+        """Whether this restarted group may train now: it took a live group's state at a step > 0, or the
+        latest quorum is the job's start (step 0) with a group on its first start in it. Two restarted groups
+        that meet at step 0 (each took the other's fresh start, or nobody's) hold nothing of the job."""
+        if self.healed_at:
+            return True
+        quorum = self._quorums.latest
+        return quorum is not None and quorum.max_step == 0 and any(first_start(r) for r in quorum.replica_ids)
+
+    def _refuse_to_train_without_the_jobs_state(self) -> None:
+        """A group started again must not commit a step before it holds the job's state
+        (:meth:`_holds_the_jobs_state`): at its first quorum it stops in one line rather than train from scratch.
+
+        It need not wait for a live group that is busy between two steps (a long evaluation or save): the
+        lighthouse issues no quorum to half or fewer of the groups that send heartbeats, so with two groups the
+        restarted one's first quorum waits for the live one's next step (up to the quorum's timeout)."""
+        if self._holds_the_jobs_state():
+            self._may_commit = True
+            return
+        quorum = self._quorums.latest
+        met = "no other group" if quorum is None or len(quorum.replica_ids) < 2 else \
+            "only groups that were started again themselves, at step 0"
+        raise UnifiedDistError(
+            f"replica group {self.layout.group} was started again ({RESTARTS_VAR}={self.layout.restarts}) but found "
+            f"no live replica group to heal from (it met {met}): it would train from scratch; restart the job from "
+            "its last checkpoint (ud.save) instead")
 
     @property
     def opened(self) -> bool:
@@ -183,11 +310,12 @@ class ReplicaGroups:
 
         local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
         works = []
-        for group in _flat_by_dtype(local).values():
-            flat = _flatten_dense_tensors(group)
-            works.append((self.manager.allreduce(flat), flat, group))
-        for work, _, _ in works:
-            work.wait()
+        with self._watchdog.paused():  # waiting for the other groups: torchft's timeout bounds it, not the step's
+            for group in _flat_by_dtype(local).values():
+                flat = _flatten_dense_tensors(group)
+                works.append((self.manager.allreduce(flat), flat, group))
+            for work, _, _ in works:
+                work.wait()
         if self.manager.errored() is not None:  # torchft zeroes what a failed all-reduce held
             return False
         for _, flat, group in works:
@@ -200,8 +328,8 @@ class ReplicaGroups:
         Ends the step: the next :meth:`begin_step` starts the next quorum."""
         self.begin_step()
         self._open = False
+        self._watchdog.disarm()  # the step's own work is done; should_commit has torchft's timeout
         ok = self.manager.should_commit()
-        self._opened_at = None
         self._uncommitted = 0 if ok else self._uncommitted + 1
         if self._uncommitted >= MAX_UNCOMMITTED:
             raise UnifiedDistError(
@@ -223,7 +351,13 @@ class ReplicaGroups:
         answers 0 then)."""
         return int(self.manager.num_participants()) or self.layout.groups
 
+    def disarm(self) -> None:
+        """No step is timed any more (``ud.shutdown``, the interpreter's exit): what the program does after
+        its last step (an evaluation, a save) may take as long as it needs."""
+        self._watchdog.stop()
+
     def shutdown(self) -> None:
+        self.disarm()
         self.manager.shutdown(wait=False)
 
 

@@ -124,6 +124,13 @@ class LoaderStack:
         """Called before a prepared map-style loader fetches each batch (``None``: nothing). Replica groups
         start their step's quorum there, so a group healed from a peer draws the peer's next batch
         (:meth:`PreparedDataLoader.jump_to`) and computes it on the peer's weights."""
+        self.pass_topology: Optional[Callable[["PreparedDataLoader"], Optional[Tuple[int, int]]]] = None
+        """Called as a pass of a prepared map-style loader begins: the (rank, world size) to shard that pass
+        over instead of the loader's own topology (``None``: nothing to change). Replica groups shard an
+        evaluation pass over the group's own ranks, so each group evaluates the whole split."""
+        self.pass_ended: Optional[Callable[["PreparedDataLoader"], None]] = None
+        """Called when a pass of a prepared map-style loader ends, run to its end or left midway. Replica groups
+        stop timing a step whose quorum a training loop held and then left."""
 
     def push(self, loader: "PreparedDataLoader") -> None:
         self._active.append(loader)
@@ -240,6 +247,8 @@ class Epochs:
             completed = True
         finally:
             self._stack.remove(self)  # type: ignore[arg-type]
+            if self._stack.pass_ended is not None:
+                self._stack.pass_ended(self)  # type: ignore[arg-type]
             if record is self._open:  # not overtaken by a later pass, set_epoch or load_state_dict
                 self.batch_info = None
                 if completed:
@@ -362,7 +371,8 @@ class PreparedDataLoader(Epochs):
     def __iter__(self) -> Iterator[Any]:
         while True:
             # read at every pass: an elastic job (horovodrun --min-np) may have changed size
-            self.batch_sampler.rank, self.batch_sampler.world_size = self._topology()
+            topology = self._stack.pass_topology(self) if self._stack.pass_topology is not None else None
+            self.batch_sampler.rank, self.batch_sampler.world_size = topology or self._topology()
             start = self._begin_pass() or 0
             self.batch_sampler.epoch, self.batch_sampler.start = self._epoch, start
             sizes = plan_global_batches(self._num_samples, self.batch_sampler.global_batch, start,

@@ -242,6 +242,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         scale = self._sync.loss_scale()
         result = None
         with self._sync.backend.step_context(self.optimizer, finalized):
+            self._sync.buffers.before_commit(self.optimizer)  # replica groups: averaged inside the step
             self._sync.committed = self._sync.backend.commit_step(self.optimizer)
             if not self._sync.committed:  # a replica group failed during the step: no group applies it
                 return None

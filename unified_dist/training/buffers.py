@@ -15,8 +15,10 @@ every backend: the
 same number of collectives as DDP's rule, one per buffer dtype. Between two steps (the micro-steps
 of an accumulation window) each rank's buffers follow its own micro-batches, as under DDP.
 
-With replica groups (docs/fault-tolerance.md), each group's rank 0 buffers are then averaged over the groups
-that took part in the step (:meth:`~unified_dist.backends.base.Backend.average_buffers_across_groups`).
+With replica groups (docs/fault-tolerance.md), the buffers are also averaged over the groups that take part in
+the step, inside the step and before its commit decision (:meth:`ModelBuffers.before_commit`,
+:meth:`~unified_dist.backends.base.Backend.average_buffers_across_groups`), so each group's rank 0 hands out the
+average of the groups' rank 0 buffers.
 ``init(sync_batchnorm=True)`` changes what the statistics *are* (computed over the global batch,
 see :mod:`unified_dist.parallel.sync_batchnorm`); the rule here still keeps every rank's copy equal.
 """
@@ -74,16 +76,28 @@ class ModelBuffers:
         if self.backend.communicates_at_prepare:  # else the elastic state sync hands out rank 0's
             broadcast_from_main(self.backend, [model])
 
-    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """After ``optimizer`` stepped: every rank takes rank 0's buffers of the models it steps
-        (those whose parameters it holds; the same choice on every rank)."""
-        if not self._models:
-            return
+    def _models_of(self, optimizer: torch.optim.Optimizer) -> List[torch.nn.Module]:
+        """The models ``optimizer`` steps (those whose parameters it holds; the same choice on every rank)."""
         models = self._stepped_by.get(id(optimizer))
         if models is None:
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
             models = [m for m in self._models if any(id(p) in held for p in m.parameters())]
             self._stepped_by[id(optimizer)] = models
-        if models:
-            broadcast_from_main(self.backend, models)
-            self.backend.average_buffers_across_groups(_unique_buffers(models))
+        return models
+
+    def before_commit(self, optimizer: torch.optim.Optimizer) -> None:
+        """With replica groups, inside ``optimizer``'s step and before its commit decision: each rank's buffers
+        of the models it steps averaged over the groups taking part in the step (rank ``r`` with rank ``r`` of
+        the others), so that :meth:`after_step` hands out rank 0's average. Inside the step, so that nothing
+        after a step's commit opens the next step's quorum (a job's last step then is its last)."""
+        if self._models and self.backend.replicas is not None:
+            models = self._models_of(optimizer)
+            if models:
+                self.backend.average_buffers_across_groups(_unique_buffers(models))
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After ``optimizer`` stepped: every rank takes rank 0's buffers of the models it steps."""
+        if self._models:
+            models = self._models_of(optimizer)
+            if models:
+                broadcast_from_main(self.backend, models)

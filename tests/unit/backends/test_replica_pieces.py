@@ -188,24 +188,6 @@ def test_a_restarted_group_takes_every_prepared_object_and_the_generators_from_t
         Session(None, None, None, LoaderStack(), healable=[mine_model])._load_replica_state(state)
 
 
-def test_a_restarted_group_with_no_live_peer_refuses_to_train_from_scratch():
-    from types import SimpleNamespace
-
-    from unified_dist.backends.replica_groups import ReplicaGroups, ReplicaLayout
-    from unified_dist.errors import UnifiedDistError
-
-    def check(restarts, healed_at, participants):
-        fake = SimpleNamespace(layout=ReplicaLayout(1, 2, "http://x", restarts), healed_at=healed_at,
-                               participants=participants)
-        ReplicaGroups._refuse_a_restart_with_no_peer(fake)
-
-    with pytest.raises(UnifiedDistError, match="found no live replica group to heal from") as caught:
-        check(restarts=1, healed_at=None, participants=1)
-    assert "\n" not in str(caught.value)
-    check(restarts=1, healed_at=20, participants=2)  # healed from a peer: trains on
-    check(restarts=0, healed_at=None, participants=1)  # a first start alone is a job's start
-
-
 def test_each_group_gets_its_own_gpus_where_there_are_enough():
     command = Command(("torchrun", "train.py"))
     gpus = replicas.visible_gpus(8, {})
@@ -261,8 +243,8 @@ def test_ten_steps_in_a_row_that_do_not_commit_stop_the_group_in_one_line():
 
     manager = SimpleNamespace(should_commit=lambda: False, current_step=lambda: 3, errored=lambda: "gloo: sizes")
     fake = SimpleNamespace(layout=ReplicaLayout(0, 2, "http://x"), manager=manager, _open=True, _uncommitted=0,
-                           _opened_at=None, begin_step=lambda: None, participants=2, short_steps=[],
-                           _last_participants=2, rank=1)
+                           _watchdog=SimpleNamespace(disarm=lambda: None), begin_step=lambda: None, participants=2,
+                           short_steps=[], _last_participants=2, rank=1)
     for _ in range(MAX_UNCOMMITTED - 1):
         assert ReplicaGroups.commit(fake) is False
     with pytest.raises(UnifiedDistError, match=f"{MAX_UNCOMMITTED} steps in a row did not commit") as caught:
@@ -285,18 +267,3 @@ def test_a_per_epoch_scheduler_still_steps_after_an_epoch_whose_last_step_was_dr
     sync.optimizer_steps, sync.committed = 6, True
     scheduler.step()
     assert calls == [5, 6]
-
-
-def test_buffers_of_a_one_process_group_are_averaged_across_groups_after_each_step():
-    from types import SimpleNamespace
-
-    from unified_dist.training.buffers import ModelBuffers
-
-    averaged = []
-    backend = SimpleNamespace(world_size=1, replicas=object(), communicates_at_prepare=True,
-                              average_buffers_across_groups=lambda buffers: averaged.append(len(buffers)))
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-    buffers = ModelBuffers(backend)
-    buffers.add(model)
-    buffers.after_step(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert averaged == [3]  # running_mean, running_var, num_batches_tracked (the backend keeps the floating ones)
