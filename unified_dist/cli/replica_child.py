@@ -51,6 +51,14 @@ def _torchft_extension() -> Any:
     return module
 
 
+def _say(line: str) -> None:
+    """``line`` and its newline in one write: torchft's server logs to the same file from its own threads, and an
+    unbuffered ``print`` (PYTHONUNBUFFERED) writes the text and the newline apart, so a log line could land between
+    the port and its newline (seen: the launcher read port ``343952026-11-28T15:41:16.315``)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
 def serve_lighthouse(argv: List[str]) -> int:
     """The lighthouse with ``torchft_lighthouse``'s flags, until SIGTERM (or SIGKILL)."""
     parser = argparse.ArgumentParser(prog="unified-dist lighthouse")
@@ -63,9 +71,9 @@ def serve_lighthouse(argv: List[str]) -> int:
             bind=args.bind, min_replicas=args.min_replicas, join_timeout_ms=args.join_timeout_ms,
             quorum_tick_ms=args.quorum_tick_ms, heartbeat_timeout_ms=args.heartbeat_timeout_ms)
     except RuntimeError as exc:
-        print(f"unified-dist lighthouse: cannot bind {args.bind}: {exc}", flush=True)
+        _say(f"unified-dist lighthouse: cannot bind {args.bind}: {exc}")
         return 1
-    print(f"{READY}{server.address().rsplit(':', 1)[1]}", flush=True)
+    _say(f"{READY}{server.address().rsplit(':', 1)[1]}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         while True:

@@ -233,3 +233,15 @@ def test_groups_ask_the_lighthouse_again_for_a_quorum_its_death_broke():
     assert replicas.group_env(command, 0, 2, "http://x", {})["TORCHFT_QUORUM_RETRIES"] == "10"
     assert replicas.group_env(command, 0, 2, "http://x", {"TORCHFT_QUORUM_RETRIES": "3"})["TORCHFT_QUORUM_RETRIES"] \
         == "3"  # the user's own choice stands
+
+
+def test_the_lighthouse_writes_its_port_line_and_newline_in_one_write(monkeypatch, capfd):
+    """torchft's server logs from its own threads into the same file: the port line must reach it in one write,
+    or a log line can land between the port and its newline (seen under PYTHONUNBUFFERED: port '34395' read as
+    '343952026-11-28T15:41:16.315')."""
+    writes = []
+    real = os.write
+    monkeypatch.setattr(replica_child.os, "write", lambda fd, data: writes.append(data) or real(fd, data))
+    replica_child._say(f"{replica_child.READY}34395")
+    assert writes == [f"{replica_child.READY}34395\n".encode()]
+    assert capfd.readouterr().out == f"{replica_child.READY}34395\n"
