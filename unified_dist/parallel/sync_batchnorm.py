@@ -52,10 +52,18 @@ class _GatherRows(torch.autograd.Function):
         return ctx.reduce_sum(grad.contiguous())[ctx.rank], None, None, None
 
 
+def statistics_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the batch statistics and the normalisation are computed in: float32 for bf16 and
+    fp16 inputs (as torch's BatchNorm kernels), the input's own dtype when it is wider (a float64
+    model keeps float64 statistics, as plain BatchNorm and a world of one do)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def global_moments(x: torch.Tensor, gather: Gather, reduce_sum: ReduceSum, rank: int):
-    """``(mean, biased var, count)`` per channel (dim 1) of ``x`` over every rank's batch."""
+    """``(mean, biased var, count)`` per channel (dim 1) of ``x`` over every rank's batch, in
+    :func:`statistics_dtype` of ``x``."""
     channels = x.shape[1]
-    flat = x.transpose(0, 1).reshape(channels, -1).float()
+    flat = x.transpose(0, 1).reshape(channels, -1).to(statistics_dtype(x.dtype))
     count = flat.shape[1]
     mean = flat.mean(dim=1) if count else flat.new_zeros(channels)
     m2 = ((flat - mean[:, None]) ** 2).sum(dim=1)
@@ -94,7 +102,7 @@ class SyncBatchNorm(_BatchNorm):
         if self.training and self.track_running_stats:
             self._update_running_stats(mean.detach(), var.detach(), total)
         shape = (1, -1) + (1,) * (input.dim() - 2)
-        out = (input.float() - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        out = (input.to(mean.dtype) - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
         return out.to(input.dtype)
