@@ -44,6 +44,10 @@ parser.add_argument("--step-sleep", type=float, default=0.05)
 parser.add_argument("--alone-sleep", type=float, default=None,
                     help="seconds to sleep after a step with fewer groups than the job has (default --step-sleep): "
                          "paces a survivor so a restarted group finds it still running")
+parser.add_argument("--await-restart", type=float, default=0.0,
+                    help="while fewer groups than the job has take part, wait up to this many seconds after each step "
+                         "until the lost group's new process has started (its rank 0 logged 'start'): a survivor then "
+                         "cannot finish the job alone however slowly a loaded machine restarts its peer")
 parser.add_argument("--sharding", default=None)
 parser.add_argument("--timeout", type=float, default=10)
 parser.add_argument("--save", action="store_true", help="ud.save the model and optimizer to --out/final.pt at the end")
@@ -82,6 +86,18 @@ def digest(tensors) -> str:
     """This rank's bytes of ``tensors`` (a sharded parameter's local shard), hashed."""
     local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
     return hashlib.sha1(b"".join(t.detach().numpy().tobytes() for t in local)).hexdigest()
+
+
+def replacement_started() -> bool:
+    """Whether every rank 0 that was killed or hung (the only ones this script kills or hangs) has a new process:
+    as many 'start' events in the groups' rank-0 logs as groups plus 'kill' and 'hang' events."""
+    starts = lost = 0
+    for path in out.glob("group*_rank0.jsonl"):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)["event"] if line.strip() else None
+            starts += event == "start"
+            lost += event in ("kill", "hang")
+    return starts >= int(os.environ.get("NUM_REPLICA_GROUPS", "1")) + lost
 
 
 def once(name: str) -> bool:
@@ -135,6 +151,10 @@ while optimizer.steps_taken < args.steps:
             os.kill(os.getpid(), signal.SIGKILL)
         fewer = ud.data_parallel_world_size() < full_world
         time.sleep(args.alone_sleep if fewer and args.alone_sleep is not None else args.step_sleep)
+        waited = time.monotonic()
+        while fewer and args.await_restart and not replacement_started() \
+                and time.monotonic() - waited < args.await_restart:
+            time.sleep(0.1)
         if optimizer.steps_taken >= args.steps:
             break
 
