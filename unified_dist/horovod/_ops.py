@@ -590,6 +590,11 @@ def _splits_of(tensor: torch.Tensor, splits: Any, size: int) -> List[int]:
             raise ValueError(f"alltoall without splits needs dim 0 ({tensor.shape[0]}) divisible by the "
                              f"process set's size ({size}); give splits=")
         return [tensor.shape[0] // size] * size
+    if isinstance(splits, torch.Tensor) and (splits.dim() != 1 or splits.dtype != torch.int32):
+        # Horovod's check, made before the values are read: every rank that passes such a tensor raises,
+        # whatever it holds (a float torch.empty's garbage can read as valid counts on one rank only)
+        raise ValueError(f"alltoall expects splits as a 1-D tensor of 32-bit integers (Horovod's too); got "
+                         f"{str(splits.dtype).replace('torch.', '')}{list(splits.shape)}")
     values = [int(v) for v in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
     if len(values) != size or any(v < 0 for v in values) or sum(values) != tensor.shape[0]:
         raise ValueError(f"alltoall splits {values} must be {size} non-negative counts summing to dim 0 "

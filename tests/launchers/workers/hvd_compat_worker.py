@@ -464,6 +464,22 @@ def alltoall_of_no_rows_and_non_contiguous_tensors():
 
 
 @check
+def alltoall_splits_not_int32_raise_on_every_rank_whatever_they_hold():
+    """Issue 58 item 9: Horovod's test_horovod_alltoall_splits_type_error passes ``torch.empty(size,
+    dtype=torch.float32)`` as splits; where its garbage read as valid counts on one rank only, that rank
+    started the alltoall, the others raised, and the ranks stayed one operation apart for the rest of the
+    suite (22 failures). Horovod refuses a splits tensor that is not int32 before reading it: every rank."""
+    r, n = hvd.rank(), hvd.size()
+    splits = torch.ones(n, dtype=torch.float32) if r == 0 else torch.full((n,), 7.0)  # valid counts on rank 0
+    try:
+        hvd.alltoall(torch.zeros(n), splits)
+        raise AssertionError("an alltoall with float32 splits did not raise")
+    except ValueError:
+        pass
+    same(hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Sum), torch.tensor([n * (n + 1) / 2.0]))  # in step
+
+
+@check
 def named_operations_pair_by_name_in_any_order():
     """Ranks issue the same named operations in opposite orders: each pairs with its name (Horovod's
     negotiation), never with whatever the other rank issued at the same position."""
