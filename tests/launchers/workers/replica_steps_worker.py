@@ -4,8 +4,10 @@ An MLP classifier with ``BatchNorm1d`` (float64) over 240 fixed examples, 4 per 
 optimizer has taken ``--steps`` steps. ``--eval-every K``: every K committed steps, and once after the last, the
 usual evaluation through a prepared loader (``model.eval()``, ``torch.no_grad()``, ``ud.gather_for_metrics``) over
 a split of 50 examples (not a multiple of any batch). ``--sleep-after S``: S seconds between the last step and
-``ud.shutdown()`` (a long evaluation or save). ``--check-at-top``: the loop checks for its end at the top of its
-body, so it leaves the loader right after fetching one more batch (that step's quorum held). Each process appends
+``ud.shutdown()`` (a long evaluation or save). ``--loop``: ``for`` (``for batch in loader``, leaving it after the
+last step), ``top`` (the same, checking for its end at the top of the body: it leaves the loader right after
+fetching one more batch, that step's quorum held) or ``next`` (one iterator, ``next(it)``, kept past the last step:
+its pass never ends before the program does). Each process appends
 JSON lines to ``--out/group<G>_rank<R>.jsonl``: ``start``, ``step`` (the committed count, whether it committed),
 ``eval`` (the step, the rows gathered, the accuracy, the loss sum over the split), and ``end`` (the weights' and the
 BatchNorm buffers' hashes, the step at which it was healed).
@@ -44,8 +46,7 @@ parser.add_argument("--kill-group", type=int, default=-1)
 parser.add_argument("--kill-at", type=int, default=-1)
 parser.add_argument("--own-at-rejoin-s", type=float, default=0.0)
 parser.add_argument("--slow-heal-s", type=float, default=0.0)
-parser.add_argument("--check-at-top", action="store_true",
-                    help="leave the loop at the top of its body, after fetching a batch (its step's quorum held)")
+parser.add_argument("--loop", choices=("for", "top", "next"), default="for")
 args = parser.parse_args()
 
 ud.init(timeout=args.timeout)
@@ -119,37 +120,53 @@ def evaluate():
 
 full_world = int(os.environ.get("NUM_REPLICA_GROUPS", "1")) * ud.world_size()
 previous = None  # ud.data_parallel_world_size() in the step before
-while optimizer.steps_taken < args.steps:
-    model.train()
-    for inputs, targets in train_loader:
-        if args.check_at_top and optimizer.steps_taken >= args.steps:
-            break  # the batch just fetched held the next step's quorum: the loop leaves it
-        taking_part = ud.data_parallel_world_size()  # this step's quorum was held as its batch was fetched
-        if previous is not None and taking_part > previous:
-            record(event="rejoined", step=optimizer.steps_taken + 1)
-            time.sleep(args.own_at_rejoin_s)  # this group's own work in the step
-        previous = taking_part
-        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
-        ud.backward(loss)
-        before = optimizer.steps_taken
-        optimizer.step()
-        optimizer.zero_grad()
-        record(event="step", step=optimizer.steps_taken, committed=optimizer.steps_taken > before,
-               dp=ud.data_parallel_world_size())
-        if group == args.kill_group and optimizer.steps_taken == args.kill_at and ud.rank() == 0 and once("kill"):
-            record(event="kill", step=optimizer.steps_taken)
-            os.kill(os.getpid(), signal.SIGKILL)
-        if args.eval_every and optimizer.steps_taken > before and optimizer.steps_taken % args.eval_every == 0:
-            evaluate()
-        fewer = ud.data_parallel_world_size() < full_world
-        if fewer and args.kill_group >= 0:
-            for _ in range(1000):  # 200 s at most
-                if (out / "restarted.ready").exists():
-                    break
-                time.sleep(0.2)
-        time.sleep(args.alone_sleep if fewer and args.alone_sleep is not None else args.step_sleep)
-        if optimizer.steps_taken >= args.steps and not args.check_at_top:
-            break
+def train_on(inputs, targets) -> None:
+    """One step's work on its batch (the batch's fetch held the step's quorum)."""
+    global previous
+    taking_part = ud.data_parallel_world_size()
+    if previous is not None and taking_part > previous:
+        record(event="rejoined", step=optimizer.steps_taken + 1)
+        time.sleep(args.own_at_rejoin_s)  # this group's own work in the step
+    previous = taking_part
+    loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+    ud.backward(loss)
+    before = optimizer.steps_taken
+    optimizer.step()
+    optimizer.zero_grad()
+    record(event="step", step=optimizer.steps_taken, committed=optimizer.steps_taken > before,
+           dp=ud.data_parallel_world_size())
+    if group == args.kill_group and optimizer.steps_taken == args.kill_at and ud.rank() == 0 and once("kill"):
+        record(event="kill", step=optimizer.steps_taken)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if args.eval_every and optimizer.steps_taken > before and optimizer.steps_taken % args.eval_every == 0:
+        evaluate()
+    fewer = ud.data_parallel_world_size() < full_world
+    if fewer and args.kill_group >= 0:
+        for _ in range(1000):  # 200 s at most
+            if (out / "restarted.ready").exists():
+                break
+            time.sleep(0.2)
+    time.sleep(args.alone_sleep if fewer and args.alone_sleep is not None else args.step_sleep)
+
+
+model.train()
+if args.loop == "next":
+    held = iter(train_loader)  # kept past the last step: its pass never ends before the program does
+    while optimizer.steps_taken < args.steps:
+        try:
+            batch = next(held)
+        except StopIteration:
+            held = iter(train_loader)
+            continue
+        train_on(*batch)
+else:
+    while optimizer.steps_taken < args.steps:
+        for inputs, targets in train_loader:
+            if args.loop == "top" and optimizer.steps_taken >= args.steps:
+                break  # the batch just fetched held the next step's quorum: the loop leaves it
+            train_on(inputs, targets)
+            if args.loop == "for" and optimizer.steps_taken >= args.steps:
+                break
 
 if args.eval_every:
     evaluate()

@@ -310,3 +310,15 @@ def test_the_next_fetch_times_a_step_that_was_left_again():
     assert not groups._watchdog.armed
     groups.begin_step()  # the training loader's next fetch: the same step, timed again, no new quorum
     assert groups._watchdog.armed and groups.manager.started == 1
+
+
+def test_shutdown_stops_the_watchdog_of_a_step_still_open():
+    groups = restarted([quorum(5, FIRST_0, AGAIN_1)])
+    groups.manager.shutdown = lambda wait: None
+    groups.begin_step()  # a quorum held, and never committed
+    groups.shutdown()
+    assert not groups._watchdog.armed
+    groups._open = False
+    groups.manager.quorums.append(quorum(6, FIRST_0, AGAIN_1))
+    groups.begin_step()  # even a late quorum arms nothing any more
+    assert not groups._watchdog.armed
