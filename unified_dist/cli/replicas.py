@@ -126,12 +126,18 @@ class Group:
         return ending_of(self.process.returncode, records, self.nproc)
 
     def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait()
+        kill_session(self.process)
+
+
+def kill_session(process: Optional[subprocess.Popen]) -> None:
+    """SIGKILL the session ``process`` leads (it was started with ``start_new_session``), if it still runs, and
+    reap it."""
+    if process is not None and process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
 
 
 def status(returncode: int) -> int:
@@ -250,12 +256,7 @@ class Lighthouse:
         return None
 
     def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait()
+        kill_session(self.process)
 
 
 # ---------------------------------------------------------------------- a group's processes
