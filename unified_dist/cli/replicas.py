@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 from ..backends.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR, RESTARTS_VAR
+from ..errors import UnifiedDistError
 from ..training.preemption import REQUEUE_EXIT_CODE
 from .errors import UsageError
 from .launch import Command, Plan, environment
@@ -179,8 +180,8 @@ def lighthouse_command(port: int) -> List[str]:
 TOO_SLOW = "it did not listen within"
 
 
-class LighthouseDown(Exception):
-    """The lighthouse could not be started (the message says why)."""
+class LighthouseDown(UnifiedDistError):
+    """The lighthouse could not be started (the message says why); the launcher turns it into its one line."""
 
 
 @dataclass
