@@ -28,11 +28,13 @@ system-deps:
 $(STAMP): requirements-ci.txt requirements-offline-data.txt setup.cfg tools/build_horovod.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet pip==26.3 wheel==0.48.0 setuptools==84.2.1
-	$(PY) -m pip install --quiet -r requirements-ci.txt
+	$(PY) -m pip install --quiet -r <(grep -v '^deepspeed==' requirements-ci.txt)
+	# DeepSpeed's sdist imports torch to build: against the torch just installed, no isolation, no compiled ops
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation -c requirements-ci.txt $$(grep '^deepspeed==' requirements-ci.txt)
 	$(PY) -m pip install --quiet --no-deps -r requirements-offline-data.txt
 	if [ "$${UNIFIED_DIST_WITHOUT_HOROVOD:-0}" = 1 ]; then echo 'skipping Horovod (UNIFIED_DIST_WITHOUT_HOROVOD=1)'; else tools/build_horovod.sh $(PY); fi
 	$(PY) -m pip install --quiet --no-deps -e .
-	$(PY) -c "import torch, accelerate, transformers, datasets, trl, peft, torchft, unified_dist; print('setup ok: torch', torch.__version__)"
+	$(PY) -c "import torch, accelerate, transformers, datasets, trl, peft, torchft, deepspeed, unified_dist; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)
 
 # Lint first (rules in pyproject.toml's [tool.ruff]): a finding fails the target before the tests run.

@@ -279,10 +279,17 @@ class Cell:
         start = time.perf_counter()
         requirements = self.venv / "requirements.txt"
         wanted = pins()
-        requirements.write_text("".join(f"{name}=={version}\n" for name, version in wanted.items() if name != "torch"))
+        # deepspeed's sdist imports torch to build: installed after, against this torch (as the Makefile does)
+        requirements.write_text("".join(f"{name}=={version}\n" for name, version in wanted.items()
+                                        if name not in ("torch", "deepspeed")))
         code, out = self.pip("install", "-r", str(requirements))
         if code != 0:
             return self.stop("requirements-ci.txt", out)
+        if "deepspeed" in wanted:
+            os.environ.setdefault("DS_BUILD_OPS", "0")  # no compiled ops (clean_env copies os.environ)
+            code, out = self.pip("install", "--no-build-isolation", f"deepspeed=={wanted['deepspeed']}")
+            if code != 0:
+                return self.stop("deepspeed", out)
         if not self.keep_libraries_that_accept_torch(wanted):
             return False
         self.row["deps_install_seconds"] = round(time.perf_counter() - start, 1)
