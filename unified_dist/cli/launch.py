@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import shutil
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Dict, FrozenSet, List, Mapping, NoReturn, Optional, Tuple
 
 from .. import settings
@@ -23,6 +22,7 @@ from ..backends.precision import Precision
 from ..errors import PrecisionError, SettingError
 from ..net import DEFAULT_MASTER_PORT
 from ..registry import LAUNCHED, SPECS
+from .commands import Command, Plan, environment, search_path
 from .errors import UsageError
 
 BACKENDS: Tuple[str, ...] = LAUNCHED
@@ -38,49 +38,6 @@ INSTALL_FIX: Dict[str, str] = {name: SPECS[name].install_fix for name in BACKEND
 NATIVE: Dict[str, FrozenSet[str]] = {"accelerate": frozenset({"mixed_precision", "compile", "compile_mode"})}
 """The settings a backend's launcher carries with flags of its own (``accelerate launch --mixed_precision``)
 instead of the script's ``UNIFIED_DIST_*`` variable."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What the user asked for: a backend, a process layout, and the script with its arguments.
-
-    ``nproc`` counts processes per node. ``master_addr``/``master_port`` are for torch and
-    accelerate (accelerate also takes the port on one machine); ``hosts`` is horovod's
-    ``host:slots,...`` list; ``settings`` maps setting names (``unified-dist launch``'s flags,
-    :data:`unified_dist.settings.FLAGS`) to the values the script should run with; a setting left
-    out (or ``None``) leaves the script's own choice alone.
-    """
-
-    backend: str
-    script: str
-    script_args: Tuple[str, ...] = ()
-    nproc: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: Optional[str] = None
-    master_port: Optional[int] = None
-    hosts: Optional[str] = None
-    network_interface: Optional[str] = None
-    settings: Mapping[str, Any] = field(default_factory=dict)
-
-    def setting(self, name: str) -> Any:
-        """The value asked for setting ``name``, or ``None``."""
-        return self.settings.get(name)
-
-
-@dataclass(frozen=True)
-class Command:
-    """A launcher command line plus the variables it is run with (shown in front of it);
-    ``native`` names the settings its launcher carries with flags of its own."""
-
-    argv: Tuple[str, ...]
-    env: Dict[str, str] = field(default_factory=dict)
-    native: FrozenSet[str] = frozenset()
-
-    def line(self) -> str:
-        """One shell line a user can copy: ``VAR=value ... launcher args``."""
-        assignments = [f"{key}={shlex.quote(value)}" for key, value in self.env.items()]
-        return " ".join([*assignments, shlex.join(self.argv)])
 
 
 # ---------------------------------------------------------------------- building
@@ -237,13 +194,6 @@ def horovodrun_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Co
 
 
 # ---------------------------------------------------------------------- this machine
-def search_path(environ: Mapping[str, str] = os.environ) -> str:
-    """``PATH`` with this interpreter's directory first, so launchers and ``python`` are this environment's."""
-    own = os.path.dirname(sys.executable)
-    rest = [p for p in environ.get("PATH", "").split(os.pathsep) if p and p != own]
-    return os.pathsep.join([own, *rest])
-
-
 def _python_name() -> str:
     """``python`` when that name finds this interpreter (horovodrun starts workers by name), else its path."""
     found = shutil.which("python", path=search_path())
@@ -264,14 +214,6 @@ def check_machine(plan: Plan, environ: Mapping[str, str] = os.environ) -> None:
         raise UsageError(f"{launcher} (the {plan.backend} launcher) is not installed here; {INSTALL_FIX[plan.backend]}")
     if not os.path.isfile(plan.script):
         raise UsageError(f"script {plan.script!r} does not exist (relative to {os.getcwd()})")
-
-
-def environment(command: Command, base: Mapping[str, str] = os.environ) -> Dict[str, str]:
-    """The environment to run ``command`` in: ``base`` plus its variables, this interpreter's ``bin/`` first on PATH."""
-    env = dict(base)
-    env.update(command.env)
-    env["PATH"] = search_path(base)
-    return env
 
 
 def run(command: Command) -> NoReturn:

@@ -46,8 +46,8 @@ from typing import Any, Dict, List, Mapping, Optional
 from ..backends.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR, RESTARTS_VAR
 from ..errors import UnifiedDistError
 from ..training.preemption import REQUEUE_EXIT_CODE
+from .commands import Command, Plan, environment
 from .errors import UsageError
-from .launch import Command, Plan, environment
 from .replica_child import READY, STATUS_VAR
 
 HEARTBEAT_TIMEOUT_MS = 2000

@@ -28,8 +28,8 @@ __unified_dist_shim__ = True
 :mod:`unified_dist.detection.live` must not take it for a running Horovod."""
 
 _FROM: Dict[str, str] = {
-    **dict.fromkeys(["Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError", "ProcessSet",
-                     "global_process_set", "add_process_set", "remove_process_set", "poll", "synchronize",
+    **dict.fromkeys(["Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError"], "._names"),
+    **dict.fromkeys(["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "poll", "synchronize",
                      "allreduce_async", "allreduce_async_", "allreduce_", "grouped_allreduce_async",
                      "grouped_allreduce_async_", "grouped_allreduce_", "allgather_async", "grouped_allgather_async",
                      "broadcast_async", "broadcast_async_", "broadcast_", "alltoall_async", "reducescatter_async",

@@ -49,6 +49,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ._names import _OP_NAMES, HorovodInternalError
+
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, WAIT, JOIN, STEP = range(1, 10)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast", ALLTOALL: "alltoall",
               REDUCESCATTER: "reducescatter", BARRIER: "barrier", WAIT: "waiting for a named operation",
@@ -70,7 +72,6 @@ _PARTS, _COUNT, _DEVICE, _SIGN = 4 + MAX_DIMS, 5 + MAX_DIMS, 6 + MAX_DIMS, 7 + M
 _JOINED_TICK, _JOINED_US, _QUEUED, _NNAMES = 8 + MAX_DIMS, 9 + MAX_DIMS, 10 + MAX_DIMS, 11 + MAX_DIMS
 HEAD = 12 + MAX_DIMS
 WIDTH = HEAD + SLOTS
-_OPS = {0: "Average", 1: "Sum", 3: "Min", 4: "Max", 5: "Product"}  # Horovod's integers (_ops)
 _SHAPED = (ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER)
 _JOIN_ANSWERS = (ALLREDUCE, BARRIER, STEP)  # what a joined member answers; anything else raises on the others
 
@@ -83,8 +84,6 @@ def key_of(name: str) -> int:
 
 
 def _error(message: str) -> Exception:
-    from ._ops import HorovodInternalError  # the class users catch; _ops imports this module
-
     return HorovodInternalError(message)
 
 
@@ -160,14 +159,14 @@ def describe(row: List[int], devices: bool = False) -> str:
     ``grouped allreduce of 3 tensors, tensor 1: float32[3] op Sum`` — one member's operation, for messages."""
     k = row[_KIND]
     if k == STEP:
-        return (f"{KIND_NAMES[k]} reducing {row[_COUNT]} gradients op {_OPS.get(row[_EXTRA], row[_EXTRA])} "
+        return (f"{KIND_NAMES[k]} reducing {row[_COUNT]} gradients op {_OP_NAMES.get(row[_EXTRA], row[_EXTRA])} "
                 f"(shapes and dtypes {row[_SIGN]:x})")
     if k not in _SHAPED:
         return KIND_NAMES.get(k, f"kind {k}")
     dt = str(dtype(row)).replace("torch.", "") if dtype(row) is not None else "unsupported dtype"
     said = f"{dt}{list(shape(row))}"
     if k in (ALLREDUCE, REDUCESCATTER):
-        said = f"{said} op {_OPS.get(row[_EXTRA], row[_EXTRA])}"
+        said = f"{said} op {_OP_NAMES.get(row[_EXTRA], row[_EXTRA])}"
     elif k == BROADCAST:
         said = f"{said} root {row[_EXTRA]}"
     if devices:

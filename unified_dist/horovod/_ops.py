@@ -34,13 +34,7 @@ import torch.distributed as dist
 
 from ..errors import UnifiedDistError
 from . import _negotiation as _neg
-
-Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
-_OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
-
-
-class HorovodInternalError(UnifiedDistError):
-    """A collective failed (Horovod's name for it, a RuntimeError as there; raised where Horovod raises it)."""
+from ._names import _OP_NAMES, Adasum, Average, HorovodInternalError, Max, Min, Product, Sum
 
 
 class NotOffHorovod(UnifiedDistError, NotImplementedError):
