@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 import provenance  # noqa: E402  (bench/provenance.py, beside this file)
 from unified_dist.backends.buckets import horovod_env  # noqa: E402
+from unified_dist.backends.ports import free_port  # noqa: E402
 from unified_dist.cli import launch as ud_launch  # noqa: E402
-from unified_dist.net import free_port  # noqa: E402
 from unified_dist.registry import LAUNCHED  # noqa: E402
 from unified_dist.testing.launchers import run  # noqa: E402
 

@@ -24,9 +24,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from .backends.ports import free_port
 from .detection import ENV_BACKEND, ENV_LAUNCHER, LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
 from .errors import CollectiveTimeout, PeerLost, UnifiedDistError, WorkerFailed
-from .net import free_port
 from .registry import SPECS
 from .settings import PREFIX
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from unified_dist.net import free_port
+from unified_dist.backends.ports import free_port
 from unified_dist.testing.launchers import BIN, ROOT, child_env, command, run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

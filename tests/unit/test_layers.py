@@ -1,6 +1,6 @@
 """Layers point one way, and the folders show them. From the bottom up:
 
-- the ground floor: the top-level modules every layer uses (errors, settings, registry, net, nested,
+- the ground floor: the top-level modules every layer uses (errors, settings, registry, nested,
   compat: the switches between torch releases);
 - the subpackages, each on its own floor in :data:`FLOORS` order (detection, data, checkpoint,
   parallel, backends, collectives, training): a folder imports only the ground floor and the folders
@@ -28,7 +28,7 @@ FLOORS = ("ground", "detection", "data", "checkpoint", "parallel", "backends", "
 TOOLS = ("cli", "testing")
 API = {"facade", "saving", "elastic", "spawn"}
 """The top-level modules of the public API."""
-MAX_TOP_LEVEL = 13
+MAX_TOP_LEVEL = 12
 """Top-level modules besides the subpackages (``__init__`` and ``__main__`` included)."""
 
 

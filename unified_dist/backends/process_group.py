@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ..compat import all_gather_into_tensor
 from ..errors import LaunchError
-from ..net import DEFAULT_MASTER_PORT, free_port
 from .base import Backend
+from .ports import DEFAULT_MASTER_PORT, free_port
 
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 """torch.distributed's op for each of :data:`~unified_dist.backends.base.PRIMITIVE_OPS`."""

@@ -564,7 +564,7 @@ def _sync_bn_rank(stack: str, device: torch.device, out: Path) -> None:
 
 def _two_ranks(stack: str, device: torch.device) -> Outcome:
     """Run :func:`_sync_bn_rank` in two processes (killed after :data:`RANK_TIMEOUT_S`) and judge rank 0's figure."""
-    from ..net import free_port
+    from ..backends.ports import free_port
     from . import launch
 
     with tempfile.TemporaryDirectory(prefix="unified-dist-gpu-check-") as tmp:

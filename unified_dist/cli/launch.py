@@ -18,9 +18,9 @@ from dataclasses import replace
 from typing import Any, Dict, FrozenSet, List, Mapping, NoReturn, Optional, Tuple
 
 from .. import settings
+from ..backends.ports import DEFAULT_MASTER_PORT
 from ..backends.precision import Precision
 from ..errors import PrecisionError, SettingError
-from ..net import DEFAULT_MASTER_PORT
 from ..registry import LAUNCHED, SPECS
 from .commands import Command, Plan, environment, search_path
 from .errors import UsageError

@@ -65,7 +65,7 @@ def command_for(spec: RunSpec, script: str, args: Sequence[str]) -> Tuple[List[s
     """The native command (same as ``unified-dist launch`` prints) and its environment."""
     if spec.backend == "python":
         return [sys.executable, script, *args], dict(os.environ)
-    from ..net import free_port
+    from ..backends.ports import free_port
     from . import launch
 
     plan = launch.Plan(backend=spec.backend, script=script, script_args=tuple(args), nproc=spec.nproc,

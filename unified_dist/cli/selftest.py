@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from ..net import free_port
+from ..backends.ports import free_port
 from ..registry import SPECS
 from . import gpu_check, launch
 from .errors import UsageError

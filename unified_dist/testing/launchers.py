@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from unified_dist.backends.ports import free_port  # noqa: F401  (tests import it from here)
 from unified_dist.detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
-from unified_dist.net import free_port  # noqa: F401  (tests import it from here)
 from unified_dist.registry import SPECS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1524,7 +1524,7 @@ def main():
                         help="after the suite's ud.shutdown(), ud.init() again in the same processes and run SUITE")
     args = parser.parse_args()
     if args.spawn:
-        from unified_dist.net import free_port
+        from unified_dist.backends.ports import free_port
 
         torch.multiprocessing.spawn(_spawned, args=(args.spawn, free_port(), args.suite, args.out, args.then),
                                     nprocs=args.spawn)
@@ -1558,7 +1558,7 @@ def the_launchers_own_backend_is_recorded_for_the_backend_table():
 def _try_the_other_backends(own):
     """Each backend of :data:`BACKEND_CHOICES` but ``own``: ``ud.init(backend=...)``, the cell, ``ud.shutdown()``;
     an error from init is recorded as its type and message (every rank detects alike, so none waits)."""
-    from unified_dist.net import free_port
+    from unified_dist.backends.ports import free_port
 
     for backend in BACKEND_CHOICES:
         if backend == own:

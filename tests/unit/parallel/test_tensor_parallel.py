@@ -223,7 +223,7 @@ def test_unplanned_params_get_the_same_gradient_on_every_rank_without_an_extra_a
 def one_rank_tp_mesh(monkeypatch):
     import torch.distributed as dist
 
-    from unified_dist.net import free_port
+    from unified_dist.backends.ports import free_port
     from unified_dist.parallel.mesh import Layout
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -1,4 +1,5 @@
-"""Small network helpers shared by the launch paths, the command line, tests and benchmarks."""
+"""The rendezvous port's default and a free port: shared by the launch paths (torch-free: `unified-dist launch` reads it
+without importing torch), the process group's set-up, the command line's self-checks, tests and benchmarks."""
 from __future__ import annotations
 
 import socket
