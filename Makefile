@@ -37,11 +37,12 @@ $(STAMP): requirements-ci.txt requirements-offline-data.txt setup.cfg tools/buil
 	$(PY) -c "import torch, accelerate, transformers, datasets, trl, peft, torchft, deepspeed, unified_dist; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)
 
-# Lint first (rules in pyproject.toml's [tool.ruff]): a finding fails the target before the tests run.
+# Lint first (rules in pyproject.toml's [tool.ruff]): a finding fails the target before the tests run. Every test's
+# seconds per phase go to build/test-times.json (bench/suite_time.py turns them into docs/testing.md's budget).
 test: setup
 	$(PY) -m ruff check .
 	$(MAKE) --no-print-directory docs
-	$(PY) -m pytest -ra --durations=30 tests
+	UNIFIED_DIST_TEST_TIMES=build/test-times.json $(PY) -m pytest -ra --durations=30 tests
 
 # The documentation site (mkdocs.yml): strict, so a broken link or an unresolved reference fails it.
 docs: setup

@@ -35,6 +35,44 @@ def _refuse_unmarked_launches(item):
     return result
 
 
+_TIMES = {"items": {}}
+"""Each test's seconds per phase, written where ``UNIFIED_DIST_TEST_TIMES`` names (``make test``: build/): what
+bench/suite_time.py reads for the suite's budget in docs/testing.md."""
+
+
+def pytest_sessionstart(session):
+    _TIMES["started"] = __import__("time").time()
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("UNIFIED_DIST_TEST_TIMES"):
+        phases = _TIMES["items"].setdefault(report.nodeid, {})
+        phases[report.when] = round(report.duration, 3)
+        if report.when == "call" or report.outcome != "passed":
+            phases.setdefault("outcome", report.outcome)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    path = os.environ.get("UNIFIED_DIST_TEST_TIMES")
+    if not path or not _TIMES["items"]:
+        return
+    import json
+    import platform
+    import time
+
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    cpu = platform.processor()
+    if os.path.exists("/proc/cpuinfo"):
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                   cpu)
+    record = {"commit": commit, "command": "make test", "wall_s": round(time.time() - _TIMES["started"], 1),
+              "exit_status": int(exitstatus), "cpu": cpu, "cores": os.cpu_count(), "load_after": list(os.getloadavg()),
+              "items": _TIMES["items"]}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as out:
+        json.dump(record, out, indent=0)
+
+
 pytest_runtest_setup = pytest.hookimpl(wrapper=True)(_refuse_unmarked_launches)
 pytest_runtest_call = pytest.hookimpl(wrapper=True)(_refuse_unmarked_launches)
 
