@@ -36,16 +36,22 @@ def _refuse_unmarked_launches(item):
 
 
 _TIMES = {"items": {}}
-"""Each test's seconds per phase, written where ``UNIFIED_DIST_TEST_TIMES`` names (``make test``: build/): what
-bench/suite_time.py reads for the suite's budget in docs/testing.md."""
+"""Each test's seconds per phase, written where ``UNIFIED_DIST_TEST_TIMES`` names (``make test``: build/), with
+bench/provenance.py's record of the run (commit, CPU, load, steal): what bench/suite_time.py reads."""
 
 
 def pytest_sessionstart(session):
-    _TIMES["started"] = __import__("time").time()
+    if os.environ.get("UNIFIED_DIST_TEST_TIMES"):
+        import time
+
+        from unified_dist.testing.launchers import bench_module
+
+        _TIMES["record"] = bench_module("provenance").start()
+        _TIMES["started"] = time.time()
 
 
 def pytest_runtest_logreport(report):
-    if os.environ.get("UNIFIED_DIST_TEST_TIMES"):
+    if "record" in _TIMES:
         phases = _TIMES["items"].setdefault(report.nodeid, {})
         phases[report.when] = round(report.duration, 3)
         if report.when == "call" or report.outcome != "passed":
@@ -53,21 +59,18 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    path = os.environ.get("UNIFIED_DIST_TEST_TIMES")
-    if not path or not _TIMES["items"]:
+    if "record" not in _TIMES or not _TIMES["items"]:
         return
     import json
-    import platform
     import time
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    cpu = platform.processor()
-    if os.path.exists("/proc/cpuinfo"):
-        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                   cpu)
-    record = {"commit": commit, "command": "make test", "wall_s": round(time.time() - _TIMES["started"], 1),
-              "exit_status": int(exitstatus), "cpu": cpu, "cores": os.cpu_count(), "load_after": list(os.getloadavg()),
-              "items": _TIMES["items"]}
+    from unified_dist.testing.launchers import bench_module
+
+    record = bench_module("provenance").finish(_TIMES["record"])
+    record.pop("cpu_ticks_before", None)
+    record.update(command="make test", cores=os.cpu_count(), wall_s=round(time.time() - _TIMES["started"], 1),
+                  exit_status=int(exitstatus), items=_TIMES["items"])
+    path = os.environ["UNIFIED_DIST_TEST_TIMES"]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as out:
         json.dump(record, out, indent=0)
