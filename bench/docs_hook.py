@@ -325,8 +325,18 @@ def profile_table(datas, names, **_):
     return lines
 
 
+def suite_budget(datas, names, **_):
+    """docs/testing.md's budget of the suite: bench/suite_time.py's lines from its results file."""
+    d, name = _single(datas, names)
+    try:
+        return _mod("suite_time").table(d)
+    except KeyError as e:
+        raise ResultsError(f"bench/results/{name}: no key {e.args[0]!r} (suite-budget)") from None
+
+
 RENDERERS = {
     "provenance": provenance,
+    "suite-budget": suite_budget,
     "overhead-table": _report("overhead_table"),
     "finite-check": _report("finite_check_lines"),
     "collectives-table": _report("collectives_table"),

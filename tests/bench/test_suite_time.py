@@ -1,0 +1,54 @@
+"""bench/suite_time.py: the suite's budget sums every phase of every test, and ranks them (figures by hand)."""
+import json
+
+import pytest
+
+from unified_dist.testing.launchers import bench_module
+
+
+@pytest.fixture(scope="module")
+def suite_time():
+    return bench_module("suite_time")
+
+
+TIMES = {"commit": "abc1234", "command": "make test", "cpu": "Some CPU", "cores": 2, "wall_s": 130.0,
+         "load_before": [1.0, 1.0, 1.0], "load_after": [2.0, 1.5, 1.0], "steal_fraction": 0.01, "exit_status": 1,
+         "items": {
+             "tests/unit/test_a.py::test_one": {"setup": 0.5, "call": 1.5, "teardown": 0.0, "outcome": "passed"},
+             "tests/unit/test_a.py::test_two": {"setup": 0.0, "call": 8.0, "teardown": 0.0, "outcome": "failed"},
+             "tests/launchers/test_b.py::test_x[torchrun]": {"setup": 60.0, "call": 20.0, "teardown": 10.0,
+                                                              "outcome": "passed"},
+         }}
+
+
+def test_the_budget_is_every_phase_summed_and_ranked(suite_time):
+    s = suite_time.summarise(TIMES, slowest=3, files=1)
+    # 0.5 + 1.5 + 8 + 60 + 20 + 10 = 100 s of tests
+    assert s["tests_s"] == 100.0 and s["tests"] == 3 and s["failed"] == 1
+    assert s["budget_s"] == 1800 and s["over_s"] == -1700.0
+    assert s["by_phase"] == [{"name": "setup", "s": 60.5, "share": 0.605}, {"name": "call", "s": 29.5, "share": 0.295},
+                             {"name": "teardown", "s": 10.0, "share": 0.1}]
+    assert s["by_folder"] == [{"name": "tests/launchers", "s": 90.0, "share": 0.9},
+                              {"name": "tests/unit", "s": 10.0, "share": 0.1}]
+    assert s["by_file"] == [{"name": "tests/launchers/test_b.py", "s": 90.0, "share": 0.9}]
+    assert [(r["nodeid"].split("::")[1], r["phase"], r["s"]) for r in s["slowest"]] == [
+        ("test_x[torchrun]", "setup", 60.0), ("test_x[torchrun]", "call", 20.0), ("test_x[torchrun]", "teardown", 10.0)]
+    assert s["slowest_share"] == 0.9
+    assert s["commit"] == "abc1234" and s["cpu"] == "Some CPU" and s["load_before"] == [1.0, 1.0, 1.0]
+
+
+def test_the_docs_lines_say_the_minutes_and_the_verdict(suite_time):
+    over = dict(TIMES, items={"tests/unit/t.py::a": {"call": 2400.0}})
+    lines = suite_time.table(suite_time.summarise(over))
+    assert "**40.0 min of tests**" in lines[0] and "10.0 min over the budget of 30 min" in lines[0]
+    assert lines[-1] == "| `tests/unit/t.py::a` | call | 2400 | 100.0% |"
+    under = suite_time.table(suite_time.summarise(TIMES))
+    assert "28.3 min under the budget" in under[0]  # 1800 s - 100 s = 1700 s
+
+
+def test_a_file_that_is_not_a_run_is_one_line_and_status_2(suite_time, tmp_path, capsys):
+    empty = tmp_path / "t.json"
+    empty.write_text(json.dumps({"items": {}}))
+    assert suite_time.main([str(empty)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert suite_time.main([str(tmp_path / "missing.json")]) == 2
