@@ -37,284 +37,33 @@ Contract:
   sync`` uploads it), trackio its local store in ``project_dir/trackio`` (``TRACKIO_DIR`` wins).
 - ``init_kwargs`` maps a tracker's name to keywords for its library's own start call
   (``{"wandb": {"tags": ["a"]}}``, as Accelerate's ``init_trackers``).
+
+Where things live: one module per tracker (``jsonl``, ``tensorboard``, ``mlflow``, ``wandb``, ``trackio``),
+each a :class:`Tracker` subclass over :mod:`unified_dist.trackers.base` (the base class and the two errors);
+this module holds the registry (:data:`KINDS`, name -> class) and the functions that start, feed and
+finish the process's trackers.
 """
 from __future__ import annotations
 
 import atexit
-import importlib
-import importlib.util
-import json
 import os
-import sys
-import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .. import session, settings
-from ..errors import BackendNotInstalled, UnifiedDistError
+from ..errors import UnifiedDistError
+from .base import Tracker, TrackerError, TrackerNotInstalled
+from .jsonl import JsonlTracker
+from .mlflow import MLflowTracker
+from .tensorboard import TensorBoardTracker
+from .trackio import TrackioTracker
+from .wandb import WandBTracker
 
 NAMES: Tuple[str, ...] = settings.TRACKER_NAMES
 """Every tracker's name, in the order ``"all"`` starts them."""
 
-
-class TrackerNotInstalled(BackendNotInstalled):
-    """A tracker's library cannot be imported; the message is the ``pip install`` line."""
-
-
-class TrackerError(UnifiedDistError, ValueError):
-    """A tracker was asked for something it cannot write, or trackers were used in the wrong order."""
-
-
-# ---------------------------------------------------------------------- the trackers
-class Tracker:
-    """One tracker on one rank: ``name``, and ``tracker``, the library's own object on the main process
-    (``None`` on the others, where :meth:`log`, :meth:`log_hparams` and :meth:`finish` do nothing)."""
-
-    name = "?"
-    module: Optional[str] = None  # the library to import (None: the standard library is enough)
-    install = ""  # the pip line that installs it
-    config_at_open = False  # whether open() hands the hyper-parameters to the library's own start call
-
-    def __init__(self, directory: str, project: str, config: Dict[str, Any], kwargs: Mapping[str, Any],
-                 main: bool) -> None:
-        self.tracker: Any = None
-        self.directory, self.project = directory, project
-        if main:
-            self.tracker = self.open(config, dict(kwargs))
-            if not self.config_at_open:
-                self.log_hparams(config)
-
-    @classmethod
-    def installed(cls) -> bool:
-        return cls.module is None or importlib.util.find_spec(cls.module) is not None
-
-    @classmethod
-    def require(cls) -> None:
-        """Raise :class:`TrackerNotInstalled` (one line, the pip command) if the library is missing."""
-        if not cls.installed():
-            raise TrackerNotInstalled(f"the {cls.name} tracker needs the {cls.module} package: "
-                                      f"`{cls.install}` (or leave {cls.name} out of log_with)")
-
-    @classmethod
-    def prepare(cls, directory: str) -> None:
-        """On every rank, before anything opens: settle what the library reads from the environment
-        (a mistake is then the same one-line error everywhere). Nothing by default."""
-
-    def log(self, values: Dict[str, Union[int, float, str]], step: int) -> None:
-        if self.tracker is not None:
-            self.write(values, step)
-
-    def check_hparams(self) -> None:
-        """On every rank, before any tracker writes hyper-parameters: refuse what this one cannot store."""
-
-    def log_hparams(self, flat: Dict[str, Union[bool, int, float, str]]) -> None:
-        if self.tracker is not None and flat:
-            self.write_hparams(flat)
-
-    def finish(self) -> None:
-        if self.tracker is not None:
-            tracker, self.tracker = self.tracker, None
-            self.close(tracker)
-
-    # what each tracker does on the main process
-    def open(self, config: Dict[str, Any], kwargs: Dict[str, Any]) -> Any:
-        raise NotImplementedError
-
-    def write(self, values: Dict[str, Any], step: int) -> None:
-        raise NotImplementedError
-
-    def write_hparams(self, flat: Dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def close(self, tracker: Any) -> None:
-        raise NotImplementedError
-
-    @property
-    def folder(self) -> str:
-        """``project_dir/project_name``, created."""
-        path = os.path.join(self.directory, self.project)
-        os.makedirs(path, exist_ok=True)
-        return path
-
-
-class JsonlTracker(Tracker):
-    """``metrics.jsonl`` (one line per :meth:`log`: ``{"step": s, **values}``) and ``hparams.json``;
-    ``tracker`` is the open ``metrics.jsonl`` (its ``.name`` is the path)."""
-
-    name = "jsonl"
-
-    def open(self, config, kwargs):
-        handle = open(os.path.join(self.folder, "metrics.jsonl"), "a", **kwargs)
-        self.hparams: Dict[str, Any] = {}
-        self.write_hparams_to = os.path.join(self.folder, "hparams.json")
-        return handle
-
-    def write(self, values, step):
-        self.tracker.write(json.dumps({"step": step, **values}) + "\n")
-        self.tracker.flush()
-
-    def write_hparams(self, flat):
-        self.hparams.update(flat)
-        with open(self.write_hparams_to, "w") as handle:
-            json.dump(self.hparams, handle, indent=1)
-
-    def close(self, tracker):
-        tracker.close()
-
-
-class TensorBoardTracker(Tracker):
-    """A ``torch.utils.tensorboard.SummaryWriter`` on ``project_dir/project_name`` (or init_kwargs'
-    ``log_dir``): numbers as scalars, strings as text, hyper-parameters in the HParams plugin (in the same
-    event file)."""
-
-    name, module, install = "tensorboard", "tensorboard", "pip install tensorboard"
-
-    def open(self, config, kwargs):
-        from torch.utils.tensorboard import SummaryWriter
-
-        kwargs.setdefault("log_dir", os.path.join(self.directory, self.project))  # init_kwargs may name another
-        return SummaryWriter(**kwargs)
-
-    def write(self, values, step):
-        for key, value in values.items():
-            if isinstance(value, str):
-                self.tracker.add_text(key, value, step)
-            else:
-                self.tracker.add_scalar(key, value, step)
-        self.tracker.flush()
-
-    def write_hparams(self, flat):
-        from torch.utils.tensorboard.summary import hparams
-
-        self.hparams = {**getattr(self, "hparams", {}), **flat}  # TensorBoard shows one session's: all of them
-        for summary in hparams(self.hparams, {}):  # experiment, session start, session end
-            self.tracker.file_writer.add_summary(summary)
-        self.tracker.flush()
-
-    def close(self, tracker):
-        tracker.close()
-
-
-class MLflowTracker(Tracker):
-    """An MLflow run (``tracker``: the ``mlflow.ActiveRun``) in experiment ``project_name``, in a local
-    file store ``project_dir/mlruns`` unless ``MLFLOW_TRACKING_URI`` names another: numbers as metrics,
-    strings as tags, hyper-parameters as parameters."""
-
-    name, module, install = "mlflow", "mlflow", "pip install mlflow-skinny"
-
-    def open(self, config, kwargs):
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            # MLflow 3 refuses a file store unless asked: a local store needs no server and no database
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            os.makedirs(self.directory, exist_ok=True)
-            self.mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(self.directory, "mlruns")))
-        self.mlflow.set_experiment(self.project or "unified_dist")
-        return self.mlflow.start_run(**kwargs)
-
-    @property
-    def mlflow(self) -> Any:
-        return importlib.import_module("mlflow")
-
-    def write(self, values, step):
-        entities, now = self.mlflow.entities, int(time.time() * 1000)
-        self.mlflow.MlflowClient().log_batch(
-            self.tracker.info.run_id,
-            metrics=[entities.Metric(k, float(v), now, step) for k, v in values.items() if not isinstance(v, str)],
-            tags=[entities.RunTag(k, v) for k, v in values.items() if isinstance(v, str)])
-
-    def write_hparams(self, flat):
-        self.mlflow.MlflowClient().log_batch(
-            self.tracker.info.run_id, params=[self.mlflow.entities.Param(k, str(v)) for k, v in flat.items()])
-
-    def close(self, tracker):
-        self.mlflow.MlflowClient().set_terminated(tracker.info.run_id)
-        if self.mlflow.active_run() is not None and self.mlflow.active_run().info.run_id == tracker.info.run_id:
-            self.mlflow.end_run()
-
-
-class WandBTracker(Tracker):
-    """A Weights & Biases run (``tracker``: the ``wandb.Run``) in ``project_dir/wandb/``, offline unless
-    ``WANDB_MODE`` or ``init_kwargs={"wandb": {"mode": ...}}`` says otherwise."""
-
-    name, module, install = "wandb", "wandb", "pip install wandb"
-    config_at_open = True
-
-    def open(self, config, kwargs):
-        import wandb
-
-        os.makedirs(self.directory, exist_ok=True)
-        kwargs.setdefault("mode", os.environ.get("WANDB_MODE") or "offline")
-        return wandb.init(project=self.project or "unified_dist", dir=os.path.abspath(self.directory),
-                          config=config, **kwargs)
-
-    def write(self, values, step):
-        self.tracker.log(values, step=step)
-
-    def write_hparams(self, flat):
-        self.tracker.config.update(flat, allow_val_change=True)
-
-    def close(self, tracker):
-        tracker.finish()
-
-
-class TrackioTracker(Tracker):
-    """A trackio run (``tracker``: what ``trackio.init`` returns), stored locally in
-    ``project_dir/trackio`` (a SQLite file per project) unless ``TRACKIO_DIR`` says otherwise.
-
-    trackio reads ``TRACKIO_DIR`` once per process, when it is first imported: a later start with another
-    ``project_dir`` is refused in one line rather than written into the first one's store."""
-
-    name, module, install = "trackio", "trackio", "pip install trackio"
-    config_at_open = True
-    chosen_dir: Optional[str] = None
-    """The store this module gave ``TRACKIO_DIR`` (``None``: the user's, or none yet)."""
-
-    @classmethod
-    def prepare(cls, directory: str) -> None:
-        users = os.environ.get("TRACKIO_DIR") if os.environ.get("TRACKIO_DIR") != cls.chosen_dir else None
-        target = os.path.abspath(users or os.path.join(directory, "trackio"))
-        imported = sys.modules.get("trackio.utils")
-        if imported is not None and os.path.abspath(str(imported.TRACKIO_DIR)) != target:
-            raise TrackerError(
-                f"trackio already stores this process's runs in {imported.TRACKIO_DIR} (it reads TRACKIO_DIR once, "
-                f"at import), not {target}: give every run of the process the same project_dir")
-        if users is None:
-            os.environ["TRACKIO_DIR"] = TrackioTracker.chosen_dir = target
-
-    def open(self, config, kwargs):
-        import trackio
-
-        return trackio.init(project=self.project or "unified_dist", config=config, **kwargs)
-
-    logged = False
-    """Whether values were logged (on every rank): trackio stores a run's config with its first log only."""
-
-    def log(self, values, step):
-        self.logged = True
-        super().log(values, step)
-
-    def check_hparams(self):
-        if self.logged:
-            raise TrackerError("trackio stores a run's hyper-parameters with its first log: pass them as config when "
-                               "the trackers start, or log_hparams before the first log")
-
-    def write(self, values, step):
-        import trackio
-
-        trackio.log(values, step=step)
-
-    def write_hparams(self, flat):
-        self.tracker.config.update(flat)  # carried by the first log
-
-    def close(self, tracker):
-        if tracker.config and not self.logged:  # no log carried the hyper-parameters: one empty log at step 0 does
-            import trackio
-
-            trackio.log({}, step=0)
-        tracker.finish()
-
-
 KINDS: Dict[str, type] = {cls.name: cls for cls in (JsonlTracker, TensorBoardTracker, MLflowTracker, WandBTracker,
                                                      TrackioTracker)}
+"""Each tracker's class by its name, in :data:`NAMES` order."""
 assert tuple(KINDS) == NAMES
 
 
