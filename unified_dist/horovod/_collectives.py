@@ -30,6 +30,7 @@ class _Allreduce(torch.autograd.Function):
         return _Allreduce.apply(grad, op, pre, post, ps), None, None, None, None
 
 
+@_ops._refused_before_sending(unnamed=True)
 def allreduce(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
               compression: Any = Compression.none, op: Optional[int] = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> torch.Tensor:
@@ -53,6 +54,7 @@ class _GroupedAllreduce(torch.autograd.Function):
         return (None, None, None, None) + tuple(_GroupedAllreduce.apply(op, pre, post, ps, *grads))
 
 
+@_ops._refused_before_sending(unnamed=True)
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                       compression: Any = Compression.none, op: Optional[int] = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> list:
@@ -84,6 +86,7 @@ class _Allgather(torch.autograd.Function):
         return (rows.reshape(()) if ctx.zero_d else rows), None
 
 
+@_ops._refused_before_sending(unnamed=True)
 def allgather(tensor: torch.Tensor, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Every member's ``tensor`` concatenated along dim 0 in rank order (dim 0 may differ per rank; a
@@ -91,6 +94,7 @@ def allgather(tensor: torch.Tensor, name: Optional[str] = None,
     return _Allgather.apply(tensor, process_set)
 
 
+@_ops._refused_before_sending(unnamed=True)
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                       process_set: ProcessSet = global_process_set) -> list:
     """:func:`allgather` of each tensor; a list. Differentiable."""
@@ -109,6 +113,7 @@ class _Broadcast(torch.autograd.Function):
         return (mean if _ops._world.rank == ctx.root else mean * 0), None, None
 
 
+@_ops._refused_before_sending(unnamed=True)
 def broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
               process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """A new tensor holding global rank ``root_rank``'s ``tensor``; the input is not modified. Differentiable."""
@@ -129,6 +134,7 @@ class _Alltoall(torch.autograd.Function):
         return back, None, None
 
 
+@_ops._refused_before_sending(unnamed=True)
 def alltoall(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
              process_set: ProcessSet = global_process_set) -> Any:
     """Send ``splits[i]`` rows of ``tensor`` to member ``i`` (equal parts without ``splits``); returns the
@@ -151,6 +157,7 @@ class _Reducescatter(torch.autograd.Function):
         return allgather(grad * factor if factor != 1 else grad, process_set=ps), None, None, None, None
 
 
+@_ops._refused_before_sending(unnamed=True)
 def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression: Any = Compression.none,
                   op: int = Average, process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
@@ -162,6 +169,7 @@ def reducescatter(tensor: torch.Tensor, name: Optional[str] = None, compression:
                                                        postscale_factor), ctx)
 
 
+@_ops._refused_before_sending(unnamed=True)
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                           compression: Any = Compression.none, op: int = Average,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,

@@ -32,6 +32,11 @@ The contract:
   on the members that issued it (Horovod's error too), and the joined member goes on waiting.
 - Rows that disagree (kind, dtype, shape, device type, root, reduce op, the number of tensors of a
   grouped request) raise :class:`HorovodInternalError` on every member, naming each member's request.
+- An unnamed operation that one member refuses before sending anything (its own argument error: splits
+  that are invalid there only, a tensor that is not one) still takes its tick, as ``REFUSED``: the members
+  that issued the operation raise too, instead of pairing it with that member's next operation (Horovod
+  pairs them: a silent shift by one operation); where every member refused, nothing runs and each raises
+  its own error.
 - A transfer that fails on one member after the rows agreed leaves the others waiting for its share:
   that member raises, and refuses every later operation of the set in one line (``Controller.broken``).
 - A tick in which nothing can run is a deadlock under Horovod's semantics too (no member can change what
@@ -51,10 +56,11 @@ import torch.distributed as dist
 
 from ._names import _OP_NAMES, HorovodInternalError
 
-ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, WAIT, JOIN, STEP = range(1, 10)
+ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, WAIT, JOIN, STEP, REFUSED = range(1, 11)
 KIND_NAMES = {ALLREDUCE: "allreduce", ALLGATHER: "allgather", BROADCAST: "broadcast", ALLTOALL: "alltoall",
               REDUCESCATTER: "reducescatter", BARRIER: "barrier", WAIT: "waiting for a named operation",
-              JOIN: "join", STEP: "DistributedOptimizer step"}
+              JOIN: "join", STEP: "DistributedOptimizer step",
+              REFUSED: "an unnamed operation it refused before sending it (an argument error raised on that rank)"}
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
 CODES = {dtype: i for i, dtype in enumerate(DTYPES)}
@@ -182,6 +188,11 @@ def problem(rows: Rows, active: List[int], ranks: Sequence[int]) -> Optional[str
     first = rows[active[0]]
     k = first[_KIND]
     joined = [ranks[i] for i in range(len(rows)) if i not in active]
+    refused = [ranks[i] for i in active if rows[i][_KIND] == REFUSED]
+    if refused and len(refused) < len(active):
+        others = "; ".join(f"rank {ranks[i]}: {describe(rows[i])}" for i in active if rows[i][_KIND] != REFUSED)
+        return (f"rank(s) {refused} raised an argument error in the unnamed operation the others issued ({others}): "
+                "every rank raises, so that none pairs it with another operation; see the error on those ranks")
     if joined and k not in _JOIN_ANSWERS:
         return (f"hvd.{KIND_NAMES[k]} cannot run while rank(s) {joined} have called hvd.join() (only allreduce "
                 "and barrier can, as in Horovod): finish it before join, or reduce instead")

@@ -25,7 +25,10 @@ The contract of each function is Horovod's; what differs is how it is carried:
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -213,10 +216,57 @@ def _started(started: Sequence[Tuple[Any, Callable[[], Any]]],
     return [w for w, _ in started if w is not None], lambda: combine([f() for _, f in started])
 
 
+_request = threading.local()  # depth: inside a public operation; sent: its request reached the negotiation
+
+
+def _refused_before_sending(unnamed: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a public operation: an exception it raises on this rank before its request reached the
+    negotiation (an argument error: splits invalid on this rank only, a tensor that is not one) is told to the
+    other members of its process set in the request's tick (``REFUSED``, :mod:`._negotiation`), so they raise
+    too instead of pairing their operation with this rank's next one; this rank then raises its own error.
+    Only unnamed requests tick (``unnamed``: the operation runs unnamed whatever its ``name``, as the
+    differentiable ones of :mod:`._collectives` do); only the outermost decorated call acts."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if getattr(_request, "depth", 0):
+                return fn(*args, **kwargs)
+            _request.depth, _request.sent = 1, False
+            try:
+                return fn(*args, **kwargs)
+            except HorovodInternalError:
+                raise
+            except Exception:
+                if not _request.sent:
+                    bound = signature.bind(*args, **kwargs)
+                    bound.apply_defaults()
+                    if unnamed or bound.arguments.get("name") is None:
+                        _tell_refusal(bound.arguments.get("process_set", global_process_set))
+                raise
+            finally:
+                _request.depth = 0
+        return call
+    return wrap
+
+
+def _tell_refusal(ps: Any) -> None:
+    """This rank's tick for an unnamed request it refused (see :func:`_refused_before_sending`); what the tick
+    raises here is dropped: the caller raises its own error."""
+    try:
+        if not isinstance(ps, ProcessSet) or not _communicates(ps):
+            return
+        _controller(ps).run_unnamed(_neg.Part(_neg.REFUSED, 0, None, lambda rows, active: (None, lambda: None)))
+    except Exception:  # noqa: S110 - the others raise from the same rows; this rank raises its own error
+        pass
+
+
 def _submit(parts: Sequence[_neg.Part], name: Optional[str], ps: ProcessSet,
             combine: Callable[[List[Any]], Any] = _one) -> int:
     """Run ``parts`` as one operation: at once on a one-member set; unnamed, each part ticks now (in call
     order); named, queued until every member asked for ``name`` (it then runs in the agreed order)."""
+    _request.sent = True  # from here an error is the negotiation's (every member's), or after the request left
     _claim(name)
     if not _communicates(ps):
         return _handle(*_started([part.issue(None, None) for part in parts], combine))
@@ -414,6 +464,7 @@ def _allreduce_part(tensor: torch.Tensor, op: int, prescale_factor: float, posts
     return _neg.Part(_neg.ALLREDUCE, op, tensor, issue)
 
 
+@_refused_before_sending()
 def allreduce_async_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                      op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
@@ -456,6 +507,7 @@ def gradient_step(specs: Sequence[Tuple[int, ...]], op: int, process_set: Proces
     _controller(process_set).run_unnamed(part)
 
 
+@_refused_before_sending()
 def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                     op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: ProcessSet = global_process_set) -> int:
@@ -465,6 +517,7 @@ def allreduce_async(tensor: torch.Tensor, average: Optional[bool] = None, name: 
                             process_set)
 
 
+@_refused_before_sending()
 def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optional[str] = None,
                op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
@@ -472,6 +525,7 @@ def allreduce_(tensor: torch.Tensor, average: Optional[bool] = None, name: Optio
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
+@_refused_before_sending()
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                              name: Optional[str] = None, op: Optional[int] = None, prescale_factor: float = 1.0,
                              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> int:
@@ -481,6 +535,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: Optional[
     return _submit(parts, name, process_set, list)
 
 
+@_refused_before_sending()
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[bool] = None,
                             name: Optional[str] = None, op: Optional[int] = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> int:
@@ -489,6 +544,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: Optional[b
                                     postscale_factor, process_set)
 
 
+@_refused_before_sending()
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: Optional[bool] = None, name: Optional[str] = None,
                        op: Optional[int] = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                        process_set: ProcessSet = global_process_set) -> List[torch.Tensor]:
@@ -521,12 +577,14 @@ def _allgather_part(tensor: torch.Tensor, process_set: ProcessSet) -> _neg.Part:
     return _neg.Part(_neg.ALLGATHER, 0, work, issue)
 
 
+@_refused_before_sending()
 def allgather_async(tensor: torch.Tensor, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start gathering ``tensor`` from every member along dim 0 (the input is not modified); a handle."""
     return _submit([_allgather_part(tensor, process_set)], name, process_set)
 
 
+@_refused_before_sending()
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None,
                             process_set: ProcessSet = global_process_set) -> int:
     """:func:`allgather_async` of each tensor; one handle whose result is the list."""
@@ -557,6 +615,7 @@ def _broadcast_part(tensor: torch.Tensor, root_rank: int, process_set: ProcessSe
     return _neg.Part(_neg.BROADCAST, root_rank, tensor, issue)
 
 
+@_refused_before_sending()
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                      process_set: ProcessSet = global_process_set) -> int:
     """Start overwriting ``tensor`` in place with rank ``root_rank``'s value; a handle."""
@@ -564,6 +623,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: Optional[str] =
     return _submit([_broadcast_part(target, root_rank, process_set)], name, process_set)
 
 
+@_refused_before_sending()
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """As :func:`broadcast_async_` into a new tensor: the input is not modified."""
@@ -571,6 +631,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: Optional[str] = 
     return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
 
 
+@_refused_before_sending()
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: Optional[str] = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` in place with rank ``root_rank``'s value; returns it."""
@@ -596,6 +657,7 @@ def _splits_of(tensor: torch.Tensor, splits: Any, size: int) -> List[int]:
     return values
 
 
+@_refused_before_sending()
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: Optional[str] = None,
                    process_set: ProcessSet = global_process_set) -> int:
     """Start sending ``splits[i]`` rows of ``tensor`` (equal parts without ``splits``) to member ``i``;
@@ -659,6 +721,7 @@ def _reducescatter_part(tensor: torch.Tensor, op: int, process_set: ProcessSet, 
     return _neg.Part(_neg.REDUCESCATTER, op, tensor, issue)
 
 
+@_refused_before_sending()
 def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: int = Average,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> int:
@@ -667,6 +730,7 @@ def reducescatter_async(tensor: torch.Tensor, name: Optional[str] = None, op: in
     return _submit([part], name, process_set)
 
 
+@_refused_before_sending()
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: Optional[str] = None, op: int = Average,
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:

@@ -480,6 +480,28 @@ def alltoall_splits_not_int32_raise_on_every_rank_whatever_they_hold():
 
 
 @check
+def an_argument_error_on_one_rank_raises_on_every_rank_and_keeps_them_in_step():
+    """Issue 58 item 8: splits invalid on rank 0 only. Rank 0 raises its ValueError before sending; the
+    others raise too (HorovodInternalError, the rows say rank 0 refused), instead of pairing their alltoall
+    with rank 0's next one. Real Horovod pairs them (the others' result then holds rank 0's next data, and
+    every later operation is one apart): a difference in our favour, so ours only."""
+    if os.environ.get("HOROVOD_RANK") is not None:
+        return
+    r, n = hvd.rank(), hvd.size()
+    rows = torch.arange(2.0 * n) + 100 * r  # 2 rows to each rank
+    bad = torch.full((n,), -1, dtype=torch.int32) if r == 0 else torch.full((n,), 2, dtype=torch.int32)
+    try:
+        hvd.alltoall(rows, bad)
+        raise AssertionError("an alltoall with splits invalid on rank 0 did not raise here")
+    except (ValueError, hvd.HorovodInternalError) as exc:
+        expected = ValueError if r == 0 else hvd.HorovodInternalError
+        assert type(exc) is expected, f"{type(exc).__name__}: {exc}"
+        assert r == 0 or "[0] raised an argument error" in str(exc), str(exc)
+    got, _ = hvd.alltoall(rows, torch.full((n,), 2, dtype=torch.int32))
+    same(got, torch.cat([torch.arange(2.0 * r, 2.0 * r + 2) + 100 * s for s in range(n)]))  # in step
+
+
+@check
 def named_operations_pair_by_name_in_any_order():
     """Ranks issue the same named operations in opposite orders: each pairs with its name (Horovod's
     negotiation), never with whatever the other rank issued at the same position."""
