@@ -22,16 +22,14 @@ taken ``--steps`` steps. Five launches, shared by every assertion:
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from unified_dist.backends.ports import free_port
 from unified_dist.testing.launchers import BIN, ROOT, child_env, command, kill_session, run
+from unified_dist.testing.replica_runs import events, group_env, launch_command, lighthouse_by_hand
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TIMEOUT = 240
@@ -50,13 +48,8 @@ CPU's kernels. A real mistake is another update: one step on 4 examples instead 
 and test_the_steps_with_fewer_samples_account_for_the_final_loss asserts the interrupted run is 1000 x further."""
 
 
-def events(folder: Path, group: int, rank: int = 0) -> list:
-    return [json.loads(line) for line in (folder / f"group{group}_rank{rank}.jsonl").read_text().splitlines()]
-
-
 def launch(folder: Path, groups: int, nproc: int, args: list):
-    cmd = [str(BIN / "unified-dist"), "launch", "--backend", "torch", "--nproc", str(nproc), "--replica-groups",
-           str(groups), str(SCRIPT), "--out", str(folder), *args]
+    cmd = launch_command([SCRIPT, "--out", folder, *args], groups, nproc, flags=["--backend", "torch"])
     result = run(cmd, TIMEOUT, child_env())
     result.check()
     return result
@@ -203,37 +196,28 @@ def test_fsdp_inside_groups_of_two_survives_the_loss_of_the_first_group(runs):
 def srun_groups(module_dirs, slurm_cluster):
     """Launch 6 of the module doc: the groups started by hand, as on several hosts."""
     folder = module_dirs.mktemp("replica_srun")
-    port = free_port()
-    lighthouse = subprocess.Popen(
-        [str(BIN / "torchft_lighthouse"), "--min_replicas", "1", "--bind", f"[::]:{port}", "--quorum_tick_ms", "100",
-         "--join_timeout_ms", "5000", "--heartbeat_timeout_ms", "2000"],
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     started = []
+    with lighthouse_by_hand() as address:
 
-    def group(index: int, restarts: int = 0) -> subprocess.Popen:
-        env = child_env({**slurm_cluster, "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}",
-                         "REPLICA_GROUP_ID": str(index), "NUM_REPLICA_GROUPS": "2",
-                         "REPLICA_GROUP_RESTARTS": str(restarts)})
-        log = open(folder.parent / f"srun_group{index}_{restarts}.log", "w")
-        args = ["--out", str(folder), "--steps", str(STEPS), *PACE, "--kill-group", "1",
-                "--kill-at", "8"]
-        started.append(subprocess.Popen(command("srun", str(SCRIPT), args, nproc=1), env=env, stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True))
-        return started[-1]
+        def group(index: int, restarts: int = 0) -> subprocess.Popen:
+            log = open(folder.parent / f"srun_group{index}_{restarts}.log", "w")
+            args = ["--out", str(folder), "--steps", str(STEPS), *PACE, "--kill-group", "1", "--kill-at", "8"]
+            started.append(subprocess.Popen(command("srun", str(SCRIPT), args, nproc=1),
+                                            env=group_env(address, index, 2, restarts, slurm_cluster), stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True))
+            return started[-1]
 
-    try:
-        survivor, lost = group(0), group(1)
-        first = lost.wait(timeout=TIMEOUT)  # killed after its step 8
-        time.sleep(5)  # as a requeue would: the survivor goes on alone meanwhile (past the 2 s heartbeat timeout)
-        again = group(1, restarts=1)
-        codes = (first, survivor.wait(timeout=TIMEOUT), again.wait(timeout=TIMEOUT))
-        output = "".join(p.read_text() for p in sorted(folder.parent.glob("srun_group*.log")))
-        return {"folder": folder, "codes": codes, "output": output}
-    finally:
-        for process in started:
-            kill_session(process.pid)
-        os.killpg(lighthouse.pid, signal.SIGKILL)
-        lighthouse.wait()
+        try:
+            survivor, lost = group(0), group(1)
+            first = lost.wait(timeout=TIMEOUT)  # killed after its step 8
+            time.sleep(5)  # as a requeue would: the survivor goes on alone meanwhile (past the 2 s heartbeat timeout)
+            again = group(1, restarts=1)
+            codes = (first, survivor.wait(timeout=TIMEOUT), again.wait(timeout=TIMEOUT))
+            output = "".join(p.read_text() for p in sorted(folder.parent.glob("srun_group*.log")))
+            return {"folder": folder, "codes": codes, "output": output}
+        finally:
+            for process in started:
+                kill_session(process.pid)
 
 
 def test_groups_started_by_hand_under_srun_survive_a_kill_as_the_docs_say(srun_groups):

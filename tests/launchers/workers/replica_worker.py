@@ -30,6 +30,7 @@ import torch
 
 import unified_dist as ud
 from unified_dist import session
+from unified_dist.testing.replica_runs import Records
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=24)
@@ -57,15 +58,8 @@ parser.add_argument("--replay", default=None,
 args = parser.parse_args()
 
 ud.init(timeout=args.timeout, **({"sharding": args.sharding} if args.sharding else {}))
-group = int(os.environ.get("REPLICA_GROUP_ID", "0"))
-out = Path(args.out)
-out.mkdir(parents=True, exist_ok=True)
-log_path = out / f"group{group}_rank{ud.rank()}.jsonl"
-
-
-def record(**event):
-    with open(log_path, "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "t": time.time(), **event}) + "\n")
+record = Records(args.out, ud.rank())
+group, out = record.group, record.out
 
 
 record(event="start")
@@ -100,15 +94,6 @@ def replacement_started() -> bool:
     return starts >= int(os.environ.get("NUM_REPLICA_GROUPS", "1")) + lost
 
 
-def once(name: str) -> bool:
-    marker = out / f"{name}.done"
-    try:
-        marker.touch(exist_ok=False)
-        return True
-    except FileExistsError:
-        return False
-
-
 full_world = int(os.environ.get("NUM_REPLICA_GROUPS", "1")) * ud.world_size()
 if args.replay:
     from unified_dist.data.loaders import shard
@@ -139,14 +124,15 @@ while optimizer.steps_taken < args.steps:
         before = optimizer.steps_taken
         upcoming = before + 1
         used = digest(model.parameters())  # the weights this step's forward ran on
-        if group == args.hang_group and upcoming == args.hang_at and ud.rank() == 0 and once("hang"):
+        if group == args.hang_group and upcoming == args.hang_at and ud.rank() == 0 and record.once("hang"):
             record(event="hang", step=upcoming)
             time.sleep(args.hang_s)
         optimizer.step()
         optimizer.zero_grad()
         record(event="step", step=optimizer.steps_taken, committed=optimizer.steps_taken > before, used=used,
                dp=ud.data_parallel_world_size(), loss=loss.item())
-        if group == args.kill_group and optimizer.steps_taken == args.kill_at and ud.rank() == 0 and once("kill"):
+        if group == args.kill_group and optimizer.steps_taken == args.kill_at and ud.rank() == 0 \
+                and record.once("kill"):
             record(event="kill", step=optimizer.steps_taken)
             os.kill(os.getpid(), signal.SIGKILL)
         fewer = ud.data_parallel_world_size() < full_world
