@@ -20,18 +20,17 @@ import json
 import os
 import re
 import signal
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional
 
 import pytest
-from test_replica_groups import events  # pytest puts this folder on sys.path
 
 from unified_dist.cli.replica_child import READY
 from unified_dist.cli.replicas import STOP_GRACE_S
-from unified_dist.testing.launchers import BIN, ROOT, child_env, kill_session
+from unified_dist.testing.launchers import ROOT
+from unified_dist.testing.replica_runs import Launch, events, launch_command
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = ROOT / "tests" / "launchers" / "workers" / "replica_stop_worker.py"
@@ -50,50 +49,23 @@ def starts(out: Path, group: int) -> list:
     return [e for e in events(out, group) if e["event"] == "start"]
 
 
-class Launch:
-    """``unified-dist launch --replica-groups 2`` of the worker, in the background, its output in a file."""
-
-    def __init__(self, folder: Path, *args: str, run_dir: Optional[Path] = None) -> None:
-        self.out, self.log = folder / "out", folder / "launch.log"
-        given = ["--replica-log-dir", str(run_dir)] if run_dir else []  # else a new folder the first line names
-        cmd = [str(BIN / "unified-dist"), "launch", "--nproc", "1", "--replica-groups", "2", *given, str(SCRIPT),
-               "--out", str(self.out), *args]
-        with open(self.log, "w") as log:
-            self.process = subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-
-    @property
-    def output(self) -> str:
-        return self.log.read_text()
-
-    @property
-    def run_dir(self) -> Path:
-        """The run's folder, as the launcher's first line names it."""
-        return Path(re.search(r"\+ torchft lighthouse at \S+ \(pid \d+, log (\S+)/lighthouse.log\)", self.output)[1])
-
-    def wait_for(self, condition, limit: float, what: str) -> None:
-        deadline = time.monotonic() + limit
-        while not condition():
-            assert self.process.poll() is None, f"the launch ended ({self.process.returncode}) before {what}:\n" \
-                                                f"{self.output[-4000:]}"
-            assert time.monotonic() < deadline, f"no {what} within {limit:g} s:\n{self.output[-4000:]}"
-            time.sleep(0.2)
-
-    def wait(self, limit: float) -> int:
-        try:
-            return self.process.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the launch did not end within {limit:g} s:\n{self.output[-4000:]}", pytrace=False)
+def start(folder: Path, *args: str, run_dir: Optional[Path] = None) -> Launch:
+    """``unified-dist launch --replica-groups 2`` of the worker (no ``--backend``: it implies torch) in the
+    background, writing to ``folder/out``, its output in ``folder/launch.log``; ``run_dir``: the launcher's
+    ``--replica-log-dir`` (else a new folder its first line names)."""
+    given = ["--replica-log-dir", str(run_dir)] if run_dir else []
+    return Launch(launch_command([SCRIPT, "--out", folder / "out", *args], flags=given), folder / "launch.log",
+                  out=folder / "out")
 
 
 @pytest.fixture(scope="module")
 def preempted(module_dirs):
     """Launch 1 of the module doc."""
-    launch = Launch(module_dirs.mktemp("replica_lighthouse_then_sigterm"), "--steps", "100000", "--step-sleep", "0.1")
+    launch = start(module_dirs.mktemp("replica_lighthouse_then_sigterm"), "--steps", "100000", "--step-sleep", "0.1")
     out = launch.out
-    try:
+    with launch:
         launch.wait_for(lambda: all(len(committed(out, g)) >= 3 for g in (0, 1)), START_S, "3 steps on each group")
-        pid = int(re.search(r"\+ torchft lighthouse at \S+ \(pid (\d+)", launch.output).group(1))
+        pid = launch.lighthouse_pid
         before = {g: len(committed(out, g)) for g in (0, 1)}
         os.kill(pid, signal.SIGKILL)
         launch.wait_for(lambda: all(sum(dp == 2 for _, dp in committed(out, g)[before[g]:]) >= 3 for g in (0, 1)),
@@ -103,8 +75,6 @@ def preempted(module_dirs):
         code = launch.wait(STOP_GRACE_S + 60)
         return {"launch": launch, "code": code, "stop_s": time.monotonic() - sent, "lighthouse_pid": pid,
                 "before": before}
-    finally:
-        kill_session(launch.process.pid)
 
 
 def test_a_killed_lighthouse_comes_back_on_its_address_and_the_groups_train_on(preempted):
@@ -150,12 +120,9 @@ def test_sigterm_to_the_launcher_reaches_every_group_which_saves_and_the_launch_
 @pytest.fixture(scope="module")
 def late_restart(module_dirs):
     """Launch 2 of the module doc."""
-    launch = Launch(module_dirs.mktemp("replica_late_restart"), "--steps", "14", "--step-sleep", "0.1",
-                    "--kill-group", "1", "--kill-at", "4", "--restart-waits-for", "group0_rank0.ended")
-    try:
+    with start(module_dirs.mktemp("replica_late_restart"), "--steps", "14", "--step-sleep", "0.1",
+               "--kill-group", "1", "--kill-at", "4", "--restart-waits-for", "group0_rank0.ended") as launch:
         return {"launch": launch, "code": launch.wait(START_S + 120)}
-    finally:
-        kill_session(launch.process.pid)
 
 
 def test_a_restart_that_comes_after_the_survivor_finished_ends_the_job_well(late_restart):
@@ -174,11 +141,8 @@ def test_a_restart_that_comes_after_the_survivor_finished_ends_the_job_well(late
 def usage_error(module_dirs):
     """Launch 3 of the module doc."""
     folder = module_dirs.mktemp("replica_usage_error")
-    launch = Launch(folder, "--steps", "100000", "--usage-error-group", "1", run_dir=folder / "run")
-    try:
+    with start(folder, "--steps", "100000", "--usage-error-group", "1", run_dir=folder / "run") as launch:
         return {"launch": launch, "code": launch.wait(START_S), "folder": folder}
-    finally:
-        kill_session(launch.process.pid)
 
 
 def test_a_usage_error_is_not_restarted_and_stops_the_job_with_its_status(usage_error):

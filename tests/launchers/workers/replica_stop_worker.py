@@ -14,16 +14,15 @@ given a setting it refuses, and the script says so in one line and exits 2, as t
 """
 import argparse
 import hashlib
-import json
 import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import unified_dist as ud
+from unified_dist.testing.replica_runs import Records
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -36,17 +35,10 @@ parser.add_argument("--restart-waits-for", default=None)
 parser.add_argument("--usage-error-group", type=int, default=-1)
 args = parser.parse_args()
 
-group = int(os.environ["REPLICA_GROUP_ID"])
 restarts = int(os.environ.get("REPLICA_GROUP_RESTARTS", "0"))
-out = Path(args.out)
-out.mkdir(parents=True, exist_ok=True)
 rank = int(os.environ.get("RANK", "0"))
-log_path = out / f"group{group}_rank{rank}.jsonl"
-
-
-def record(**event):
-    with open(log_path, "a") as f:
-        f.write(json.dumps({"pid": os.getpid(), "t": time.time(), **event}) + "\n")
+record = Records(args.out, rank)  # before ud.init: a usage error there is recorded too
+group, out = record.group, record.out
 
 
 record(event="start", restarts=restarts)
