@@ -102,7 +102,8 @@ def test_the_library_never_imports_its_test_helpers():
 
 
 def test_the_helpers_import_no_torch():
-    code = ("import sys, unified_dist.testing.launchers, unified_dist.testing.multinode\n"
+    code = ("import sys, unified_dist.testing.launchers, unified_dist.testing.multinode, "
+            "unified_dist.testing.replica_runs\n"
             "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=120)

@@ -4,6 +4,8 @@
   timeout that kills the launcher's whole process tree; a clean child environment.
 - :mod:`unified_dist.testing.multinode`: two hosts made of network namespaces, and the launch
   lines users type on each node of a two-node job.
+- :mod:`unified_dist.testing.replica_runs`: what the replica-group launch tests and their workers share
+  (the workers' records, the launch command, a launch in the background, a lighthouse started by hand).
 - :class:`unified_dist.testing.launchers.LaunchWatch`: whether code launched processes (the tests'
   ``distributed`` marker must say so).
 
