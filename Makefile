@@ -62,7 +62,7 @@ mutants: setup
 versions: setup
 	$(PY) bench/versions.py
 
-# Every CUDA path in a few minutes on one GPU (unified_dist/cli/gpu_check.py), written to
+# Every CUDA path in a few minutes on one GPU (unified_dist/checks/gpu.py), written to
 # bench/results/gpu_check_<date>.json for docs/gpus.md; without a GPU one line, exit status 0.
 gpu-check: setup
 	$(PY) -m unified_dist test --gpu

@@ -358,8 +358,8 @@ RENDERERS = {
 def gpu_checks(results: Path = RESULTS) -> list:
     """docs/gpus.md's table of ``make gpu-check``: the newest bench/results/gpu_check_<date>.json (each
     check, what it checks, its result and figure, then the file's provenance); before any is recorded,
-    every check of unified_dist/cli/gpu_check.py listed as not yet run on a GPU."""
-    from unified_dist.cli.gpu_check import CHECKS, figure_text
+    every check of unified_dist/checks/gpu.py listed as not yet run on a GPU."""
+    from unified_dist.checks.gpu import CHECKS, figure_text
 
     what = {name: text for name, _, text in CHECKS}
     files = sorted(Path(results).glob("gpu_check_*.json"))

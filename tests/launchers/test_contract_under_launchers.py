@@ -3,7 +3,7 @@ and a real srun (one-node SLURM made by tools/slurm_cluster.sh) and Open MPI's m
 
 Each (launcher, suite) pair is launched once per session with 2 processes (1 for plain python), by
 the first test that needs it (the ``runs`` fixture); every check in tests/launchers/workers/contract_worker.py
-(whose core suite starts with the self-test's list, unified_dist/cli/contract.py) becomes one test
+(whose core suite starts with the self-test's list, unified_dist/checks/contract.py) becomes one test
 item here, asserted on every rank.
 """
 from __future__ import annotations

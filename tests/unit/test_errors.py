@@ -128,7 +128,7 @@ def test_every_exception_class_of_the_library_is_a_unified_dist_error():
     # a carrier of a worker's traceback text, only ever attached as WorkerFailed's __cause__; and the signal
     # unified-dist plan's worker raises to stop the user's script after its first step and catches itself
     # (a BaseException, so that the script's `except Exception` cannot swallow it)
-    carriers = {"unified_dist.spawn.RemoteTraceback", "unified_dist.cli.plan_worker._Planned"}
+    carriers = {"unified_dist.spawn.RemoteTraceback", "unified_dist.checks.plan_worker._Planned"}
     foreign = []
     for info in pkgutil.walk_packages(ud.__path__, "unified_dist."):
         if info.name == "unified_dist.__main__":

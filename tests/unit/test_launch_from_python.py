@@ -2,7 +2,7 @@
 
 Each case is a real ``python -c`` session (the function is typed into ``__main__``, as in a
 notebook) or a script, run as a subprocess with a timeout. The workers run contract checks of
-unified_dist/cli/contract.py (values from arithmetic and a single-process computation)
+unified_dist/checks/contract.py (values from arithmetic and a single-process computation)
 and rank 0 returns every rank's outcome.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ WORK = textwrap.dedent('''
     import unified_dist as ud
 
     def work(tag, checks):
-        from unified_dist.cli.contract import CHECKS, Context
+        from unified_dist.checks.contract import CHECKS, Context
         ud.init()
         outcome = {"tag": tag, "backend": ud.backend_name(), "launcher": ud.launcher(), "rank": ud.rank(),
                    "world_size": ud.world_size(), "sum_of_ones": ud.all_reduce(torch.ones(1), "sum").item()}

@@ -11,7 +11,8 @@
   which reach the session and delegate;
 - the peers' APIs over it (``accelerate/``: Accelerate's ``Accelerator`` on every launcher;
   ``horovod/``: ``horovod.torch``'s API on every launcher);
-- the tools built on the public API (``cli/``, ``testing/``, ``__main__``).
+- the tools built on the public API (``cli/``, ``checks/``, ``testing/``, ``__main__``): ``checks/``
+  (what the commands run) never imports ``cli/`` (the commands).
 
 Nothing imports a floor above its own, at module level or inside a function (a function-level
 import hides a cycle until it runs: sync_batchnorm once reached the facade from inside three
@@ -24,8 +25,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "unified_dist"
 FLOORS = ("ground", "detection", "data", "checkpoint", "parallel", "backends", "collectives", "training",
           "session", "trackers", "api", "accelerate", "horovod", "tools")
-"""Bottom to top. A subpackage's floor is its folder's name here; cli/ and testing/ are tools."""
-TOOLS = ("cli", "testing")
+"""Bottom to top. A subpackage's floor is its folder's name here; cli/, checks/ and testing/ are tools."""
+TOOLS = ("cli", "checks", "testing")
 API = {"facade", "saving", "elastic", "spawn"}
 """The top-level modules of the public API."""
 MAX_TOP_LEVEL = 12
@@ -169,6 +170,14 @@ def test_no_import_circle():
     """Two modules that import each other (at module level or inside a function) are one module split badly:
     what both need belongs in a leaf module they both import (cli/commands.py, horovod/_names.py)."""
     assert circles(import_graph()) == []
+
+
+def test_the_checks_import_no_command():
+    """checks/ sits below cli/: the commands start the checks, the checks never reach back into a command
+    (a worker that imported cli/ would load the command line in every rank)."""
+    upward = sorted(f"{name} -> {m}" for name, path in MODULES.items() if name.startswith("unified_dist.checks")
+                    for m in imports(path, name) if m.startswith("unified_dist.cli"))
+    assert upward == []
 
 
 def test_the_circle_check_finds_a_circle_through_a_function_level_import():

@@ -3,7 +3,7 @@ the job waits in a queue.
 
 ``unified-dist plan --nproc G --nnodes N [the layout flags of unified-dist launch] train.py ARGS``
 runs ``train.py`` as one simulated rank (``--rank``, default 0) of the ``N x G`` world, in a child
-process (:mod:`unified_dist.cli.plan_worker`: torch's fake process group and fake tensors, nothing
+process (:mod:`unified_dist.checks.plan_worker`: torch's fake process group and fake tensors, nothing
 allocated at real size), up to and including its first optimizer step, and prints for that rank:
 the bytes of parameters, gradients and optimizer state it holds (the local shards FSDP2 and tensor
 parallelism give it), the bytes its first forward saves for backward, the collectives of the step by
@@ -78,10 +78,10 @@ def environment(plan: launch.Plan, rank: int, base=os.environ) -> Dict[str, str]
 
 
 def simulate(plan: launch.Plan, rank: int) -> Dict[str, Any]:
-    """The report of :mod:`unified_dist.cli.plan_worker` for ``rank`` (the script's output on stderr)."""
+    """The report of :mod:`unified_dist.checks.plan_worker` for ``rank`` (the script's output on stderr)."""
     with tempfile.TemporaryDirectory(prefix="ud-plan-") as tmp:
         out = os.path.join(tmp, "plan.json")
-        command = [sys.executable, "-m", "unified_dist.cli.plan_worker", out, plan.script, *plan.script_args]
+        command = [sys.executable, "-m", "unified_dist.checks.plan_worker", out, plan.script, *plan.script_args]
         done = subprocess.run(command, env=environment(plan, rank), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, errors="replace")
         sys.stderr.write(done.stdout)

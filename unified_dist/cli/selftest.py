@@ -1,66 +1,24 @@
-"""``unified-dist test``: every collective and a training step, under each backend's real launcher.
+"""``unified-dist test``: the self-test under each backend's real launcher, or (``--gpu``) every CUDA path
+on this machine's GPU.
 
-For each backend, :func:`run_backend` launches ``selftest_worker.py`` with the command
-:mod:`.launch` builds (a free port where the launcher takes one), in its own process group,
-and kills that group when the timeout expires, so a hang is a failure rather than a stuck
-terminal. The ranks write their results to a temporary folder; :func:`main` prints one table
-row per backend and check, and exits 1 if any row did not pass.
+The command reads the options, builds each launch as ``unified-dist launch`` would (:mod:`.launch`) and
+prints; the checks and their runners live in :mod:`unified_dist.checks` (:mod:`~unified_dist.checks.selftest`
+and its worker, :mod:`~unified_dist.checks.contract`; :mod:`~unified_dist.checks.gpu` and
+:mod:`~unified_dist.checks.gpu_checks`).
 """
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
-import os
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..backends.ports import free_port
-from ..registry import SPECS
-from . import gpu_check, launch
+from ..checks import gpu, selftest
+from ..checks.processes import installed
+from . import launch
 from .errors import UsageError
-from .processes import clean_environment, kill_tree
 
-WORKER = Path(__file__).with_name("selftest_worker.py")
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_TIMEOUT_S = 240.0
-
-
-@dataclass
-class Row:
-    """One line of the table."""
-
-    backend: str
-    check: str
-    status: str  # "pass", "FAIL", "hung" (still running when the launch was killed) or "not run"
-    seconds: Optional[float] = None
-    detail: str = ""
-
-
-@dataclass
-class BackendRun:
-    """The outcome of one backend's launch."""
-
-    backend: str
-    rows: List[Row]
-    log_tail: str
-
-    @property
-    def passed(self) -> bool:
-        return all(row.status == "pass" for row in self.rows)
-
-
-def installed(backend: str) -> bool:
-    """The backend's library and its launcher are present (whether they work is what the test finds out)."""
-    library = SPECS[backend].library
-    has_library = library is None or importlib.util.find_spec(library) is not None
-    return has_library and launch.find_launcher(backend) is not None
 
 
 def choose_backends(requested: Optional[Sequence[str]]) -> List[str]:
@@ -78,83 +36,18 @@ def choose_backends(requested: Optional[Sequence[str]]) -> List[str]:
     return chosen
 
 
-def _rows(backend: str, out: Path, nproc: int, finished: bool) -> List[Row]:
-    """Merge the ranks' result files: a check passes only if every rank passed it."""
-    from .contract import CHECKS
+def run_backend(backend: str, nproc: int, timeout: float, cuda: bool = False) -> selftest.BackendRun:
+    """The self-test under ``backend``'s launcher, with the command ``unified-dist launch`` would run
+    (printed on stderr)."""
 
-    ranks: Dict[int, Dict] = {}
-    for r in range(nproc):
-        path = out / f"rank{r}.json"
-        if path.exists():
-            ranks[r] = json.loads(path.read_text())["checks"]
-    rows = []
-    for name in ["init", *(check.__name__ for check in CHECKS)]:
-        per_rank = {r: checks.get(name) for r, checks in ranks.items()}
-        failures = [f"rank {r}: {c['error']}" for r, c in per_rank.items() if c and c["status"] == "fail"]
-        running = [r for r, c in per_rank.items() if c and c["status"] == "running"]
-        silent = [r for r in range(nproc) if r not in ranks]
-        not_reached = [r for r in ranks if not per_rank.get(r)]
-        seconds = max((c["seconds"] for c in per_rank.values() if c and c["status"] != "running"), default=None)
-        if failures:
-            rows.append(Row(backend, name, "FAIL", seconds, failures[0]))
-        elif running:
-            rows.append(Row(backend, name, "hung" if not finished else "FAIL", None,
-                            f"ranks {running} never finished it"))
-        elif silent or not_reached:
-            why = [f"ranks {not_reached} never reached it"] if not_reached else []
-            why += [f"ranks {silent} wrote no results"] if silent else []
-            rows.append(Row(backend, name, "not run", None, "; ".join(why)))
-        else:
-            rows.append(Row(backend, name, "pass", seconds))
-    return rows
+    def command(worker_args: Tuple[str, ...], clean: Dict[str, str]) -> Tuple[Sequence[str], Mapping[str, str]]:
+        plan = launch.Plan(backend=backend, script=str(selftest.WORKER), nproc=nproc, master_port=free_port(),
+                           script_args=worker_args)
+        built = launch.build(plan, cuda=cuda, environ={})
+        print(f"+ {built.line()}", file=sys.stderr, flush=True)
+        return built.argv, launch.environment(built, clean)
 
-
-def run_backend(backend: str, nproc: int, timeout: float, cuda: bool = False) -> BackendRun:
-    """Launch the worker under ``backend``'s launcher and collect its rows (the launch itself first)."""
-    with tempfile.TemporaryDirectory(prefix=f"unified-dist-test-{backend}-") as tmp:
-        out = Path(tmp)
-        plan = launch.Plan(backend=backend, script=str(WORKER), nproc=nproc, master_port=free_port(),
-                           script_args=("--out", str(out), "--backend", backend, "--world-size", str(nproc)))
-        command = launch.build(plan, cuda=cuda, environ={})
-        print(f"+ {command.line()}", file=sys.stderr, flush=True)
-        log_path = out / "launcher.log"
-        start = time.perf_counter()
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(list(command.argv), env=launch.environment(command, clean_environment(timeout)),
-                                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                code: Optional[int] = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                code = None
-            finally:
-                if proc.poll() is None:  # timed out or interrupted (Ctrl-C)
-                    kill_tree(proc.pid)
-                    proc.wait()
-                else:  # stragglers of a finished launch, if any, are still in its group
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-        wall = time.perf_counter() - start
-        launcher = f"{launch.LAUNCHER_OF[backend]}, {nproc} process{'es' if nproc > 1 else ''}"
-        if code is None:
-            first = Row(backend, "launch", "FAIL", wall, f"{launcher}: timed out after {timeout:g}s (killed)")
-        elif code != 0:
-            first = Row(backend, "launch", "FAIL", wall, f"{launcher}: exit status {code}")
-        else:
-            first = Row(backend, "launch", "pass", wall, launcher)
-        rows = [first, *_rows(backend, out, nproc, finished=code is not None)]
-        lines = log_path.read_text(errors="replace").splitlines()
-        return BackendRun(backend, rows, "\n".join(lines[-20:]))
-
-
-def table(rows: Sequence[Row]) -> str:
-    """The pass/fail table."""
-    lines = [f"{'backend':<12}{'check':<20}{'result':<9}{'seconds':>8}  detail"]
-    for row in rows:
-        seconds = f"{row.seconds:.2f}" if row.seconds is not None else "-"
-        detail = row.detail if len(row.detail) <= 160 else row.detail[:157] + "..."
-        lines.append(f"{row.backend:<12}{row.check:<20}{row.status:<9}{seconds:>8}  {detail}".rstrip())
-    return "\n".join(lines)
+    return selftest.run_backend(backend, nproc, timeout, command, launch.LAUNCHER_OF[backend])
 
 
 # ---------------------------------------------------------------------- subcommand
@@ -165,24 +58,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nproc", type=int, default=2, metavar="N", help="processes per launch (default 2)")
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
                         help=f"seconds per launch before its processes are killed (default {DEFAULT_TIMEOUT_S:g}); "
-                             f"with --gpu, the whole run's (default {gpu_check.DEFAULT_TOTAL_S:g})")
-    gpu = parser.add_argument_group("GPU checks (make gpu-check)")
-    gpu.add_argument("--gpu", action="store_true",
-                     help="instead: check every CUDA path on this machine's GPU (FSDP2, HSDP, TP, pinned offload, "
-                          "host syncs, compile, fp16, CUDA RNG, SyncBatchNorm) and write a results file; "
-                          "without a GPU say so and exit 0")
-    gpu.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                     help="with --gpu: cpu runs every check's code on the CPU (a dry run; default cuda)")
-    gpu.add_argument("--only", metavar="NAMES",
-                     help=f"with --gpu: these checks (comma list of {', '.join(gpu_check.NAMES)})")
-    gpu.add_argument("--results", metavar="FILE",
-                     help="with --gpu: the results file (default bench/results/gpu_check_<date>.json on a GPU)")
+                             f"with --gpu, the whole run's (default {gpu.DEFAULT_TOTAL_S:g})")
+    options = parser.add_argument_group("GPU checks (make gpu-check)")
+    options.add_argument("--gpu", action="store_true",
+                         help="instead: check every CUDA path on this machine's GPU (FSDP2, HSDP, TP, pinned offload, "
+                              "host syncs, compile, fp16, CUDA RNG, SyncBatchNorm) and write a results file; "
+                              "without a GPU say so and exit 0")
+    options.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                         help="with --gpu: cpu runs every check's code on the CPU (a dry run; default cuda)")
+    options.add_argument("--only", metavar="NAMES",
+                         help=f"with --gpu: these checks (comma list of {', '.join(gpu.NAMES)})")
+    options.add_argument("--results", metavar="FILE",
+                         help="with --gpu: the results file (default bench/results/gpu_check_<date>.json on a GPU)")
 
 
 def main(args) -> int:
     """Run the self-test under every chosen backend (or the GPU checks, ``--gpu``); 0 if every row passed, else 1."""
     if args.gpu:
-        return gpu_check.main(args)
+        return gpu_main(args)
     given = [flag for flag, value in (("--device", args.device != "cuda"), ("--only", args.only),
                                       ("--results", args.results)) if value]
     if given:
@@ -197,7 +90,7 @@ def main(args) -> int:
 
     runs = [run_backend(b, args.nproc, args.timeout, cuda=torch.cuda.is_available()) for b in backends]
     rows = [row for run in runs for row in run.rows]
-    print(table(rows))
+    print(selftest.table(rows))
     for run in runs:
         if not run.passed and run.log_tail:
             print(f"\n{run.backend}: last lines of the launcher's output", file=sys.stderr)
@@ -206,4 +99,40 @@ def main(args) -> int:
     print(f"\n{len(rows) - failed} of {len(rows)} passed"
           + (f", {failed} failed" if failed
              else f" ({', '.join(backends)}; {args.nproc} process{'es' if args.nproc > 1 else ''} each)"))
+    return 1 if failed else 0
+
+
+def choose_gpu_checks(only: Optional[str]) -> List[str]:
+    """``--only``'s names (every GPU check without it)."""
+    if not only:
+        return list(gpu.NAMES)
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in gpu.NAMES]
+    if unknown:
+        raise UsageError(f"unknown GPU check(s) {', '.join(unknown)}; choose from {', '.join(gpu.NAMES)}")
+    return names
+
+
+def gpu_main(args) -> int:
+    """``unified-dist test --gpu``: 0 if every check passed (or was skipped), or when there is no GPU."""
+    names = choose_gpu_checks(args.only)
+    total = gpu.DEFAULT_TOTAL_S if args.timeout is None else args.timeout
+    if total <= 0:
+        raise UsageError(f"--timeout must be a positive number of seconds, got {total:g}")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("unified-dist test --gpu: no CUDA GPU here (torch.cuda.is_available() is False): nothing to check "
+              "(--device cpu runs the checks' code on the CPU)")
+        return 0
+    record = gpu.run(names, args.device, total)
+    print(gpu.table(record["checks"]))
+    failed = record["total"] - record["passed"]
+    print(f"\n{record['passed']} of {record['total']} passed on {record['device']}"
+          + (f", {failed} failed" if failed else "") + f" ({record['wall_s']:.0f}s)")
+    path = gpu.default_results_path(args.device, args.results)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        print(f"results: {path}")
     return 1 if failed else 0

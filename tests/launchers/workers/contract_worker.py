@@ -5,7 +5,7 @@
         [--every-backend]
     python tests/launchers/workers/contract_worker.py --suite core --out DIR --spawn 2 [--then SUITE]
 
-The ``core`` suite is the library's own contract list (:data:`unified_dist.cli.contract.CHECKS`,
+The ``core`` suite is the library's own contract list (:data:`unified_dist.checks.contract.CHECKS`,
 what ``unified-dist test`` runs) followed by the checks only a test needs, defined here. Each
 check raises AssertionError on failure; results go to DIR/<suite>_rank<R>.json as
 {check: "ok" | "FAIL: ..."} plus the detected identity. ``--then SUITE`` runs a second suite in
@@ -35,8 +35,8 @@ import torch
 
 import unified_dist as ud
 from unified_dist.checkpoint.files import checkpoint_path
-from unified_dist.cli import contract
-from unified_dist.cli.contract import regression_data, tiny_model
+from unified_dist.checks import contract
+from unified_dist.checks.contract import regression_data, tiny_model
 
 CHECKS = {"core": list(contract.CHECKS)}
 """Each suite's checks in the order they run; a check's ``__name__`` is its test id."""

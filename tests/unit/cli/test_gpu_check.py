@@ -1,4 +1,4 @@
-"""``make gpu-check`` / ``unified-dist test --gpu`` (unified_dist/cli/gpu_check.py, gpu_checks.py) without a
+"""``make gpu-check`` / ``unified-dist test --gpu`` (unified_dist/checks/gpu.py, gpu_checks.py) without a
 GPU: the dry run (``--device cpu``) runs every check's code and records it; the runner kills a check
 that overruns and goes on; the CUDA-only calls (``set_sync_debug_mode``, ``synchronize``) are faked;
 without a GPU the Makefile's command prints one line and exits 0; docs/gpus.md renders the results."""
@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from unified_dist.cli import gpu_check, gpu_checks
+from unified_dist.checks import gpu, gpu_checks
 from unified_dist.cli.main import main as cli
 
 ROOT = Path(__file__).resolve().parents[3]
-SINGLE_PROCESS = [name for name in gpu_check.NAMES if not name.endswith("sync_batchnorm")]
+SINGLE_PROCESS = [name for name in gpu.NAMES if not name.endswith("sync_batchnorm")]
 
 
 def _env(**extra):
@@ -44,9 +44,9 @@ def _hook():
 
 
 def test_the_runner_and_the_worker_list_the_same_checks():
-    assert tuple(gpu_checks.CHECKS) == gpu_check.NAMES
-    assert set(gpu_check.BUDGET) == set(gpu_check.NAMES)
-    assert sum(gpu_check.BUDGET.values()) <= 2 * gpu_check.DEFAULT_TOTAL_S
+    assert tuple(gpu_checks.CHECKS) == gpu.NAMES
+    assert set(gpu.BUDGET) == set(gpu.NAMES)
+    assert sum(gpu.BUDGET.values()) <= 2 * gpu.DEFAULT_TOTAL_S
 
 
 def test_without_a_gpu_the_makefile_command_prints_one_line_and_exits_0():
@@ -96,7 +96,7 @@ def test_the_dry_run_runs_every_check_compares_and_records(dry_run):
 def test_docs_render_the_newest_results_file_or_the_checks_not_yet_run(dry_run, tmp_path):
     hook = _hook()
     empty = hook.render("<!-- results: - gpu-checks -->", tmp_path)
-    assert "not yet run" in empty and all(f"- `{name}`" in empty for name in gpu_check.NAMES)
+    assert "not yet run" in empty and all(f"- `{name}`" in empty for name in gpu.NAMES)
     _, out = dry_run
     (tmp_path / "gpu_check_20261101.json").write_text("{}")  # older: not the one shown
     (tmp_path / out.name).write_text(out.read_text())
@@ -107,7 +107,7 @@ def test_docs_render_the_newest_results_file_or_the_checks_not_yet_run(dry_run, 
     for row, c in zip(rows, record["checks"]):
         cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
         assert cells[0] == f"`{c['name']}`" and cells[2] == c["status"]
-        assert cells[3] == gpu_check.figure_text(c["figure"]).replace("|", "\\|")
+        assert cells[3] == gpu.figure_text(c["figure"]).replace("|", "\\|")
     assert f"- `bench/results/{out.name}`: commit `{record['commit']}`" in page
 
 
@@ -132,7 +132,7 @@ def test_a_check_that_hangs_is_killed_one_that_crashes_fails_and_the_others_stil
     fake.write_text(FAKE_WORKER)
     names = ["first", "hangs", "crashes", "last"]
     start = time.monotonic()
-    records = gpu_check.run_checks(names, "cpu", total_s=60, budget=dict.fromkeys(names, 1.5),
+    records = gpu.run_checks(names, "cpu", total_s=60, budget=dict.fromkeys(names, 1.5),
                                    worker=(sys.executable, str(fake)))
     assert time.monotonic() - start < 40  # the hung worker (asleep for 60 s) was killed, not waited for
     by_name = {r["name"]: r for r in records}
@@ -145,7 +145,7 @@ def test_a_check_that_hangs_is_killed_one_that_crashes_fails_and_the_others_stil
 def test_a_run_out_of_total_budget_leaves_the_rest_not_run(tmp_path):
     fake = tmp_path / "fake_worker.py"
     fake.write_text(FAKE_WORKER)
-    records = gpu_check.run_checks(["hangs", "last"], "cpu", total_s=4.0, budget={"hangs": 30, "last": 30},
+    records = gpu.run_checks(["hangs", "last"], "cpu", total_s=4.0, budget={"hangs": 30, "last": 30},
                                    worker=(sys.executable, str(fake)))
     assert [r["status"] for r in records] == ["timeout", "not run"]
     assert "total budget" in records[0]["detail"]

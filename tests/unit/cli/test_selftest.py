@@ -42,13 +42,24 @@ def test_hung_names_the_check_the_ranks_were_in(tmp_path):
     (rank files as the worker writes them: rank 0 finished init and is still in all_reduce)."""
     import json
 
-    from unified_dist.cli import selftest
-    from unified_dist.cli.contract import CHECKS
+    from unified_dist.checks import selftest
+    from unified_dist.checks.contract import CHECKS
     first = CHECKS[0].__name__
     for r in range(2):
         checks = {"init": {"status": "pass", "seconds": 0.1}, first: {"status": "running", "seconds": None}}
         (tmp_path / f"rank{r}.json").write_text(json.dumps({"checks": checks}))
-    rows = {row.check: row for row in selftest._rows("torch", tmp_path, 2, finished=False)}
+    rows = {row.check: row for row in selftest.rows_of("torch", tmp_path, 2, finished=False)}
     assert rows["init"].status == "pass"
     assert rows[first].status == "hung" and "[0, 1] never finished it" in rows[first].detail, rows[first]
     assert rows[CHECKS[1].__name__].status == "not run"
+
+
+def test_the_checks_find_each_launcher_where_unified_dist_launch_does(tmp_path):
+    """checks/ may not import cli/, so it finds launchers itself: the file ``unified-dist launch`` would run
+    (this interpreter's bin/ searched first), whatever PATH says."""
+    from unified_dist.checks.processes import launcher_path
+    from unified_dist.cli import launch
+
+    for backend in launch.BACKENDS:
+        for environ in ({"PATH": os.environ.get("PATH", "")}, {"PATH": str(tmp_path)}, {}):
+            assert launcher_path(backend, environ) == launch.find_launcher(backend, environ), (backend, environ)

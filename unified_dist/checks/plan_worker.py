@@ -2,7 +2,7 @@
 ``RANK`` of ``WORLD_SIZE``, up to and including its first optimizer step, and writes what the rank
 would hold and send (a JSON file).
 
-    python -m unified_dist.cli.plan_worker OUT.json SCRIPT [ARGS...]   # RANK, WORLD_SIZE, ... set
+    python -m unified_dist.checks.plan_worker OUT.json SCRIPT [ARGS...]   # RANK, WORLD_SIZE, ... set
 
 How the world is simulated, and why each piece is needed:
 

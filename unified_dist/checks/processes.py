@@ -1,17 +1,38 @@
 """The child processes the ``unified-dist test`` commands start (the CPU contract runs and the GPU
-checks): a clean environment for them, and a kill that reaches every process they started."""
+checks): whether a backend's launcher is here, a clean environment for them, and a kill that reaches
+every process they started."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import shutil
 import signal
+import sys
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Mapping, Optional
 
 from ..detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
+from ..registry import SPECS
 from ..settings import TIMEOUT_ENV
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def launcher_path(backend: str, environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The path of ``backend``'s launcher, this interpreter's directory searched before ``PATH`` (where
+    ``unified-dist launch`` finds it), or ``None``."""
+    own = os.path.dirname(sys.executable)
+    path = os.pathsep.join([own, *(p for p in environ.get("PATH", "").split(os.pathsep) if p and p != own)])
+    launcher = SPECS[backend].launcher
+    return shutil.which(launcher, path=path) if launcher else None
+
+
+def installed(backend: str) -> bool:
+    """The backend's library and its launcher are present (whether they work is what a check finds out)."""
+    library = SPECS[backend].library
+    has_library = library is None or importlib.util.find_spec(library) is not None
+    return has_library and launcher_path(backend) is not None
 
 
 def clean_environment(timeout: float) -> Dict[str, str]:

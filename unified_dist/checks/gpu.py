@@ -1,4 +1,5 @@
-"""``unified-dist test --gpu`` (``make gpu-check``): every CUDA path of unified_dist in minutes, on one GPU.
+"""The runner of ``unified-dist test --gpu`` (``make gpu-check``): every CUDA path of unified_dist in minutes,
+on one GPU.
 
 A GPU is lent rarely and for minutes, and a user with a GPU cluster wants one command to trust a
 new install: this runs each check of :mod:`.gpu_checks` (in :data:`CHECKS`' order) in a worker
@@ -9,11 +10,12 @@ results file (``bench/results/gpu_check_<date>.json`` in a checkout: commit, com
 and CUDA versions, each check's figure and pass/fail) come out at the end; docs/gpus.md renders
 the newest one.
 
-Without a GPU it says so in one line and exits 0 (CI has none); ``--device cpu`` is the dry run
+Without a GPU the command says so in one line and exits 0 (CI has none); ``--device cpu`` is the dry run
 that runs every check's code on the CPU (it writes a results file only where ``--results`` says).
 
-This module imports no torch until :func:`main` asks whether there is a GPU (docs builds read
-:data:`CHECKS`).
+The command (:mod:`unified_dist.cli.selftest`) reads its options, asks whether there is a GPU and
+prints; this module runs the checks and builds the record (:func:`run`). It imports no torch at
+module level (docs builds read :data:`CHECKS`).
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .errors import UsageError
 from .processes import clean_environment, kill_tree
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +60,7 @@ CHECKS = (  # name, seconds it may take, what it checks (docs/gpus.md lists thes
 )
 NAMES = tuple(name for name, _, _ in CHECKS)
 BUDGET = {name: float(seconds) for name, seconds, _ in CHECKS}
-WORKER = (sys.executable, "-m", "unified_dist.cli.gpu_checks")
+WORKER = (sys.executable, "-m", "unified_dist.checks.gpu_checks")
 
 
 # ---------------------------------------------------------------------- running the workers
@@ -211,42 +212,15 @@ def table(checks: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------- subcommand
-def choose(only: Optional[str]) -> List[str]:
-    if not only:
-        return list(NAMES)
-    names = [n.strip() for n in only.split(",") if n.strip()]
-    unknown = [n for n in names if n not in NAMES]
-    if unknown:
-        raise UsageError(f"unknown GPU check(s) {', '.join(unknown)}; choose from {', '.join(NAMES)}")
-    return names
-
-
-def main(args) -> int:
-    """``unified-dist test --gpu``: 0 if every check passed (or was skipped), or when there is no GPU."""
-    names = choose(args.only)
-    total = DEFAULT_TOTAL_S if args.timeout is None else args.timeout
-    if total <= 0:
-        raise UsageError(f"--timeout must be a positive number of seconds, got {total:g}")
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("unified-dist test --gpu: no CUDA GPU here (torch.cuda.is_available() is False): nothing to check "
-              "(--device cpu runs the checks' code on the CPU)")
-        return 0
-    record = {**_provenance(), **machine(args.device)}
+# ---------------------------------------------------------------------- the whole run
+def run(names: Sequence[str], device: str, total_s: float) -> Dict[str, Any]:
+    """The results file's record of checking ``names`` on ``device`` within ``total_s`` seconds: provenance,
+    :func:`machine`, ``wall_s``, every check's record (``checks``), how many ``passed`` (or were skipped) of
+    ``total``."""
+    record = {**_provenance(), **machine(device)}
     start = time.perf_counter()
-    checks = run_checks(names, args.device, total)
+    checks = run_checks(names, device, total_s)
     record.update(_finish(record), wall_s=round(time.perf_counter() - start, 1), checks=checks,
                   passed=sum(c["status"] in ("pass", "skip") for c in checks), total=len(checks))
     record.pop("cpu_ticks_before", None)
-    print(table(checks))
-    failed = record["total"] - record["passed"]
-    print(f"\n{record['passed']} of {record['total']} passed on {record['device']}"
-          + (f", {failed} failed" if failed else "") + f" ({record['wall_s']:.0f}s)")
-    path = default_results_path(args.device, args.results)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        print(f"results: {path}")
-    return 1 if failed else 0
+    return record

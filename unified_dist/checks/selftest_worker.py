@@ -2,7 +2,7 @@
 
     <launcher> selftest_worker.py --out DIR --backend NAME --world-size N
 
-Every rank joins with ``ud.init()`` and runs :data:`unified_dist.cli.contract.CHECKS` (the
+Every rank joins with ``ud.init()`` and runs :data:`unified_dist.checks.contract.CHECKS` (the
 contract the tests check too) in order. Each rank rewrites ``DIR/rank<R>.json`` before and after
 every check, so when a launch hangs the parent still sees which check each rank was in.
 """
@@ -21,7 +21,7 @@ import traceback  # noqa: E402
 from typing import Any, Callable, Dict  # noqa: E402
 
 import unified_dist as ud  # noqa: E402
-from unified_dist.cli.contract import CHECKS, Context  # noqa: E402
+from unified_dist.checks.contract import CHECKS, Context  # noqa: E402
 
 
 class _Results:

@@ -1,4 +1,4 @@
-"""The checks of ``unified-dist test --gpu`` (:mod:`.gpu_check` runs them), one function each.
+"""The checks of ``unified-dist test --gpu`` (:mod:`.gpu` runs them), one function each.
 
 Each check takes the device to check (``cuda``; ``cpu`` for the dry run that exercises every check's
 code on a machine without a GPU) and returns an :class:`Outcome`: whether it passed and its figure
@@ -9,7 +9,7 @@ functions), at world size 1 (``ud.init("torch")`` joins a one-process group: NCC
 synchronised BatchNorms need two ranks, so they run two processes on the one device over gloo
 (NCCL refuses two ranks on one GPU).
 
-Run as ``python -m unified_dist.cli.gpu_checks --device cuda --out DIR NAME...``: for each NAME it
+Run as ``python -m unified_dist.checks.gpu_checks --device cuda --out DIR NAME...``: for each NAME it
 writes ``DIR/NAME.json``, first ``{"status": "running"}`` (the parent times it from there), then the
 outcome. ``--rank-of NAME`` instead runs one rank of a two-process check (see :func:`_sync_bn_rank`).
 """
@@ -35,7 +35,7 @@ from torch import nn
 import unified_dist as ud
 
 CHECKS: Dict[str, Callable[[torch.device], "Outcome"]] = {}
-"""Every check by name, in the order they run (the names :data:`unified_dist.cli.gpu_check.CHECKS` lists)."""
+"""Every check by name, in the order they run (the names :data:`unified_dist.checks.gpu.CHECKS` lists)."""
 
 SYNC_WARNING = "synchroniz"
 """What the warnings of ``torch.cuda.set_sync_debug_mode("warn")`` say ("called a synchronizing CUDA operation")."""
@@ -565,15 +565,15 @@ def _sync_bn_rank(stack: str, device: torch.device, out: Path) -> None:
 def _two_ranks(stack: str, device: torch.device) -> Outcome:
     """Run :func:`_sync_bn_rank` in two processes (killed after :data:`RANK_TIMEOUT_S`) and judge rank 0's figure."""
     from ..backends.ports import free_port
-    from . import launch
+    from .processes import launcher_path
 
     with tempfile.TemporaryDirectory(prefix="unified-dist-gpu-check-") as tmp:
-        worker = [sys.executable, "-m", "unified_dist.cli.gpu_checks", "--rank-of", stack,
+        worker = [sys.executable, "-m", "unified_dist.checks.gpu_checks", "--rank-of", stack,
                   "--device", device.type, "--out", tmp]
         path = os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path}
         if stack == "horovod":
-            commands = [([launch.find_launcher("horovod"), "-np", "2", "-H", "localhost:2", "--gloo", *worker], env)]
+            commands = [([launcher_path("horovod"), "-np", "2", "-H", "localhost:2", "--gloo", *worker], env)]
         else:
             rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
             commands = [(worker, {**env, **rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
@@ -607,7 +607,7 @@ def torch_sync_batchnorm(device: torch.device) -> Outcome:
 def horovod_sync_batchnorm(device: torch.device) -> Outcome:
     """hvd.SyncBatchNorm on CUDA under ``horovodrun -np 2`` equals BatchNorm on the whole batch
     (skipped where Horovod is not installed)."""
-    from .selftest import installed
+    from .processes import installed
 
     if not installed("horovod"):
         return Outcome(False, None, None, "Horovod or horovodrun is not installed here", skipped=True)
