@@ -44,6 +44,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -227,20 +228,23 @@ def example_with_a_group_killed(folder: Path) -> dict:
     how fast this machine restarts a group."""
     out = folder / "run"
     cmd = launch_command(example_args(out), flags=["--backend", "torch", "--replica-log-dir", str(folder / "groups")])
+    started = time.monotonic()
     with Launch(cmd, folder / "launch.log") as launch:
         launch.wait_for(lambda: max(logged_steps(out), default=0) >= KILLED_AFTER, TIMEOUT,
                         f"step {KILLED_AFTER} in metrics.jsonl", every=0.05)
         survivor, lost = launch.worker(0), launch.worker(1)
         os.kill(survivor, signal.SIGSTOP)
+        killed = time.monotonic()
         try:
             os.kill(lost, signal.SIGKILL)
             launch.wait_for(lambda: f"{RESTARTED_PREFIX}1:" in heartbeats(launch.lighthouse), TIMEOUT,
                             "heartbeat from the restarted group 1")
         finally:
             os.kill(survivor, signal.SIGCONT)
+        held = time.monotonic() - killed
         code = launch.wait(TIMEOUT)
-        return {"code": code, "output": launch.output, "rows": metrics(out),
-                "results": json.loads((out / "results.json").read_text())}
+        return {"code": code, "output": launch.output, "rows": metrics(out), "held_s": held,
+                "seconds": time.monotonic() - started, "results": json.loads((out / "results.json").read_text())}
 
 
 @pytest.mark.example
@@ -249,7 +253,9 @@ def test_the_bert_example_runs_unchanged_under_two_replica_groups_with_the_plain
     """Issue #58, item 4: the example exited 2 on gather_for_metrics under --replica-groups 2; and it must end well
     with a group killed mid-run, the restarted group healed from the survivor at a step > 0."""
     folder = module_dirs.mktemp("bert_plain")
+    started = time.monotonic()
     run([str(BIN / "python"), *example_args(folder / "run")], TIMEOUT, child_env()).check()
+    plain_s = time.monotonic() - started
     ref = json.loads((folder / "run" / "results.json").read_text())
     groups = example_with_a_group_killed(module_dirs.mktemp("bert_groups"))
     output = groups["output"]
@@ -277,5 +283,6 @@ def test_the_bert_example_runs_unchanged_under_two_replica_groups_with_the_plain
     p = ref["test_accuracy"]
     noise = 2 * math.sqrt(max(p * (1 - p), 1 / LIMIT_EVAL) / LIMIT_EVAL)
     print(f"test accuracy: {mine['test_accuracy']:.4f} under 2 replica groups (group 1 killed after step "
-          f"{KILLED_AFTER}, healed at {healed}), {ref['test_accuracy']:.4f} plain (n={LIMIT_EVAL}, bound {noise:.4f})")
+          f"{KILLED_AFTER}, healed at {healed}), {ref['test_accuracy']:.4f} plain (n={LIMIT_EVAL}, bound {noise:.4f}); "
+          f"plain run {plain_s:.0f} s, groups {groups['seconds']:.0f} s (survivor held {groups['held_s']:.0f} s)")
     assert abs(mine["test_accuracy"] - ref["test_accuracy"]) <= noise, (mine["test_accuracy"], ref["test_accuracy"])
