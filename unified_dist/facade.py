@@ -27,7 +27,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
          bucket_mb: Optional[float] = None, bucket_view: Optional[bool] = None,
          check_finite: Optional[bool] = None, compile: Optional[Any] = None,  # noqa: A002 - Accelerate's word
          compile_mode: Optional[str] = None, stop_signals: Optional[Any] = None, log_with: Optional[Any] = None,
-         project_dir: Optional[str] = None) -> None:
+         project_dir: Optional[str] = None, zero_stage: Optional[int] = None,
+         deepspeed_config: Optional[str] = None) -> None:
     """Join the job's process group through the detected (or given) backend.
 
     Every keyword is a setting of :data:`unified_dist.settings.TABLE` (``unified-dist env`` lists
@@ -50,7 +51,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     :func:`prepare` compile each model in place, after wrapping it (see ``docs/hot-path.md``).
     ``stop_signals`` (default SIGUSR1 and SIGTERM) are what :func:`should_stop` listens to
     (``docs/preemption.md``). ``log_with`` (tracker names, ``"all"`` or ``"none"``) and ``project_dir``
-    are where :func:`log` and :func:`log_hparams` write (``docs/trackers.md``).
+    are where :func:`log` and :func:`log_hparams` write (``docs/trackers.md``). ``zero_stage`` and
+    ``deepspeed_config`` configure the ``deepspeed`` backend (``docs/deepspeed.md``); any other backend refuses them.
     """
     given = dict(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
                  timeout=timeout, debug=debug, sharding=sharding, shard_modules=shard_modules,
@@ -58,7 +60,7 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
                  gradient_compression=gradient_compression, bucket_mb=bucket_mb, bucket_view=bucket_view,
                  check_finite=check_finite, dp_replicate=dp_replicate, tp=tp, tp_plan=tp_plan, cpu_offload=cpu_offload,
                  activation_checkpointing=activation_checkpointing, compile=compile, compile_mode=compile_mode,
-                 stop_signals=stop_signals)
+                 stop_signals=stop_signals, zero_stage=zero_stage, deepspeed_config=deepspeed_config)
     trackers.resolve_choice(log_with, project_dir)  # a tracker name that does not read fails before joining
     session.init(backend, given)
     trackers.choose(log_with, project_dir)
@@ -73,13 +75,14 @@ def shutdown() -> None:
 
 # ---------------------------------------------------------------------- identity
 def backend_name() -> str:
-    """``"torch"``, ``"accelerate"``, ``"horovod"`` or ``"single"``."""
+    """``"torch"``, ``"accelerate"``, ``"horovod"``, ``"deepspeed"`` or ``"single"``."""
     return current_backend().name
 
 
 def launcher() -> str:
     """What started this process: ``"python"``, ``"torchrun"``, ``"accelerate"``, ``"horovodrun"``,
-    ``"srun"``, ``"mpirun"``, ``"ud.launch"``, or ``"existing"`` (a group the code had joined itself)."""
+    ``"deepspeed"``, ``"srun"``, ``"mpirun"``, ``"ud.launch"``, or ``"existing"`` (a group the code had joined
+    itself)."""
     return session.current().detection.launcher
 
 

@@ -38,7 +38,9 @@ class BackendSpec:
     (``(Plan, cuda, environ) -> Command``, see :mod:`unified_dist.cli.launch`); ``probe`` reports
     whether it works here (``environ -> dict``, see :mod:`unified_dist.cli.env_report`); ``start``
     starts ``ud.launch``'s workers (see :mod:`unified_dist.spawn`). The last three are
-    ``"module:attribute"`` references.
+    ``"module:attribute"`` references. ``contract``: whether the whole contract suite (``unified-dist test``,
+    ``tests/launchers/test_contract_under_launchers.py``) runs on it; a backend that does not yet pass it
+    has its own launch tests instead.
     """
 
     name: str
@@ -52,6 +54,7 @@ class BackendSpec:
     command: Optional[str] = None
     start: Optional[str] = None
     source: Optional[str] = None
+    contract: bool = True
 
     def load(self, field: str) -> Any:
         """The object the ``field`` reference (e.g. ``"command"``) names, imported now."""
@@ -85,10 +88,18 @@ SPECS: Dict[str, BackendSpec] = {spec.name: spec for spec in (
         command=f"{_CLI}.launch:horovodrun_command", probe=f"{_CLI}.env_report:probe_horovod",
         start="unified_dist.spawn:start_horovod", source=f"{_DETECT}:horovodrun"),
     BackendSpec(
+        name="deepspeed", backend_class="unified_dist.backends.deepspeed_backend:DeepSpeedBackend",
+        library="deepspeed", launcher="deepspeed", launcher_keys=("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"),
+        install_fix=("install it with `make setup` (DS_BUILD_OPS=0 pip install --no-build-isolation "
+                     "deepspeed==0.19.8, after torch)"),
+        command=f"{_CLI}.launch:deepspeed_command", probe=f"{_CLI}.env_report:probe_deepspeed",
+        start="unified_dist.spawn:start_torch", source=f"{_DETECT}:deepspeed",
+        contract=False),  # its own launch tests (tests/launchers/test_deepspeed_engine.py) until #59 is done
+    BackendSpec(
         name="single", backend_class="unified_dist.backends.single:SingleProcessBackend",
         probe=f"{_CLI}.env_report:probe_single"),
 )}
-"""Every backend, in the order users see them listed (``torch, accelerate, horovod, single``)."""
+"""Every backend, in the order users see them listed (``torch, accelerate, horovod, deepspeed, single``)."""
 
 NAMES: Tuple[str, ...] = tuple(SPECS)
 """Every backend name ``init(backend=...)`` accepts."""

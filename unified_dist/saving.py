@@ -55,6 +55,9 @@ def _save(obj: Any, path: str, async_save: bool, keep_last: Optional[int]) -> No
     """:func:`save`'s work; with ``keep_last`` the main process then keeps that many checkpoints of
     ``path``'s directory (:func:`checkpoint.rotate`, after the write is complete)."""
     backend = current_backend()
+    problem = backend.checkpoint_problem()
+    if problem:
+        raise CheckpointError(problem)
     sharded = backend.config.sharding.splits_model
     with_rng = _holds_rng(obj)
     if sharded or with_rng or async_save:

@@ -35,7 +35,7 @@ from .detection import Detection, detect, live
 from .errors import LaunchError, NonFiniteLoss, UnifiedDistError, warn_once
 from .parallel import compiling
 from .parallel.mesh import accelerate_dp_shard
-from .parallel.sharding import Sharding, clip_grad_norm, full_tensor
+from .parallel.sharding import Sharding
 from .training import preemption
 from .training.accumulation import GradientSync, PreparedOptimizer, PreparedScheduler, is_scheduler
 
@@ -171,6 +171,7 @@ class Session:
         # schedulers last, so they can be pointed at the optimizer prepared in the same call
         order = sorted(range(len(objs)),
                        key=lambda i: (not isinstance(objs[i], torch.nn.Module), is_scheduler(objs[i])))
+        backend.about_to_prepare(objs)
         replicas = backend.replicas
         if replicas is not None:
             refusal = replica_groups.refuse_objects(objs, len(self.optimizers))
@@ -351,7 +352,7 @@ class Session:
             # averaging would send its parameters' gradients under the names this step's use)
             if any(id(p) in clipped for group in optimizer.param_groups for p in group["params"]):
                 optimizer.synchronize()
-        return full_tensor(clip_grad_norm(parameters, max_norm, norm_type))
+        return self.backend.clip_gradients(parameters, max_norm, norm_type)
 
     def seed_everything(self, seed: int, per_rank: bool) -> int:
         """``ud.seed_everything``'s work (see the facade)."""
@@ -423,6 +424,10 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     if name == "single" and replica_groups.layout_from(os.environ) is not None:
         name = "torch"  # a replica group of one process (python, srun -n 1) is a torch world of one: torchft needs it
     cls = backend_class(name)
+    if not cls.reads_deepspeed_settings and (config.zero_stage is not None or config.deepspeed_config):
+        what = f"zero_stage={config.zero_stage}" if config.zero_stage is not None else "deepspeed_config"
+        raise UnifiedDistError(f"{what} is the deepspeed backend's setting and {cls.name} would ignore it; add "
+                               "backend='deepspeed' (UNIFIED_DIST_BACKEND=deepspeed), or drop it")
     refusal = replica_groups.refuse_layout(os.environ, config, cls.name, detection.launcher)
     if refusal:
         raise UnifiedDistError(refusal)

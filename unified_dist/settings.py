@@ -317,7 +317,32 @@ class Names:
     flag_value = show
 
 
-Kind = Union[Switch, Choice, Number, Text, Replicas, Plan, Names]
+@dataclass(frozen=True)
+class Stage:
+    """A DeepSpeed ZeRO stage: 0, 1, 2 or 3 (in a variable, the digit)."""
+
+    accepted: str = "0, 1, 2 or 3 (DeepSpeed's ZeRO stage)"
+
+    def read(self, text: str) -> int:
+        try:
+            return self.take(int(text.strip()))
+        except ValueError:
+            raise ValueError(f"is not a ZeRO stage; use {self.accepted}") from None
+
+    def take(self, value: Any) -> int:
+        if isinstance(value, str):  # unified-dist launch --zero-stage hands its text on
+            return self.read(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2, 3):
+            raise ValueError(f"is not a ZeRO stage; use {self.accepted}")
+        return value
+
+    def show(self, value: Any) -> str:
+        return "" if value is None else str(value)
+
+    flag_value = show
+
+
+Kind = Union[Switch, Choice, Number, Text, Replicas, Plan, Names, Stage]
 
 
 @dataclass(frozen=True)
@@ -485,6 +510,15 @@ TABLE: Dict[str, Setting] = _declare(
             read_by="trackers", default_text="not chosen (ud.log refuses)"),
     Setting("project_dir", "UNIFIED_DIST_PROJECT_DIR", Text("a directory"), "runs",
             "where the trackers write (event files, mlruns/, wandb/, metrics.jsonl)", read_by="trackers"),
+    Setting("zero_stage", "UNIFIED_DIST_ZERO_STAGE", Stage(), None,
+            "the deepspeed backend's ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters",
+            launcher=LauncherWord("ACCELERATE_DEEPSPEED_ZERO_STAGE", "accelerate launch --zero_stage"),
+            default_text="the DeepSpeed config's, else 2 under accelerate launch --use_deepspeed, else 0"),
+    Setting("deepspeed_config", "UNIFIED_DIST_DEEPSPEED_CONFIG", Text("a DeepSpeed config file (JSON)"), None,
+            "the deepspeed backend starts from this DeepSpeed config; the settings fill what it leaves out and "
+            "must agree with what it says",
+            launcher=LauncherWord("ACCELERATE_DEEPSPEED_CONFIG_FILE", "accelerate launch --deepspeed_config_file"),
+            default_text="none (built from the settings)"),
     Setting("slurm", "UNIFIED_DIST_SLURM", Switch(), True,
             "detection reads srun's variables (off: srun -n N without torchrun is refused)",
             keyword=False, flag=False, read_by="detection"),
@@ -632,5 +666,5 @@ def _problem(setting: Setting, environ: Mapping[str, str]) -> Optional[str]:
 
 
 __all__ = ["TABLE", "SETTINGS", "RESOLVED", "FLAGS", "Setting", "Switch", "Choice", "Number", "Text", "Replicas",
-           "Plan", "Names", "LauncherWord", "resolve", "resolve_all", "flag_environment", "unknown_variables",
+           "Plan", "Names", "Stage", "LauncherWord", "resolve", "resolve_all", "flag_environment", "unknown_variables",
            "describe_unknown", "warn_unknown", "in_effect", "flag_name", "PREFIX"]

@@ -21,7 +21,7 @@ from ..detection import Detection
 from ..errors import PeerLost, UnifiedDistError, collective_timeout, peer_lost_message
 from ..parallel import sync_batchnorm
 from ..parallel.mesh import Layout
-from ..parallel.sharding import KEYWORDS as SHARDING_KEYWORDS, Sharding
+from ..parallel.sharding import KEYWORDS as SHARDING_KEYWORDS, Sharding, clip_grad_norm, full_tensor
 from ..settings import TABLE
 from .precision import Precision
 
@@ -76,6 +76,8 @@ class Config:
     compile: Optional[str] = TABLE["compile"].default  # torch.compile backend ud.prepare uses (None: off)
     compile_mode: str = TABLE["compile_mode"].default  # torch.compile's mode
     stop_signals: Tuple[str, ...] = TABLE["stop_signals"].default  # what ud.should_stop() listens to
+    zero_stage: Optional[int] = TABLE["zero_stage"].default  # the deepspeed backend's ZeRO stage (None: not said)
+    deepspeed_config: Optional[str] = TABLE["deepspeed_config"].default  # a DeepSpeed config file (deepspeed backend)
 
     def value(self, name: str) -> Any:
         """The value of setting ``name`` as ``init`` takes it (the sharding keywords from
@@ -105,6 +107,8 @@ class Backend(ABC):
     torch backend only), or ``None``: no fault tolerance across groups."""
     supports_sharding: bool = True
     """Whether ``sharding="fsdp"`` can run on this stack (Horovod has no sharding)."""
+    reads_deepspeed_settings: bool = False
+    """Whether this stack honours ``zero_stage`` and ``deepspeed_config`` (the others refuse them at ``init``)."""
 
     def __init__(self, detection: Detection, config: Config) -> None:
         self.detection = detection
@@ -208,10 +212,23 @@ class Backend(ABC):
         kernels over the default process group, CUDA only). A stack with its own class overrides."""
         return torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
+    def about_to_prepare(self, objs: tuple) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Told every object of one ``ud.prepare`` call before any is prepared (DeepSpeed builds a model and its
+        optimizer into one engine). This default does nothing."""
+
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
                           model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
         """Return the optimizer that must be stepped (may be ``optimizer`` itself)."""
         return optimizer
+
+    def clip_gradients(self, parameters: List[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        """Clip the final (averaged, unscaled) gradients of ``parameters`` to total norm ``max_norm``; return that
+        norm as a plain tensor, also when the parameters are sharded."""
+        return full_tensor(clip_grad_norm(parameters, max_norm, norm_type))
+
+    def checkpoint_problem(self) -> Optional[str]:
+        """Why ``ud.save`` cannot write the portable format now, in one line (``None``: it can)."""
+        return None
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's original module inside whatever wrappers :meth:`prepare_model` and

@@ -63,6 +63,20 @@ def probe_accelerate(environ: Mapping[str, str]) -> Dict[str, Any]:
     return _backend_status(True, f"accelerate {accelerate.__version__}", None, "accelerate", environ)
 
 
+def probe_deepspeed(environ: Mapping[str, str]) -> Dict[str, Any]:
+    """Whether ``import deepspeed`` works, with the accelerator and the communication backend it picks here."""
+    fix = SPECS["deepspeed"].install_fix
+    try:
+        import deepspeed
+        from deepspeed.accelerator import get_accelerator
+    except Exception as exc:  # an sdist built against another torch fails with more than ImportError
+        detail = NOT_INSTALLED if _version("deepspeed") == NOT_INSTALLED else f"import failed ({_first_line(exc)})"
+        return _backend_status(False, detail, fix, "deepspeed", environ)
+    accelerator = get_accelerator()
+    return _backend_status(True, f"deepspeed {deepspeed.__version__} ({accelerator.device_name()} accelerator, "
+                                 f"{accelerator.communication_backend_name()})", None, "deepspeed", environ)
+
+
 def _horovod_import():
     try:
         import horovod.torch as hvd

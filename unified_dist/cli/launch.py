@@ -1,4 +1,4 @@
-"""``unified-dist launch``: one command line for torchrun, accelerate launch and horovodrun.
+"""``unified-dist launch``: one command line for torchrun, accelerate launch, horovodrun and deepspeed.
 
 :func:`build` turns a :class:`Plan` into the exact native command a user would type on this
 machine; :func:`run` prints it and replaces this process with the launcher, so the launcher
@@ -151,6 +151,19 @@ def accelerate_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Co
         args += ["--dynamo_mode", compile_mode]
     argv = ("accelerate", "launch", *args, plan.script, *plan.script_args)
     return Command(argv, _socket_env(plan, cuda), native=NATIVE["accelerate"])
+
+
+def deepspeed_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
+    """deepspeed's command: DeepSpeed's own launcher on one node (``--num_gpus`` is its processes per node, on a
+    CPU too; ``--no_local_rank``: the script reads ``LOCAL_RANK`` as under torchrun instead of getting a
+    ``--local_rank`` argument it may not parse). On several nodes torchrun's static rendezvous with
+    ``UNIFIED_DIST_BACKEND=deepspeed`` (DeepSpeed's own multi-node launch goes through pdsh and a hostfile)."""
+    if plan.nnodes > 1:
+        command = torchrun_command(plan, cuda, environ)
+        return replace(command, env={**command.env, settings.BACKEND_ENV: SPECS["deepspeed"].name})
+    port = ("--master_port", str(plan.master_port)) if plan.master_port else ()
+    argv = ("deepspeed", "--num_gpus", str(plan.nproc), "--no_local_rank", *port, plan.script, *plan.script_args)
+    return Command(argv, _socket_env(plan, cuda))
 
 
 def parse_hosts(text: str, default_slots: int) -> List[Tuple[str, int]]:

@@ -15,6 +15,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 from ..backends.ports import free_port
 from ..checks import gpu, selftest
 from ..checks.processes import installed
+from ..registry import SPECS
 from . import launch
 from .errors import UsageError
 
@@ -22,9 +23,10 @@ DEFAULT_TIMEOUT_S = 240.0
 
 
 def choose_backends(requested: Optional[Sequence[str]]) -> List[str]:
-    """``--backend`` values (repeatable, comma lists) in the order given, or every installed backend."""
+    """``--backend`` values (repeatable, comma lists) in the order given, or every installed backend that runs
+    the whole contract (:attr:`~unified_dist.registry.BackendSpec.contract`)."""
     if not requested:
-        return [b for b in launch.BACKENDS if installed(b)]
+        return [b for b in launch.BACKENDS if installed(b) and SPECS[b].contract]
     chosen: List[str] = []
     for name in (part.strip() for item in requested for part in item.split(",")):
         if name not in launch.BACKENDS:

@@ -15,6 +15,10 @@ Order (first match wins), and why:
 4. horovodrun (``HOROVOD_RANK``/``HOROVOD_SIZE``) -- only horovodrun (or ``mpirun`` driving
    Horovod) sets these, and a horovodrun job may itself be started from a shell that carries
    torchrun-, accelerate-, MPI- or SLURM-like variables, so the most specific launcher goes first.
+4b. DeepSpeed's launcher (``RANK``/``WORLD_SIZE`` with ``CROSS_RANK``/``CROSS_SIZE``/``LOCAL_SIZE``) and
+   ``accelerate launch --use_deepspeed`` (``ACCELERATE_USE_DEEPSPEED=true``) -- both ask for the DeepSpeed
+   engine: before accelerate (whose variables the second carries) and torchrun (whose ``RANK`` both carry).
+   A torch-style backend chosen in 1-2 under ``--use_deepspeed`` would train plain DDP: a ``problem``.
 5. ``accelerate launch`` (``ACCELERATE_MIXED_PRECISION``/``ACCELERATE_USE_CPU``...) -- accelerate
    runs torch's elastic agent inside, so its workers *also* carry torchrun's variables
    (``TORCHELASTIC_RUN_ID``, ``RANK``, ``WORLD_SIZE``): it must be checked before torchrun.
@@ -63,9 +67,10 @@ TORCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MAST
                    "GROUP_RANK", "ROLE_RANK")
 """torch's ``env://`` variables, set by torchrun and by unified_dist for srun/mpirun."""
 
-_TORCH, _ACCELERATE = SPECS["torch"], SPECS["accelerate"]
-_TORCH_STYLE = (_TORCH.name, _ACCELERATE.name)
-_ORDER = ("horovod", "accelerate", "torch")
+_TORCH, _ACCELERATE, _DEEPSPEED = SPECS["torch"], SPECS["accelerate"], SPECS["deepspeed"]
+_TORCH_STYLE = (_TORCH.name, _ACCELERATE.name, _DEEPSPEED.name)
+"""Backends that run on torch's default process group: each joins the processes any of their launchers started."""
+_ORDER = ("horovod", "deepspeed", "accelerate", "torch")
 """The stacks whose launchers are sources 4-6, in that order (see the module docstring)."""
 
 
@@ -91,6 +96,11 @@ def _choose(name: str, env: Mapping[str, str], live: Optional[Live], why: str) -
             f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)} (or leave it unset to detect the launcher)")
     found = _found(env, live)
     issues = found.problems
+    if stacks.accelerate_asks_for_deepspeed(env) and name != _DEEPSPEED.name and live is None:
+        return Detection(name, found.launcher, why, world_size=found.world_size, rank=found.rank, problems=(
+            f"{why} under accelerate launch --use_deepspeed would train without DeepSpeed (plain "
+            f"{'DDP' if name in _TORCH_STYLE else name}); leave the backend unset (the deepspeed backend runs "
+            "the DeepSpeed engine) or launch without --use_deepspeed",))
     if name == "single":
         if found.world_size > 1:
             issues += (f"{found.launcher} started {found.world_size} processes but {why} makes each one run "

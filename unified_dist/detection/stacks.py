@@ -1,5 +1,6 @@
 """The sources of :func:`unified_dist.detection.detect` that recognise a stack's own launcher:
-horovodrun, accelerate launch, torchrun (each named by its record in :data:`unified_dist.registry.SPECS`,
+horovodrun, DeepSpeed's launcher (and ``accelerate launch --use_deepspeed``), accelerate launch, torchrun
+(each named by its record in :data:`unified_dist.registry.SPECS`,
 ``source``). Each takes the environment and returns a :class:`Detection`, or ``None`` when its
 launcher did not start this process."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from ..settings import LAUNCHER_ENV as ENV_LAUNCHER
 from .jobs import derived_port, rendezvous
 from .result import Detection, read_int as _int
 
-_TORCH, _ACCELERATE, _HOROVOD = SPECS["torch"], SPECS["accelerate"], SPECS["horovod"]
+_TORCH, _ACCELERATE, _HOROVOD, _DEEPSPEED = SPECS["torch"], SPECS["accelerate"], SPECS["horovod"], SPECS["deepspeed"]
 _TORCH_KEYS = ("RANK", "WORLD_SIZE")
 
 
@@ -75,6 +76,27 @@ def horovod_over(env: Mapping[str, str], found: Detection, why: str) -> Optional
         port = derived_port(f"horovod:{addr}:{port}")  # a store of our own, away from torch's group's port
     return replace(found, backend=_HOROVOD.name, reason=f"{why} ({found.reason}; joined through Horovod's rendezvous)",
                    master_addr=addr, master_port=port)  # the launcher's problems stay problems
+
+
+def accelerate_asks_for_deepspeed(env: Mapping[str, str]) -> bool:
+    """``accelerate launch --use_deepspeed`` (or a config file with ``distributed_type: DEEPSPEED``) started
+    this process: Accelerate exports ``ACCELERATE_USE_DEEPSPEED=true`` to its workers."""
+    return env.get("ACCELERATE_USE_DEEPSPEED", "").strip().lower() == "true"
+
+
+def deepspeed(env: Mapping[str, str]) -> Optional[Detection]:
+    """DeepSpeed's own launcher (``deepspeed --num_gpus N script.py``: ``RANK``/``WORLD_SIZE`` as torchrun, plus
+    ``CROSS_RANK``/``CROSS_SIZE``/``LOCAL_SIZE``, which torchrun does not set, and no ``TORCHELASTIC_RUN_ID``), or
+    ``accelerate launch --use_deepspeed``: both ask for the DeepSpeed engine, which the ``deepspeed`` backend runs."""
+    if not all(env.get(k) for k in _TORCH_KEYS):
+        return None
+    if accelerate_asks_for_deepspeed(env):
+        return _torch_style(env, _DEEPSPEED.name, _ACCELERATE.launcher,
+                            "ACCELERATE_USE_DEEPSPEED=true (started by accelerate launch --use_deepspeed)")
+    if all(env.get(k) for k in _DEEPSPEED.launcher_keys) and not env.get("TORCHELASTIC_RUN_ID"):
+        return _torch_style(env, _DEEPSPEED.name, _DEEPSPEED.launcher,
+                            "RANK/WORLD_SIZE with CROSS_RANK/CROSS_SIZE/LOCAL_SIZE are set (started by deepspeed)")
+    return None
 
 
 def accelerate(env: Mapping[str, str]) -> Optional[Detection]:

@@ -38,8 +38,9 @@ def bench_module(name: str):
     spec.loader.exec_module(module)
     return module
 
-LAUNCHERS = ("python", *(spec.launcher for spec in SPECS.values() if spec.launcher))
-"""python, then every backend's own launcher in the registry's order (``command`` knows each)."""
+LAUNCHERS = ("python", *(spec.launcher for spec in SPECS.values() if spec.launcher and spec.contract))
+"""python, then the own launcher of every backend that runs the whole contract, in the registry's order
+(``command`` knows each, and ``deepspeed``, whose backend has its own launch tests)."""
 BACKEND_OF = {**{spec.launcher or "python": name for name, spec in SPECS.items()},
               "srun": "torch", "mpirun": "torch", "legacy": "torch", "accelerate-fsdp": "accelerate"}
 """The backend each launcher's workers run: the registry's launchers, plus those that start torch."""
@@ -63,6 +64,8 @@ def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2
                 "--fsdp_reshard_after_forward", "false", "--num_processes", str(nproc),
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 "--main_process_port", str(free_port()), script, *args]
+    if launcher == "deepspeed":  # DeepSpeed's launcher: --num_gpus is its processes per node, on a CPU too
+        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), script, *args]
     if launcher == "horovodrun":
         return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo",
                 "python", script, *args]
@@ -175,8 +178,8 @@ def launch(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2,
 
 
 # ---------------------------------------------------------------------- what counts as a launch
-LAUNCHER_PROGRAMS = ("torchrun", "horovodrun", "srun", "mpirun", "mpiexec")
-LAUNCHER_MODULES = ("torch.distributed.launch", "torch.distributed.run")
+LAUNCHER_PROGRAMS = ("torchrun", "horovodrun", "deepspeed", "srun", "mpirun", "mpiexec")
+LAUNCHER_MODULES = ("torch.distributed.launch", "torch.distributed.run", "deepspeed.launcher.launch")
 HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 """Processes Python starts beside a single one (its multiprocessing bookkeeping): not a launch."""
 

@@ -176,10 +176,10 @@ def test_half_set_torch_variables_are_a_problem():
     assert "RANK missing" in got.problems[0] and "torchrun" in got.problems[0]
 
 
-@pytest.mark.parametrize("explicit,env", [("mpi", {}), (None, {"UNIFIED_DIST_BACKEND": "deepspeed"})])
+@pytest.mark.parametrize("explicit,env", [("mpi", {}), (None, {"UNIFIED_DIST_BACKEND": "colossalai"})])
 def test_unknown_backend_is_one_line_error(explicit, env):
     with pytest.raises(DetectionError,
-                       match="unknown backend .* choose one of torch, accelerate, horovod, single") as info:
+                       match="unknown backend .* choose one of torch, accelerate, horovod, deepspeed, single") as info:
         detect(env, explicit)
     assert "\n" not in str(info.value)
 
@@ -193,8 +193,8 @@ def test_detection_imports_no_backend():
     before = set(sys.modules)
     detect(ACCELERATE)
     detect(HOROVODRUN)
-    assert not {m for m in set(sys.modules) - before if m.split(".")[0] in ("accelerate", "horovod")}
-    assert set(BACKENDS) == {"torch", "accelerate", "horovod", "single"}
+    assert not {m for m in set(sys.modules) - before if m.split(".")[0] in ("accelerate", "horovod", "deepspeed")}
+    assert set(BACKENDS) == {"torch", "accelerate", "horovod", "deepspeed", "single"}
 
 
 def test_derived_port_is_the_documented_formula_below_the_ephemeral_range():

@@ -1,0 +1,221 @@
+"""The deepspeed backend (issue 59) under real launchers, 2 processes each: its physics and its selectors.
+
+One torchrun launch (``PHYSICS``) trains the tiny model of tests/launchers/workers/deepspeed_worker.py through
+the facade's loop for ZeRO stages 0-3 x (SGD with momentum, AdamW) x gradient accumulation 1 and 2
+(``ud.init(backend="deepspeed", zero_stage=S, gradient_accumulation_steps=K)``, one session after another in
+the same processes), then the same loop on the torch backend (DDP). 2 ranks x batch 4 must give the weights of
+1 process x batch 8 computed here with plain torch in float64 (not through the library), and the torch
+backend's numbers. The selector launches run one case each, with the backend and stage left to the launcher
+and the environment: ``UNIFIED_DIST_BACKEND=deepspeed`` under torchrun (stage from ``UNIFIED_DIST_ZERO_STAGE``),
+``accelerate launch --use_deepspeed --zero_stage 2`` (which trained plain DDP without a word before this
+backend) and ``unified-dist launch --backend deepspeed --zero-stage 3`` (DeepSpeed's own launcher).
+
+Why float32 and a derived bound: DeepSpeed refuses float64 parameters (stage 0: ``attempting to reduce an
+unsupported grad type: torch.float64``; ZeRO keeps float32 master weights), so the launched runs are float32
+and the reference float64. :func:`bound` derives the worst rounding from the reference's own magnitudes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Dict, Tuple
+
+import pytest
+import torch
+
+from unified_dist.testing.launchers import BIN, ROOT, Result, child_env, command, free_port, run
+
+sys.path.insert(0, str(ROOT / "tests" / "launchers" / "workers"))
+import deepspeed_worker as worker  # noqa: E402  (the model, data and cases; the training runs in the launches)
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+WORKER = "tests/launchers/workers/deepspeed_worker.py"
+TIMEOUT = 240  # the physics launch takes 65 s on 2 cores (20 engines); a selector launch 20-30 s
+U = 2.0 ** -24  # float32's unit roundoff
+N_PARAMS = 4 * 3 + 3 + 3 * 2 + 2  # the worker's model: Linear(4, 3), Tanh, Linear(3, 2)
+
+
+def launch_command(name: str, out: Path) -> list:
+    args = ["--out", str(out)]
+    if name == "physics":
+        return command("torchrun", WORKER, args)
+    args.append("--detected")
+    if name == "variable":
+        return command("torchrun", WORKER, args)
+    if name == "accelerate":  # what a user types: Accelerate's DeepSpeed flags (on a CPU, without --cpu)
+        return [str(BIN / "accelerate"), "launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port()), WORKER, *args]
+    if name == "unified-dist":
+        return [str(BIN / "unified-dist"), "launch", "--backend", "deepspeed", "--nproc", "2", "--zero-stage", "3",
+                "--master-port", str(free_port()), WORKER, *args]
+    raise ValueError(name)
+
+
+ENV = {"physics": {}, "variable": {"UNIFIED_DIST_BACKEND": "deepspeed", "UNIFIED_DIST_ZERO_STAGE": "1"},
+       "accelerate": {}, "unified-dist": {}}
+STAGE = {"variable": 1, "accelerate": 2, "unified-dist": 3}
+LAUNCHER = {"variable": "torchrun", "accelerate": "accelerate", "unified-dist": "deepspeed"}
+
+
+class Launches:
+    """Each launch once per module, by the first test that needs it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._done: Dict[str, Tuple[Result, Dict[int, dict]]] = {}
+
+    def get(self, name: str) -> Tuple[Result, Dict[int, dict]]:
+        if name not in self._done:
+            out = self.root / name
+            result = run(launch_command(name, out), TIMEOUT, child_env(ENV[name]))
+            files = {r: out / f"rank{r}.json" for r in range(2)}
+            self._done[name] = (result, {r: json.loads(p.read_text()) for r, p in files.items() if p.exists()})
+        return self._done[name]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory) -> Launches:
+    return Launches(tmp_path_factory.mktemp("deepspeed"))
+
+
+def reference(opt_name: str, k: int, clip: float = math.inf, norms: list = None
+              ) -> Tuple[Dict[str, torch.Tensor], float, float, float]:
+    """1 process x batch 8 (2 ranks x 4) in float64, plain torch: the final weights, and the largest
+    gradient entry G, the smallest |gradient entry| g_min and the largest |weight| W of the run (for :func:`bound`).
+    ``clip``: torch's ``clip_grad_norm_`` before each step, its norms appended to ``norms``."""
+    x, y = (t.double() for t in worker.data())
+    net = worker.model().double()
+    opt = worker.optimizer(opt_name, net.parameters())
+    batch = 2 * worker.BATCH
+    big, small = 0.0, math.inf
+    for start in range(0, worker.ROWS, batch * k):
+        for j in range(k):
+            rows = slice(start + j * batch, start + (j + 1) * batch)
+            (torch.nn.functional.mse_loss(net(x[rows]), y[rows]) / k).backward()
+        grads = torch.cat([p.grad.flatten() for p in net.parameters()]).abs()
+        big, small = max(big, grads.max().item()), min(small, grads.min().item())
+        if clip < math.inf:
+            norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), clip).item())
+        opt.step()
+        opt.zero_grad()
+    weights = {n: p.detach().flatten() for n, p in net.named_parameters()}
+    return weights, big, small, max(p.abs().max().item() for p in net.parameters())
+
+
+def bound(opt_name: str, k: int, G: float, g_min: float, W: float) -> float:
+    """The largest float32 rounding error of the final weights against the float64 reference.
+
+    A gradient entry is a sum over the batch of products through two layers (dot products of length <= 4,
+    tanh, a batch sum of 8 rows): its float32 error is below 64 u G (u = 2**-24, G the largest gradient entry;
+    64 covers the accumulated roundings of those <= 16 chained operations with a factor 4 to spare). The weights
+    themselves are rounded once per step and operation (4 u W). Over S steps:
+
+    - SGD (lr 0.1, momentum 0.9): each gradient error reaches the weights through lr times the momentum's
+      geometric sum 1 / (1 - 0.9) = 10: S (lr 10 * 64 u G + 4 u W).
+    - AdamW (lr 0.01, betas 0.9, 0.999): its update m/sqrt(v) is at most (1 - b1) / sqrt(1 - b2) = 3.16 in size
+      (Kingma and Ba, 2.1) and moves by 1.5 times the relative error of the gradient it normalises (m by it,
+      sqrt(v) by half of it), at worst that of the smallest entry, 64 u G / g_min: S (lr 3.16 * 1.5 * 64 u G /
+      g_min + 4 u W).
+    """
+    steps = worker.ROWS // (2 * worker.BATCH * k)
+    if opt_name == "sgd":
+        return steps * (0.1 * 10 * 64 * U * G + 4 * U * W)
+    return steps * (0.01 * 3.16 * 1.5 * 64 * U * G / g_min + 4 * U * W)
+
+
+def max_difference(a: Dict[str, list], b: Dict[str, torch.Tensor]) -> float:
+    return max((torch.tensor(a[n], dtype=torch.float64) - torch.as_tensor(b[n], dtype=torch.float64)).abs().max().item()
+               for n in b)
+
+
+def finished(launches: Launches, name: str) -> Dict[int, dict]:
+    result, ranks = launches.get(name)
+    result.check()
+    assert sorted(ranks) == [0, 1], result.output[-3000:]
+    return ranks
+
+
+PHYSICS_CASES = [(stage, opt, k) for stage in worker.STAGES for opt in worker.OPTIMIZERS for k in worker.ACCUMULATIONS]
+
+
+@pytest.mark.parametrize("stage, opt_name, k", PHYSICS_CASES)
+def test_zero_stage_gives_one_process_on_the_global_batch(launches, stage, opt_name, k):
+    ranks = finished(launches, "physics")
+    case = ranks[0][worker.case_name("deepspeed", stage, opt_name, k)]
+    assert (case["backend"], case["launcher"], case["world_size"], case["stage"], case["inner"]) == (
+        "deepspeed", "torchrun", 2, stage, "Sequential")
+    assert case["steps"] == worker.ROWS // (2 * worker.BATCH * k)
+    weights, G, g_min, W = reference(opt_name, k)
+    assert max_difference(case["weights"], weights) <= bound(opt_name, k, G, g_min, W)
+    other = ranks[1][worker.case_name("deepspeed", stage, opt_name, k)]["weights"]
+    assert other == case["weights"]  # both ranks hold the same full weights
+
+
+@pytest.mark.parametrize("stage, opt_name, k", PHYSICS_CASES)
+def test_zero_stage_gives_the_torch_backends_numbers(launches, stage, opt_name, k):
+    """The same loop on the torch backend (DDP, float32): both are within the bound of the same float64 reference,
+    so they are within twice the bound of each other."""
+    ranks = finished(launches, "physics")
+    ds = ranks[0][worker.case_name("deepspeed", stage, opt_name, k)]
+    ddp = ranks[0][worker.case_name("torch", 0, opt_name, k)]
+    assert (ddp["backend"], ddp["stage"]) == ("torch", None)
+    _, G, g_min, W = reference(opt_name, k)
+    ddp_weights = {n: torch.tensor(v, dtype=torch.float64) for n, v in ddp["weights"].items()}
+    assert max_difference(ds["weights"], ddp_weights) <= 2 * bound(opt_name, k, G, g_min, W)
+
+
+@pytest.mark.parametrize("stage", worker.STAGES)
+def test_clip_grad_norm_means_torchs_clip_under_every_stage(launches, stage):
+    """``ud.clip_grad_norm_(model.parameters(), 0.2)`` before each SGD step: the norms it returns are those of the
+    global batch's gradients, and the weights those of torch's clip_grad_norm_ in one process. Clipping scales each
+    step's gradient by 0.2 / norm, so the SGD bound holds with G (the unclipped largest entry) unchanged."""
+    ranks = finished(launches, "physics")
+    case = ranks[0][f"deepspeed-zero{stage}-clip"]
+    norms: list = []
+    weights, G, g_min, W = reference("sgd", 1, worker.CLIP, norms)
+    assert min(norms) > worker.CLIP  # every step clips
+    # a norm sums the squares of the gradient's 23 entries, each within 64 u G: within 23 * 64 u G of the truth
+    assert max(abs(a - b) for a, b in zip(case["norms"], norms)) <= N_PARAMS * 64 * U * G
+    assert max_difference(case["weights"], weights) <= bound("sgd", 1, G, g_min, W)
+
+
+@pytest.mark.parametrize("stage", worker.STAGES)
+@pytest.mark.parametrize("opt_name", worker.OPTIMIZERS)
+def test_each_stage_shards_what_it_says(launches, stage, opt_name):
+    """Stage 0 keeps the whole optimizer state on every rank (SGD: one momentum per parameter, AdamW: two
+    moments); ZeRO 1-3 hold each rank's partition only: less than the whole on each rank, all of it together."""
+    ranks = finished(launches, "physics")
+    per_param = 1 if opt_name == "sgd" else 2
+    held = [ranks[r][worker.case_name("deepspeed", stage, opt_name, 1)]["held"] for r in (0, 1)]
+    if stage == 0:
+        assert held == [per_param * N_PARAMS] * 2
+    else:
+        assert all(h < per_param * N_PARAMS for h in held) and sum(held) >= per_param * N_PARAMS
+
+
+@pytest.mark.parametrize("name", ["variable", "accelerate", "unified-dist"])
+def test_each_selector_runs_the_engine_at_the_stage_it_says(launches, name):
+    """UNIFIED_DIST_BACKEND=deepspeed under torchrun (stage from UNIFIED_DIST_ZERO_STAGE=1); accelerate launch
+    --use_deepspeed --zero_stage 2 (the stage read through the settings table's launcher column); unified-dist
+    launch --backend deepspeed --zero-stage 3, which runs DeepSpeed's own launcher (detected by its
+    CROSS_RANK/CROSS_SIZE/LOCAL_SIZE): the backend and the stage each names, and the physics of the global batch."""
+    ranks = finished(launches, name)
+    for r in (0, 1):
+        case = ranks[r]["detected-sgd-k1"]
+        assert (case["backend"], case["launcher"], case["world_size"], case["stage"]) == (
+            "deepspeed", LAUNCHER[name], 2, STAGE[name])
+        weights, G, g_min, W = reference("sgd", 1)
+        assert max_difference(case["weights"], weights) <= bound("sgd", 1, G, g_min, W)
+
+
+def test_another_backend_under_use_deepspeed_is_refused_in_one_line(launches):
+    """Under accelerate launch --use_deepspeed, ud.init(backend="accelerate") would train plain DDP: refused, on
+    every rank, with one line."""
+    ranks = finished(launches, "accelerate")
+    for r in (0, 1):
+        refused = ranks[r]["refused"]
+        assert refused["type"] == "LaunchError" and "\n" not in refused["message"]
+        assert "--use_deepspeed would train without DeepSpeed" in refused["message"]

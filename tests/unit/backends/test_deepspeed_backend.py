@@ -1,0 +1,143 @@
+"""The deepspeed backend's pure parts: which launcher selects it, where its ZeRO stage comes from, the engine
+config built from the settings, and its one-line refusals (issue 59). Its physics run under torchrun,
+``deepspeed``, ``accelerate launch --use_deepspeed`` and ``unified-dist launch`` in
+tests/launchers/test_deepspeed_engine.py."""
+import datetime
+
+import pytest
+
+import unified_dist as ud
+from unified_dist import settings
+from unified_dist.backends.base import Config
+from unified_dist.backends.deepspeed_backend import engine_config, refusal
+from unified_dist.detection import detect
+from unified_dist.errors import LaunchError, SettingError
+from unified_dist.parallel.sharding import Sharding
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+# what `deepspeed --num_gpus 2 script.py` gives rank 1 (seen from deepspeed 0.19.8's launcher here)
+DEEPSPEED = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
+             "CROSS_RANK": "0", "CROSS_SIZE": "1", "LOCAL_SIZE": "2"}
+# what `accelerate launch --use_deepspeed --zero_stage 2 --num_processes 2` gives rank 1 on a CPU (Accelerate 1.15)
+ACCELERATE_DS = dict(TORCHRUN, TORCHELASTIC_RUN_ID="none", ACCELERATE_MIXED_PRECISION="no",
+                     ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="2",
+                     ACCELERATE_CONFIG_DS_FIELDS="")
+
+
+@pytest.mark.parametrize("env, explicit, launcher", [
+    (DEEPSPEED, None, "deepspeed"),                                    # DeepSpeed's own launcher
+    (ACCELERATE_DS, None, "accelerate"),                               # accelerate launch --use_deepspeed
+    (TORCHRUN, "deepspeed", "torchrun"),                               # ud.init(backend="deepspeed")
+    (dict(TORCHRUN, UNIFIED_DIST_BACKEND="deepspeed"), None, "torchrun"),  # the variable
+])
+def test_each_selector_chooses_the_deepspeed_engine(env, explicit, launcher):
+    found = detect(env, explicit)
+    assert (found.backend, found.launcher, found.world_size, found.rank, found.problems) == (
+        "deepspeed", launcher, 2, 1, ())
+
+
+def test_torchrun_alone_stays_torch():
+    assert detect(TORCHRUN).backend == "torch"
+
+
+@pytest.mark.parametrize("env, explicit", [(ACCELERATE_DS, "accelerate"), (ACCELERATE_DS, "torch"),
+                                           (dict(ACCELERATE_DS, UNIFIED_DIST_BACKEND="accelerate"), None)])
+def test_another_backend_under_use_deepspeed_is_refused_in_one_line(env, explicit):
+    found = detect(env, explicit)
+    assert len(found.problems) == 1 and "\n" not in found.problems[0]
+    assert "--use_deepspeed" in found.problems[0] and "without DeepSpeed" in found.problems[0]
+
+
+def test_the_stage_comes_from_one_place_code_then_launcher_then_variable():
+    stage = settings.TABLE["zero_stage"]
+    assert settings.resolve("zero_stage", None, {}) is None
+    assert settings.resolve("zero_stage", None, {stage.variable: "3"}) == 3
+    assert settings.resolve("zero_stage", None, dict(ACCELERATE_DS, **{stage.variable: "3"})) == 2  # launcher first
+    assert settings.resolve("zero_stage", 2, ACCELERATE_DS) == 2
+    assert stage.from_code("3") == 3  # unified-dist launch --zero-stage 3 checks its text the same way
+    with pytest.raises(LaunchError, match="accelerate launch --zero_stage"):
+        settings.resolve("zero_stage", 3, ACCELERATE_DS)
+    for bad in ("4", "two"):
+        with pytest.raises(SettingError, match="ZeRO stage") as err:
+            settings.resolve("zero_stage", None, {stage.variable: bad})
+        assert "\n" not in str(err.value)
+    with pytest.raises(SettingError, match="ZeRO stage"):
+        settings.resolve("zero_stage", 5, {})
+
+
+def test_engine_config_is_built_from_the_settings():
+    config = engine_config({}, None, stage=3, accumulation=2, mixed_precision="bf16", micro_batch=4)
+    assert config["zero_optimization"] == {"stage": 3}
+    assert (config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]) == (2, 4)
+    assert config["bf16"] == {"enabled": True} and config["fp16"] == {"enabled": False}
+    assert config["gradient_clipping"] == 0.0  # DeepSpeed's default (1.0) would clip where no backend does
+    assert "train_batch_size" not in config
+
+
+def test_a_config_file_is_filled_where_it_says_auto_and_refused_where_it_disagrees():
+    file = {"zero_optimization": {"stage": "auto", "overlap_comm": True}, "gradient_accumulation_steps": "auto",
+            "train_batch_size": "auto", "gradient_clipping": 0.5}
+    config = engine_config(file, "ds.json", stage=2, accumulation=4, mixed_precision="no", micro_batch=8)
+    assert config["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert config["gradient_accumulation_steps"] == 4 and config["gradient_clipping"] == 0.5
+    assert file["zero_optimization"]["stage"] == "auto"  # the user's dict is not changed
+    with pytest.raises(SettingError, match="ds.json says zero_optimization.stage=1 but zero_stage says 3") as err:
+        engine_config({"zero_optimization": {"stage": 1}}, "ds.json", 3, 1, "no", 4)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("config, words", [
+    (Config(sharding=Sharding("fsdp")), "zero_stage=1, 2 or 3"),
+    (Config(gradient_compression="bf16"), "DeepSpeed reduces in its own format"),
+    (Config(bucket_mb=10.0), "reduce_bucket_size"),
+    (Config(compile="inductor"), "does not compile yet"),
+])
+def test_what_the_engine_cannot_do_is_refused_in_one_line(config, words):
+    problem = refusal(config)
+    assert words in problem and "\n" not in problem
+    assert refusal(Config(timeout=datetime.timedelta(seconds=5))) is None
+
+
+def test_other_backends_refuse_the_deepspeed_settings(monkeypatch):
+    for name in ("UNIFIED_DIST_BACKEND", "UNIFIED_DIST_ZERO_STAGE", "RANK", "WORLD_SIZE", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(name, raising=False)
+    ud.shutdown()
+    try:
+        for kwargs in ({"zero_stage": 2}, {"deepspeed_config": "ds.json"}):
+            with pytest.raises(ud.UnifiedDistError, match="backend='deepspeed'") as err:
+                ud.init(**kwargs)
+            assert "\n" not in str(err.value)
+    finally:
+        ud.shutdown()
+
+
+def test_the_accelerate_api_refuses_use_deepspeed_where_accelerate_would_train_plain_ddp():
+    """``python -m unified_dist.accelerate`` / ``unified_dist.accelerate.Accelerator`` under ``accelerate launch
+    --use_deepspeed``: on a machine without CUDA the processes train together only with ``cpu=True``, where
+    Accelerate leaves DeepSpeed out: one line. With CUDA Accelerate runs DeepSpeed itself: nothing to refuse."""
+    import torch
+
+    from unified_dist.accelerate import world
+
+    assert world.launcher_world(ACCELERATE_DS).world_size == 2  # the world is read as before
+    if torch.cuda.is_available():
+        world._refuse_cpu_deepspeed(2, ACCELERATE_DS)
+        return
+    with pytest.raises(LaunchError, match="--use_deepspeed on a machine without CUDA") as err:
+        world._refuse_cpu_deepspeed(2, ACCELERATE_DS)
+    assert "\n" not in str(err.value)
+    world._refuse_cpu_deepspeed(1, ACCELERATE_DS)  # one process: Accelerate's own path, nothing forced
+    world._refuse_cpu_deepspeed(2, TORCHRUN)
+
+
+def test_launch_command_starts_deepspeeds_launcher_on_one_node_and_torchrun_on_several():
+    from unified_dist.cli import launch
+
+    one = launch.build(launch.Plan(backend="deepspeed", script="train.py", nproc=2, master_port=29601,
+                                   settings={"zero_stage": 3}), environ={})
+    assert one.argv == ("deepspeed", "--num_gpus", "2", "--no_local_rank", "--master_port", "29601", "train.py")
+    assert one.env["UNIFIED_DIST_ZERO_STAGE"] == "3"
+    two = launch.build(launch.Plan(backend="deepspeed", script="train.py", nproc=2, nnodes=2, node_rank=1,
+                                   master_addr="10.0.0.1"), environ={})
+    assert two.argv[0] == "torchrun" and two.env["UNIFIED_DIST_BACKEND"] == "deepspeed"

@@ -1,0 +1,307 @@
+"""DeepSpeed's engine (ZeRO stages 0-3), as started by ``deepspeed``, ``accelerate launch --use_deepspeed``,
+torchrun, srun or mpirun (``init(backend="deepspeed")``).
+
+Why an engine and not a wrapper: DeepSpeed builds the model and the optimizer into one object
+(``deepspeed.initialize``), partitions optimizer state (stage 1), gradients (2) and parameters (3), and
+owns the backward (its loss scaling, its reduce-scatter hooks) and the step (step and zero_grad in one).
+So ``ud.prepare`` hands the model and its optimizer to ``deepspeed.initialize`` together, and the facade's
+loop keeps its meaning by telling the engine, not by undoing it:
+
+- the micro-step that synchronises is the engine's accumulation boundary
+  (``set_gradient_accumulation_boundary``), so the engine's ``gradient_accumulation_steps`` and the facade's
+  ``ud.accumulate`` agree, the short last window of an epoch included;
+- ``ud.backward`` gives the engine the loss already weighted by the facade (``scale_wrt_gas=False``: the
+  engine divides by nothing more);
+- the prepared optimizer's ``step`` is the engine's ``step``, called once per optimizer step;
+- the configuration is built once from the settings table (ZeRO stage, accumulation, mixed precision), on top
+  of the user's DeepSpeed config file where one is given, and DeepSpeed's own default gradient clipping (1.0)
+  is turned off: the facade clips only when ``ud.clip_grad_norm_`` asks, on every backend alike.
+
+DeepSpeed runs on torch's default process group (joined as the torch backend joins it: gloo on a CPU, nccl on
+GPUs), so the collectives are the torch backend's.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from fractions import Fraction
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..detection import Detection
+from ..errors import BackendNotInstalled, CheckpointError, SettingError, UnifiedDistError
+from .base import Config, weighted
+from .process_group import withdraw_rendezvous
+from .torch_ddp import TorchBackend
+
+ACCELERATE_DEFAULT_STAGE = 2
+"""The ZeRO stage ``accelerate launch --use_deepspeed`` means without ``--zero_stage`` (Accelerate's
+``DeepSpeedPlugin`` default)."""
+
+
+def refusal(config: Config) -> Optional[str]:
+    """Why the deepspeed backend cannot run ``config``, in one line naming what to use instead (``None``: it can)."""
+    sharding = config.sharding
+    if sharding.splits_model:
+        what = ("sharding='fsdp'" if sharding.enabled else f"tp={sharding.tp}" if sharding.tp > 1
+                else f"dp_replicate={sharding.dp_replicate}")
+        return (f"{what} is torch's FSDP2/TP layout; the deepspeed backend shards with ZeRO: use zero_stage=1, 2 or 3, "
+                "or backend='torch' for FSDP2")
+    if config.gradient_compression:
+        return (f"gradient_compression={config.gradient_compression!r} is DDP's and Horovod's; DeepSpeed reduces in "
+                "its own format: drop it, or use backend='torch' or 'horovod'")
+    if config.bucket_mb is not None:
+        return ("bucket_mb sizes DDP's and Horovod's buckets; set DeepSpeed's reduce_bucket_size in a DeepSpeed config "
+                "file (deepspeed_config=...)")
+    if config.compile:
+        return (f"compile={config.compile!r}: the deepspeed backend does not compile yet; leave compile off, or use "
+                "backend='torch'")
+    return None
+
+
+def read_config_file(path: Optional[str]) -> Dict[str, Any]:
+    """The DeepSpeed config file at ``path`` as a dict (``{}`` without one); a one-line error if it does not read."""
+    if not path:
+        return {}
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SettingError(f"deepspeed_config={path!r} does not read as a DeepSpeed JSON config ({exc})") from None
+    if not isinstance(value, dict):
+        raise SettingError(f"deepspeed_config={path!r} holds a {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _said(value: Any) -> bool:
+    """Whether a config file's value says something (transformers' ``"auto"`` leaves it to the settings)."""
+    return value is not None and value != "auto"
+
+
+def engine_config(file: Dict[str, Any], path: Optional[str], stage: int, accumulation: int, mixed_precision: str,
+                  micro_batch: int) -> Dict[str, Any]:
+    """The config ``deepspeed.initialize`` gets: the file's, with the settings' values filled in where it leaves them
+    out (or says ``"auto"``). Where it says another value than the settings, a one-line :class:`SettingError`.
+    Pure."""
+    config = copy.deepcopy(file)
+
+    def agree(keys: List[str], value: Any, setting: str) -> None:
+        holder = config
+        for key in keys[:-1]:
+            holder = holder.setdefault(key, {})
+        said = holder.get(keys[-1])
+        if _said(said) and said != value:
+            raise SettingError(f"the DeepSpeed config {path} says {'.'.join(keys)}={said!r} but {setting} says "
+                               f"{value!r}; make them agree (the settings are read once, from one place)")
+        holder[keys[-1]] = value
+
+    agree(["zero_optimization", "stage"], stage, "zero_stage")
+    agree(["gradient_accumulation_steps"], accumulation, "gradient_accumulation_steps")
+    agree(["train_micro_batch_size_per_gpu"], micro_batch, "the prepared DataLoader's batch_size")
+    agree(["bf16", "enabled"], mixed_precision == "bf16", f"mixed_precision={mixed_precision!r}")
+    agree(["fp16", "enabled"], mixed_precision == "fp16", f"mixed_precision={mixed_precision!r}")
+    if not _said(config.get("train_batch_size")):
+        config.pop("train_batch_size", None)  # DeepSpeed derives it: micro batch x accumulation x world size
+    if not _said(config.get("gradient_clipping")):
+        config["gradient_clipping"] = 0.0  # DeepSpeed's default is 1.0: no backend clips unless asked
+    config.setdefault("zero_allow_untested_optimizer", True)  # the user's own torch optimizer
+    config.setdefault("steps_per_print", 2**62)  # the facade's loop reports; DeepSpeed's progress lines stay off
+    return config
+
+
+class DeepSpeedBackend(TorchBackend):
+    """One DeepSpeed engine per session, built by ``ud.prepare`` from the model and optimizer given together."""
+
+    name = "deepspeed"
+    reads_deepspeed_settings = True
+
+    def __init__(self, detection: Detection, config: Config) -> None:
+        problem = refusal(config)
+        if problem:
+            raise UnifiedDistError(problem)
+        try:
+            import deepspeed
+        except ImportError as exc:
+            raise BackendNotInstalled(
+                f"backend 'deepspeed' needs the deepspeed package ({exc}); install it with `make setup` "
+                "(DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8, after torch)") from None
+        self._file = read_config_file(config.deepspeed_config)
+        stage = config.zero_stage
+        said = self._file.get("zero_optimization", {}).get("stage")
+        if stage is None:
+            stage = said if _said(said) else (ACCELERATE_DEFAULT_STAGE if detection.launcher == "accelerate" else 0)
+        self.zero_stage = int(stage)
+        super().__init__(detection, config)  # joins the default group: gloo on a CPU, nccl on GPUs
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
+        self.engine: Any = None
+        self._pending: Dict[str, Any] = {}
+
+    # ----------------------------------------------------------------- preparation
+    def about_to_prepare(self, objs: tuple) -> None:
+        """Remember the optimizer and the loader's batch size that come with the model (one
+        ``deepspeed.initialize``)."""
+        models = [o for o in objs if isinstance(o, torch.nn.Module) and any(p.requires_grad for p in o.parameters())]
+        optimizers = [o for o in objs if isinstance(o, torch.optim.Optimizer)]
+        if not models and not optimizers:
+            return
+        if self.engine is not None or len(models) != 1 or len(optimizers) != 1:
+            raise UnifiedDistError(
+                "the deepspeed backend builds one engine from one trainable model and its optimizer: pass exactly "
+                "those two (and the loaders) to one ud.prepare call, once per session; for several models use "
+                "backend='torch'")
+        loaders = [o for o in objs if isinstance(o, torch.utils.data.DataLoader) and o.batch_size]
+        self._pending = {"model": models[0], "optimizer": optimizers[0],
+                         "micro_batch": loaders[0].batch_size if loaders else 1}
+
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not any(p.requires_grad for p in model.parameters()):
+            return model.to(self.device)
+        if self._pending.get("model") is not model:
+            raise UnifiedDistError("the deepspeed backend prepares a model together with its optimizer: "
+                                   "ud.prepare(model, optimizer, loader)")
+        import deepspeed
+
+        optimizer = self._pending["optimizer"]
+        config = engine_config(self._file, self.config.deepspeed_config, self.zero_stage,
+                               self.config.gradient_accumulation_steps, self.config.mixed_precision,
+                               self._pending["micro_batch"])
+        self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
+                                                    dist_init_required=False)
+        return self.engine
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
+                          model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        if self.engine is None or self._pending.get("optimizer") is not optimizer:
+            raise UnifiedDistError("the deepspeed backend prepares an optimizer together with its model: "
+                                   "ud.prepare(model, optimizer, loader)")
+        return EngineOptimizer(self.engine, optimizer)
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        from deepspeed import DeepSpeedEngine
+
+        return super().unwrap(model.module if isinstance(model, DeepSpeedEngine) else model)
+
+    # ----------------------------------------------------------------- training
+    def backward(self, loss: torch.Tensor, scaler: Optional[Any] = None, weight: Fraction = Fraction(1)) -> None:
+        if self.engine is None:
+            raise UnifiedDistError("ud.backward under the deepspeed backend needs the model and optimizer prepared "
+                                   "first: ud.prepare(model, optimizer, loader)")
+        self.engine.backward(weighted(loss, weight), scale_wrt_gas=False)  # the facade weighted it already
+
+    def set_sync_gradients(self, sync: bool) -> None:
+        if self.engine is not None:
+            self.engine.set_gradient_accumulation_boundary(sync)
+
+    def make_grad_scaler(self) -> Optional[Any]:
+        return None  # fp16: DeepSpeed's engine scales the loss itself
+
+    def clip_gradients(self, parameters: List[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        """Where the engine steps the user's optimizer on the module's gradients (stage 0, no bf16): torch's clip,
+        as the torch backend. Under ZeRO the averaged gradients live in DeepSpeed's partitions: the norm is that of
+        the full gradients DeepSpeed gathers (``safe_get_full_grad``), and the engine's optimizer clips to
+        ``max_norm`` inside this step (its ``clip_grad``, the same ``max_norm / (norm + 1e-6)`` rule as torch's),
+        which covers all of the engine's parameters: a subset, or a norm other than 2, is refused in one line."""
+        engine = self.engine
+        if engine is None or engine.optimizer is self._pending.get("optimizer"):
+            return super().clip_gradients(parameters, max_norm, norm_type)
+        wanted = {id(p) for p in parameters}
+        if wanted != {id(p) for p in engine.module.parameters() if p.requires_grad} or float(norm_type) != 2.0 \
+                or not hasattr(engine.optimizer, "clip_grad"):
+            raise UnifiedDistError(
+                f"ud.clip_grad_norm_ under ZeRO stage {self.zero_stage} clips all of the model's parameters by their "
+                "2-norm (DeepSpeed clips inside its step): pass model.parameters() and norm_type=2")
+        from deepspeed.utils import safe_get_full_grad
+
+        grads = [safe_get_full_grad(p) for p in engine.module.parameters() if p.requires_grad]  # a collective
+        norms = [torch.linalg.vector_norm(g.float()) for g in grads if g is not None]
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+        engine.optimizer.clip_grad = float(max_norm)  # this step only: EngineOptimizer.step puts the config's back
+        return norm
+
+    def checkpoint_problem(self) -> Optional[str]:
+        if self.zero_stage == 3:
+            return ("ud.save under ZeRO stage 3 is not written yet (each rank holds a slice of every parameter): "
+                    "save with zero_stage 0-2, or with DeepSpeed's own engine.save_checkpoint(dir) for now")
+        return None
+
+    def shutdown(self) -> None:
+        """Leave the group through DeepSpeed, which then forgets the groups it derived from it (a later
+        ``ud.init`` builds its engine on the new group)."""
+        engine, self.engine = self.engine, None
+        if not dist.is_initialized():
+            return
+        dist.barrier()  # nobody is still reducing when the engine goes
+        if engine is not None and hasattr(engine, "destroy"):
+            engine.destroy()
+        if self._owns_group:
+            from deepspeed import comm
+
+            comm.destroy_process_group()
+        withdraw_rendezvous(self._exported)
+
+
+class EngineOptimizer(torch.optim.Optimizer):
+    """The user's optimizer as DeepSpeed's engine steps it: ``step()`` is the engine's step (which also zeroes
+    the gradients); ``param_groups`` and ``state`` are the user's optimizer's (under ZeRO its parameters are
+    DeepSpeed's flat partitions), so a learning-rate scheduler drives what the engine steps."""
+
+    def __init__(self, engine: Any, optimizer: torch.optim.Optimizer) -> None:
+        self.engine = engine
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> List[dict]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[dict]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def __repr__(self) -> str:
+        return f"EngineOptimizer({self.optimizer!r})"
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """One engine step (the optimizer's update, then zeroed gradients); a closure is refused."""
+        if closure is not None:
+            raise UnifiedDistError("optimizer.step(closure) under the deepspeed backend: DeepSpeed's engine steps "
+                                   "without a closure; call step() after ud.backward(loss)")
+        clip = self.engine.gradient_clipping()
+        try:
+            self.engine.step()
+        finally:  # a clip ud.clip_grad_norm_ asked for holds for this step only
+            if hasattr(self.engine.optimizer, "clip_grad"):
+                self.engine.optimizer.clip_grad = clip
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if hasattr(self.engine.optimizer, "zero_grad") and self.engine.zero_optimization():
+            self.engine.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.engine.zero_grad()
+
+    def state_dict(self) -> dict:
+        """Under ZeRO stage 0 the user's optimizer's own state dict (portable); under ZeRO its state is DeepSpeed's
+        flat partitions: a one-line :class:`CheckpointError`."""
+        if not self.engine.zero_optimization():
+            return self.optimizer.state_dict()
+        raise CheckpointError(
+            f"the optimizer's state under ZeRO stage {self.engine.zero_optimization_stage()} is partitioned in "
+            "DeepSpeed's flat layout and has no portable form yet: save the model alone (ud.save({'model': model})), "
+            "or use DeepSpeed's engine.save_checkpoint(dir)")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not self.engine.zero_optimization():
+            self.optimizer.load_state_dict(state_dict)
+            return
+        raise CheckpointError(
+            f"loading an optimizer's state under ZeRO stage {self.engine.zero_optimization_stage()} is not written "
+            "yet: load the model alone, or use DeepSpeed's engine.load_checkpoint(dir)")
