@@ -20,7 +20,12 @@ It supervises everything it starts (docs/fault-tolerance.md):
   brought back, the job stops in one line;
 - SIGTERM or SIGINT to the launcher is passed to every group's torchrun, which passes it to its processes
   (docs/preemption.md): they stop at an agreed step and save within :data:`STOP_GRACE_S`, torchrun's own grace;
-  the launcher then exits with the status the groups agreed (75 for a requeue).
+  the launcher then exits with the status the groups agreed (75 for a requeue). SIGUSR1 (SLURM's warning before
+  the time limit, ``#SBATCH --signal=USR1@90``) does the same, passed on as SIGTERM: torchrun passes on only
+  TERM, INT, HUP and QUIT and dies of USR1, leaving its processes behind; the default ``stop_signals`` treat
+  USR1 and TERM alike;
+- whatever the launcher started (each group's torchrun, the lighthouse) gets SIGTERM from the kernel when the
+  launcher dies without cleaning up (SIGKILL, a crash: ``PR_SET_PDEATHSIG``), so no group trains on unsupervised.
 
 The command ends when every group has ended: 0 if all ended well; a group's exit status once it has failed
 ``--max-group-restarts`` times; 0 when a group fails while none is running but one already ended well (its
@@ -30,6 +35,7 @@ whole tree.
 """
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
@@ -106,7 +112,8 @@ class Group:
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
             env[STATUS_VAR] = str(folder)
-        self.process = subprocess.Popen(list(self.command.argv), env=env, start_new_session=True)
+        self.process = subprocess.Popen(list(self.command.argv), env=env, start_new_session=True,
+                                        preexec_fn=end_with_launcher(os.getpid()))
 
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -128,6 +135,29 @@ class Group:
 
     def kill(self) -> None:
         kill_session(self.process)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+"""What the launcher takes as a stop (a preemption): passed to every group, :data:`PASSED_AS` says as what."""
+
+PASSED_AS = {signal.SIGUSR1: signal.SIGTERM}
+"""torchrun passes on only TERM, INT, HUP and QUIT (and dies of USR1 with its processes left running)."""
+
+
+def end_with_launcher(launcher: int):
+    """A ``preexec_fn``: the child gets SIGTERM from the kernel once the launcher (pid ``launcher``, whose only
+    thread starts the children) has died, however it died (Linux's ``PR_SET_PDEATHSIG``; elsewhere nothing). A
+    launcher that died between the fork and this call is caught by the parent check."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+
+    def arrange() -> None:
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != launcher:
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arrange
 
 
 def kill_session(process: Optional[subprocess.Popen]) -> None:
@@ -217,7 +247,7 @@ class Lighthouse:
         offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "a") as out:
             self.process = subprocess.Popen(lighthouse_command(self.port), stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+                                            start_new_session=True, preexec_fn=end_with_launcher(os.getpid()))
         while time.monotonic() < deadline:
             with open(self.log) as log:
                 log.seek(offset)
@@ -344,7 +374,7 @@ def run(command: Command, groups: int, max_restarts: int, nproc: int = 1, gpu_co
     def stop(signum, _frame) -> None:
         stopping["signal"] = stopping["signal"] or signum  # the first one counts; later ones change nothing
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
         try:
             lighthouse.start()
@@ -425,10 +455,12 @@ def _stop(members: List[Group], running: set, signum: int, lighthouse: Optional[
     save (the lighthouse kept up meanwhile), kill what is left; the status they agreed (docs/preemption.md)."""
     live = [m for m in members if m.index in running and m.running()]
     name = signal.Signals(signum).name
-    print(f"unified-dist launch: {name}: passing it to replica groups {', '.join(str(m.index) for m in live)}, "
+    passed = PASSED_AS.get(signum, signum)
+    told = "it" if passed == signum else f"it as {signal.Signals(passed).name}"
+    print(f"unified-dist launch: {name}: passing {told} to replica groups {', '.join(str(m.index) for m in live)}, "
           f"which have {STOP_GRACE_S:g} s to stop at an agreed step and save", file=sys.stderr, flush=True)
     for member in live:
-        member.signal(signum)
+        member.signal(passed)
     deadline = time.monotonic() + STOP_GRACE_S + TORCHRUN_REPORT_S
     while any(m.running() for m in live) and time.monotonic() < deadline:
         time.sleep(0.2)

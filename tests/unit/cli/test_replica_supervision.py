@@ -245,3 +245,82 @@ def test_the_lighthouse_writes_its_port_line_and_newline_in_one_write(monkeypatc
     replica_child._say(f"{replica_child.READY}34395")
     assert writes == [f"{replica_child.READY}34395\n".encode()]
     assert capfd.readouterr().out == f"{replica_child.READY}34395\n"
+
+
+def test_sigusr1_is_passed_as_sigterm_which_torchrun_passes_on(tmp_path, capsys):
+    """SLURM's warning before the time limit: torchrun dies of SIGUSR1 (it passes on only TERM, INT, HUP, QUIT),
+    so the launcher passes SIGTERM; the stand-ins stop on SIGTERM only, so the job's 75 says SIGTERM arrived."""
+    members = [group(i, STOPPABLE, tmp_path) for i in (0, 1)]
+    for member in members:
+        member.start()
+    try:
+        while not all((tmp_path / "status" / f"ready{i}").exists() for i in (0, 1)):
+            time.sleep(0.1)
+        assert replicas._watch(members, 3, {"signal": signal.SIGUSR1}) == 75
+    finally:
+        for member in members:
+            member.kill()
+    err = capsys.readouterr().err
+    assert "SIGUSR1: passing it as SIGTERM to replica groups 0, 1, which have 30 s to stop" in err
+    assert "after SIGUSR1, every replica group stopped and ended with 75" in err
+
+
+def test_the_launcher_takes_sigusr1_sigterm_and_sigint_as_a_stop_and_restores_the_handlers(tmp_path, monkeypatch):
+    seen = {}
+
+    class Lighthouse:  # a stand-in: the real one is tested below
+        def __init__(self, log):
+            self.log, self.address, self.process = log, "http://x", type("P", (), {"pid": 0})()
+
+        def start(self):
+            pass
+
+        def kill(self):
+            pass
+
+    def watch(members, max_restarts, stopping, lighthouse):
+        for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+            seen[signum] = signal.getsignal(signum)
+        if signal.getsignal(signal.SIGUSR1) in (signal.SIG_DFL, signal.SIG_IGN, None):
+            return -1  # not taken as a stop (sending it would end the test process)
+        os.kill(os.getpid(), signal.SIGUSR1)  # handled: the test process goes on
+        return stopping["signal"]
+
+    monkeypatch.setattr(replicas, "Lighthouse", Lighthouse)
+    monkeypatch.setattr(replicas.Group, "start", lambda self: None)
+    monkeypatch.setattr(replicas, "_watch", watch)
+    before = signal.getsignal(signal.SIGUSR1)
+    assert replicas.run(Command((sys.executable, "-c", "pass")), 2, 3, 1, log_dir=str(tmp_path)) == signal.SIGUSR1
+    assert len({id(h) for h in seen.values()}) == 1 and seen[signal.SIGUSR1] not in (signal.SIG_DFL, before)
+    assert signal.getsignal(signal.SIGUSR1) == before
+
+
+def test_what_the_launcher_started_ends_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL of the launcher (nothing cleans up): the kernel sends each group SIGTERM (PR_SET_PDEATHSIG)."""
+    import subprocess
+
+    code = ("import sys, time\n"
+            "from unified_dist.cli import replicas\n"
+            "from unified_dist.cli.launch import Command\n"
+            "g = replicas.Group(0, Command((sys.executable, '-c', 'import time; time.sleep(120)')), {}, nproc=1)\n"
+            "g.start(); print(g.process.pid, flush=True); time.sleep(120)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(launcher.stdout.readline())
+        os.kill(child, 0)  # it runs
+        launcher.kill()
+        launcher.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            if state == "Z":  # ended; whoever adopted it has not reaped it yet
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError(f"the group (pid {child}) outlived its killed launcher by 20 s")
+    finally:
+        launcher.kill()
