@@ -55,9 +55,7 @@ def _save(obj: Any, path: str, async_save: bool, keep_last: Optional[int]) -> No
     """:func:`save`'s work; with ``keep_last`` the main process then keeps that many checkpoints of
     ``path``'s directory (:func:`checkpoint.rotate`, after the write is complete)."""
     backend = current_backend()
-    problem = backend.checkpoint_problem()
-    if problem:
-        raise CheckpointError(problem)
+    _refuse_models(backend, obj, "save")
     sharded = backend.config.sharding.splits_model
     with_rng = _holds_rng(obj)
     if sharded or with_rng or async_save:
@@ -159,12 +157,23 @@ def _full_on_main(rank: int) -> Any:
     return full
 
 
+def _refuse_models(backend: Any, obj: Any, action: str) -> None:
+    """A one-line :class:`CheckpointError` when ``obj`` (a model, or a dict holding one) has weights the backend
+    cannot ``action`` in the portable format now (:meth:`~unified_dist.backends.base.Backend.checkpoint_problem`)."""
+    values = obj.values() if isinstance(obj, dict) else [obj]
+    if any(isinstance(value, torch.nn.Module) for value in values):
+        problem = backend.checkpoint_problem("save" if action == "get_state_dict" else action)
+        if problem:
+            raise CheckpointError(problem)
+
+
 def get_state_dict(model: torch.nn.Module) -> Optional[dict]:
     """The model's full, unsharded state dict (unwrapped keys, CPU tensors) on the main process,
     ``None`` on the others. Every rank must call it (gathering shards is a collective), e.g.
     ``state = ud.get_state_dict(model)`` then ``if ud.is_main(): hf_model.save_pretrained(dir, state_dict=state)``.
     """
     backend = current_backend()
+    _refuse_models(backend, model, "get_state_dict")
     if not backend.config.sharding.splits_model:  # nothing to gather: only the main process walks
         return checkpoint.to_state(model, backend.unwrap) if backend.rank == 0 else None
     _every_rank_calls(backend, "get_state_dict")
@@ -183,6 +192,7 @@ def save_sharded(obj: dict, directory: str, *, async_save: bool = False) -> None
     shards, then writes them in the background, with DCP's collectives on a gloo group of their own).
     """
     backend = current_backend()
+    _refuse_models(backend, obj, "save")
     _every_rank_calls(backend, "save_sharded")
     session.current().settle_saves()
     if _holds_rng(obj):
@@ -203,6 +213,7 @@ def load_sharded(obj: dict, directory: str) -> dict:
     size and sharding (state is resharded on load), and for an ``ud.RNG`` entry this rank's
     generators; returns the other values that were saved. A background save still in flight ends first."""
     backend = current_backend()
+    _refuse_models(backend, obj, "load")
     _every_rank_calls(backend, "load_sharded")
     session.current().settle_saves()
     extra = sharded_checkpoint.load(sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer), directory)
@@ -286,6 +297,7 @@ def restore(saved: Any, state: dict, source: str, *, strict: bool = True) -> dic
                               f"(it holds {', '.join(map(repr, saved))}); "
                               "leave those names out of state, or pass strict=False to skip them")
     unwrap = current_backend().unwrap
+    _refuse_models(current_backend(), {name: state[name] for name in state if name in saved}, "load")
     # schedulers after optimizers (an optimizer's state overwrites the learning rates), RNG last
     names = sorted((name for name in state if name in saved),
                    key=lambda name: 2 if state[name] is rng.RNG else 1 if is_scheduler(state[name]) else 0)

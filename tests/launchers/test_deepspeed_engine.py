@@ -219,3 +219,22 @@ def test_another_backend_under_use_deepspeed_is_refused_in_one_line(launches):
         refused = ranks[r]["refused"]
         assert refused["type"] == "LaunchError" and "\n" not in refused["message"]
         assert "--use_deepspeed would train without DeepSpeed" in refused["message"]
+
+
+@pytest.mark.parametrize("stage", worker.STAGES)
+def test_checkpoints_are_portable_or_refused_in_one_line(launches, stage):
+    """ud.save of the model writes the portable format under stages 0-2 (the weights the run ended with), and
+    is refused in one line under ZeRO-3; the optimizer's state saves under stage 0 only; ud.load into the
+    prepared model works under stage 0 only (under ZeRO it would miss DeepSpeed's float32 master weights)."""
+    ranks = finished(launches, "physics")
+    case = ranks[0][worker.case_name("deepspeed", stage, "sgd", 1)]
+    outcome = case["checkpoint"]
+    refused = {name for name in ("save_model", "save_optimizer", "load_model") if outcome[name] is not None}
+    expected = {0: set(), 1: {"save_optimizer", "load_model"}, 2: {"save_optimizer", "load_model"},
+                3: {"save_model", "save_optimizer", "load_model"}}[stage]
+    assert refused == expected, outcome
+    for name in refused:
+        assert outcome[name]["type"] == "CheckpointError" and "\n" not in outcome[name]["message"], outcome[name]
+    if stage < 3:
+        saved = torch.load(outcome["file"], weights_only=True)["model"]
+        assert {n: t.double().flatten().tolist() for n, t in saved.items()} == case["weights"]

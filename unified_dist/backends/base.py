@@ -226,8 +226,9 @@ class Backend(ABC):
         norm as a plain tensor, also when the parameters are sharded."""
         return full_tensor(clip_grad_norm(parameters, max_norm, norm_type))
 
-    def checkpoint_problem(self) -> Optional[str]:
-        """Why ``ud.save`` cannot write the portable format now, in one line (``None``: it can)."""
+    def checkpoint_problem(self, action: str) -> Optional[str]:
+        """Why ``action`` (``"save"``: write a model's weights in the portable format; ``"load"``: load them into
+        a prepared model) cannot be done right now, in one line (``None``: it can)."""
         return None
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:

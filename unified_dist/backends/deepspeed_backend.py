@@ -220,10 +220,17 @@ class DeepSpeedBackend(TorchBackend):
         engine.optimizer.clip_grad = float(max_norm)  # this step only: EngineOptimizer.step puts the config's back
         return norm
 
-    def checkpoint_problem(self) -> Optional[str]:
+    def checkpoint_problem(self, action: str) -> Optional[str]:
+        """ZeRO-3 holds a slice of every parameter on each rank: no portable save or load yet. ZeRO 1-2 keep the
+        weights whole in the module (saved as they are) but step float32 master copies inside the optimizer,
+        which loading into the module would not reach: loading is refused there too."""
         if self.zero_stage == 3:
-            return ("ud.save under ZeRO stage 3 is not written yet (each rank holds a slice of every parameter): "
-                    "save with zero_stage 0-2, or with DeepSpeed's own engine.save_checkpoint(dir) for now")
+            return (f"ud.{action} of a model under ZeRO stage 3 is not written yet (each rank holds a slice of every "
+                    "parameter): use zero_stage 0-2, or DeepSpeed's own engine.save_checkpoint/load_checkpoint(dir)")
+        if action == "load" and self.zero_stage > 0:
+            return (f"ud.load into a model under ZeRO stage {self.zero_stage} would miss DeepSpeed's float32 master "
+                    "weights, which the next step copies back: load before ud.prepare (into the plain module), or "
+                    "use DeepSpeed's own engine.load_checkpoint(dir)")
         return None
 
     def shutdown(self) -> None:

@@ -76,12 +76,36 @@ def train(ud, backend: Optional[str], stage: Optional[int], opt_name: str, k: in
         weights = {n: safe_get_full_fp32_param(p).detach().cpu() for n, p in inner.named_parameters()}
     else:
         weights = {n: p.detach().cpu() for n, p in inner.named_parameters()}
-    out = {"backend": ud.backend_name(), "launcher": ud.launcher(), "world_size": ud.world_size(),
+    checkpoint = save_and_load(ud, prepared, opt, stage) if backend == "deepspeed" and opt_name == "sgd" \
+        and k == 1 and clip is None and OUT is not None else None
+    out = {"checkpoint": checkpoint, "backend": ud.backend_name(), "launcher": ud.launcher(),
+           "world_size": ud.world_size(),
            "stage": engine_stage, "inner": type(ud.unwrap(prepared)).__name__, "held": held, "steps": opt.steps_taken,
            "norms": norms,
            "weights": {n: w.double().flatten().tolist() for n, w in weights.items()}}
     ud.shutdown()
     return out
+
+
+OUT: Optional[Path] = None  # --out: where the checkpoint cases write
+
+
+def save_and_load(ud, model, optimizer, stage: int) -> dict:
+    """What ud.save and ud.load do with the prepared model and optimizer under this stage: the file written
+    (``None``) or the one-line error, per call."""
+    path = OUT / f"zero{stage}-model.pt"
+    outcome = {}
+    for name, call in (("save_model", lambda: ud.save({"model": model}, str(path))),
+                       ("save_optimizer", lambda: ud.save({"optimizer": optimizer}, str(OUT / "optimizer.pt"))),
+                       ("load_model", lambda: ud.load(str(OUT / "zero0-model.pt"), {"model": model}))):
+        try:
+            call()
+            outcome[name] = None
+        except ud.UnifiedDistError as exc:
+            outcome[name] = {"type": type(exc).__name__, "message": str(exc)}
+        ud.barrier()
+    outcome["file"] = str(path)
+    return outcome
 
 
 def main() -> None:
@@ -92,6 +116,10 @@ def main() -> None:
                         help="one case (SGD, no accumulation), backend and stage as the launcher and environment say")
     args = parser.parse_args()
     import unified_dist as ud
+
+    global OUT
+    OUT = Path(args.out)
+    OUT.mkdir(parents=True, exist_ok=True)
 
     results = {}
     if args.detected:
