@@ -532,6 +532,10 @@ TABLE: Dict[str, Setting] = _declare(
     Setting("without_horovod", "UNIFIED_DIST_WITHOUT_HOROVOD", Text("1 for on; anything else off"), None,
             "1: `make setup` leaves Horovod out and the test suite skips its tests",
             keyword=False, flag=False, read_by="tools", default_text="off"),
+    Setting("test_times", "UNIFIED_DIST_TEST_TIMES", Text("a file"), None,
+            "where the test suite writes each test's seconds per phase (`make test`: build/test-times.json, "
+            "which bench/suite_time.py sums into the suite's budget)",
+            keyword=False, flag=False, read_by="tools", default_text="none (not written)"),
 )
 """Every setting, in the order ``unified-dist env`` lists them."""
 

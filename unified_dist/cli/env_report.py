@@ -5,6 +5,7 @@ broken is reported with its fix, never raised: the report is most useful when th
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -66,13 +67,16 @@ def probe_accelerate(environ: Mapping[str, str]) -> Dict[str, Any]:
 def probe_deepspeed(environ: Mapping[str, str]) -> Dict[str, Any]:
     """Whether ``import deepspeed`` works, with the accelerator and the communication backend it picks here."""
     fix = SPECS["deepspeed"].install_fix
-    try:
-        import deepspeed
-        from deepspeed.accelerator import get_accelerator
-    except Exception as exc:  # an sdist built against another torch fails with more than ImportError
-        detail = NOT_INSTALLED if _version("deepspeed") == NOT_INSTALLED else f"import failed ({_first_line(exc)})"
-        return _backend_status(False, detail, fix, "deepspeed", environ)
-    accelerator = get_accelerator()
+    # DeepSpeed's logger writes to the stdout it finds at import ("Setting accelerator to CPU"): to stderr here,
+    # so that `unified-dist env --json` prints JSON alone
+    with contextlib.redirect_stdout(sys.stderr):
+        try:
+            import deepspeed
+            from deepspeed.accelerator import get_accelerator
+        except Exception as exc:  # an sdist built against another torch fails with more than ImportError
+            detail = NOT_INSTALLED if _version("deepspeed") == NOT_INSTALLED else f"import failed ({_first_line(exc)})"
+            return _backend_status(False, detail, fix, "deepspeed", environ)
+        accelerator = get_accelerator()
     return _backend_status(True, f"deepspeed {deepspeed.__version__} ({accelerator.device_name()} accelerator, "
                                  f"{accelerator.communication_backend_name()})", None, "deepspeed", environ)
 

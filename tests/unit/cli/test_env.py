@@ -4,7 +4,7 @@ import re
 
 KEYS = {"python", "packages", "backends", "horovod_build", "hardware", "detection", "settings",
         "unknown_settings", "problems"}
-PACKAGES = {"unified_dist", "torch", "accelerate", "horovod", "transformers", "datasets"}
+PACKAGES = {"unified_dist", "torch", "accelerate", "horovod", "deepspeed", "transformers", "datasets"}
 
 
 def test_text_report_has_every_section(cli):
