@@ -16,9 +16,12 @@ order. Its builder, probe and starter may live in the backend's own module; the 
 """
 from __future__ import annotations
 
+import os
 import pkgutil
+import shutil
+import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -107,3 +110,16 @@ NAMES: Tuple[str, ...] = tuple(SPECS)
 LAUNCHED: Tuple[str, ...] = tuple(name for name, spec in SPECS.items() if spec.launcher)
 """Backends with a multi-process launcher (``single`` is plain ``python script.py``)."""
 
+
+def search_path(environ: Mapping[str, str] = os.environ) -> str:
+    """``PATH`` with this interpreter's directory first, so launchers and ``python`` are this environment's."""
+    own = os.path.dirname(sys.executable)
+    rest = [p for p in environ.get("PATH", "").split(os.pathsep) if p and p != own]
+    return os.pathsep.join([own, *rest])
+
+
+def launcher_path(backend: str, environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """The path of ``backend``'s launcher on :func:`search_path` (where ``unified-dist launch`` finds it), or
+    ``None`` (not installed, or a backend without a launcher)."""
+    launcher = SPECS[backend].launcher
+    return shutil.which(launcher, path=search_path(environ)) if launcher else None

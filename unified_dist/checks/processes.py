@@ -6,26 +6,15 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shutil
 import signal
-import sys
 from pathlib import Path
-from typing import Dict, Mapping, Optional
+from typing import Dict
 
 from ..detection import LAUNCHER_VARIABLE_PREFIXES, TORCH_VARIABLES
-from ..registry import SPECS
+from ..registry import SPECS, launcher_path
 from ..settings import TIMEOUT_ENV
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-
-
-def launcher_path(backend: str, environ: Mapping[str, str] = os.environ) -> Optional[str]:
-    """The path of ``backend``'s launcher, this interpreter's directory searched before ``PATH`` (where
-    ``unified-dist launch`` finds it), or ``None``."""
-    own = os.path.dirname(sys.executable)
-    path = os.pathsep.join([own, *(p for p in environ.get("PATH", "").split(os.pathsep) if p and p != own)])
-    launcher = SPECS[backend].launcher
-    return shutil.which(launcher, path=path) if launcher else None
 
 
 def installed(backend: str) -> bool:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Mapping, Optional, Tuple
+
+from ..registry import search_path
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,6 @@ class Command:
         """One shell line a user can copy: ``VAR=value ... launcher args``."""
         assignments = [f"{key}={shlex.quote(value)}" for key, value in self.env.items()]
         return " ".join([*assignments, shlex.join(self.argv)])
-
-
-def search_path(environ: Mapping[str, str] = os.environ) -> str:
-    """``PATH`` with this interpreter's directory first, so launchers and ``python`` are this environment's."""
-    own = os.path.dirname(sys.executable)
-    rest = [p for p in environ.get("PATH", "").split(os.pathsep) if p and p != own]
-    return os.pathsep.join([own, *rest])
 
 
 def environment(command: Command, base: Mapping[str, str] = os.environ) -> Dict[str, str]:

@@ -21,7 +21,7 @@ from .. import settings
 from ..backends.ports import DEFAULT_MASTER_PORT
 from ..backends.precision import Precision
 from ..errors import PrecisionError, SettingError
-from ..registry import LAUNCHED, SPECS
+from ..registry import LAUNCHED, SPECS, launcher_path
 from .commands import Command, Plan, environment, search_path
 from .errors import UsageError
 
@@ -217,7 +217,7 @@ def _python_name() -> str:
 
 def find_launcher(backend: str, environ: Mapping[str, str] = os.environ) -> Optional[str]:
     """The path of ``backend``'s launcher in this environment, or ``None``."""
-    return shutil.which(LAUNCHER_OF[backend], path=search_path(environ))
+    return launcher_path(backend, environ)
 
 
 def check_machine(plan: Plan, environ: Mapping[str, str] = os.environ) -> None:
