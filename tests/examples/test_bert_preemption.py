@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_bert_hotpath import _missing, _tiny_bert  # pytest puts this folder on sys.path
+from test_bert_hotpath import _missing  # pytest puts this folder on sys.path
 
 from unified_dist.testing.launchers import ROOT, child_env, command, kill_session, launch
 
@@ -34,8 +34,9 @@ def _weights(out: Path) -> dict:
     return load_file(str(out / "final_model" / "model.safetensors"))
 
 
-def test_sigterm_stops_saves_exits_75_and_resume_auto_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
-    model = str(_tiny_bert(tmp_path / "tiny-bert"))
+def test_sigterm_stops_saves_exits_75_and_resume_auto_ends_with_the_uninterrupted_weights(tmp_path: Path,
+                                                                                           tiny_bert: str) -> None:
+    model = tiny_bert
     out = tmp_path / "stopped"
     marker = tmp_path / "asking"
     argv = command("python", PAUSE, [str(marker), "1", str(EXAMPLE / "train.py"), *ARGS, "--model", model,

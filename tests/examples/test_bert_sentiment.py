@@ -1,7 +1,8 @@
 """End-to-end tests of examples/bert_sentiment/train.py under the real launchers.
 
-Tiny settings (64 training examples, 50 evaluation examples, 32 tokens, 5 optimizer steps) keep
-each launch to seconds. Every launch uses the same global batch of 16 (python: 8 x 2 grad-accum;
+Tiny settings (64 training examples, 50 evaluation examples, 32 tokens, 5 optimizer steps) and the
+tests' 2-layer BERT (tests/conftest.py's ``tiny_bert``, with the MiniLM's tokenizer) keep each launch
+to its start-up. Every launch uses the same global batch of 16 (python: 8 x 2 grad-accum;
 two processes: 8 each; four processes: 4 each) and ``--no-dropout``, so the logged losses must
 agree across launchers: the example's training loop is the same whatever started it.
 
@@ -32,6 +33,7 @@ from typing import Dict, List, NamedTuple, Optional, Set
 
 import pytest
 
+from unified_dist.testing import tiny_bert as tests_bert
 from unified_dist.testing.launchers import BACKEND_OF, LAUNCHER_NAME, ROOT, Result, launch
 
 SCRIPT = str(ROOT / "examples" / "bert_sentiment" / "train.py")
@@ -96,8 +98,9 @@ class Ring:
     launch. ``uninterrupted(launcher, env)``: 5 steps in one launch (srun, mpirun, the legacy launch).
     """
 
-    def __init__(self, factory):
+    def __init__(self, factory, model: str):
         self._factory = factory  # tests/conftest.py's module_dirs: deleted when the module passes
+        self.tiny = [*TINY, "--model", model]  # every launch of the ring trains the tests' BERT
         self._stopped: Dict[str, Launch] = {}
         self._continued: Dict[str, Launch] = {}
         self._uninterrupted: Dict[str, Launch] = {}
@@ -109,7 +112,7 @@ class Ring:
             needs(launcher)
             out = self._factory.mktemp(f"bert-{name}") / "run"
             stop = STOP.get(name, ["--stop-after", "3"])
-            result = launch(launcher, SCRIPT, [*TINY, "--output-dir", str(out), *batch_args, *stop], nproc=nproc,
+            result = launch(launcher, SCRIPT, [*self.tiny, "--output-dir", str(out), *batch_args, *stop], nproc=nproc,
                             timeout=TIMEOUT)
             self._stopped[name] = _launched(result, out)
         return self._stopped[name]
@@ -132,8 +135,8 @@ class Ring:
                 assert theirs.result.returncode == 0, f"the {source} launch that {name} continues failed"
                 resume = str(theirs.out / "checkpoints" / "checkpoint-000000003.pt")
             launcher, nproc, batch_args = CONTINUED_AS.get(name, LAUNCHES[name])
-            result = launch(launcher, SCRIPT, [*TINY, "--output-dir", str(first.out), *batch_args, "--resume", resume],
-                            nproc=nproc, timeout=TIMEOUT)
+            result = launch(launcher, SCRIPT, [*self.tiny, "--output-dir", str(first.out), *batch_args,
+                                               "--resume", resume], nproc=nproc, timeout=TIMEOUT)
             self._continued[name] = _launched(result, first.out)
         return self._continued[name]
 
@@ -143,7 +146,7 @@ class Ring:
             if launcher in OTHER_BACKEND:
                 env["UNIFIED_DIST_BACKEND"] = OTHER_BACKEND[launcher]
             out = self._factory.mktemp(f"bert-{launcher}") / "run"
-            result = launch(launcher, SCRIPT, [*TINY, "--batch-size", "8", "--output-dir", str(out)], nproc=2,
+            result = launch(launcher, SCRIPT, [*self.tiny, "--batch-size", "8", "--output-dir", str(out)], nproc=2,
                             timeout=TIMEOUT, env=env)
             self._uninterrupted[launcher] = _launched(result, out)
         return self._uninterrupted[launcher]
@@ -153,7 +156,7 @@ class Ring:
         if name not in self._layouts:
             launcher, nproc, args, env = LAYOUTS[name]
             out = self._factory.mktemp(f"bert-{name}") / "run"
-            result = launch(launcher, SCRIPT, [*TINY, *args, "--output-dir", str(out)], nproc=nproc,
+            result = launch(launcher, SCRIPT, [*self.tiny, *args, "--output-dir", str(out)], nproc=nproc,
                             timeout=TIMEOUT, env=env)
             self._layouts[name] = _launched(result, out)
         return self._layouts[name]
@@ -166,8 +169,8 @@ class Ring:
 
 
 @pytest.fixture(scope="module")
-def ring(module_dirs) -> Ring:
-    return Ring(module_dirs)
+def ring(module_dirs, tiny_bert) -> Ring:
+    return Ring(module_dirs, tiny_bert)
 
 
 def _identity(rows: List[dict]) -> set:
@@ -227,7 +230,7 @@ def assert_parameters_held(output: str, nproc: int, sharded: bool) -> None:
             re.findall(r"rank (\d+) holds (\d+) of the model's (\d+) parameter elements", output)}
     assert sorted(held) == list(range(nproc)), (held, output[-3000:])
     total = held[0][1]
-    assert total > 1e6 and all(t == total for _, t in held.values()), held  # the whole BERT, on every rank
+    assert total == tests_bert.elements() and all(t == total for _, t in held.values()), held  # all of it, every rank
     shares = [mine for mine, _ in held.values()]
     if sharded:
         assert sum(shares) == total and all(abs(mine - total / nproc) <= total / 100 for mine in shares), held
@@ -331,11 +334,16 @@ LAYOUTS = {
     "hsdp": ("torchrun", 4, ["--batch-size", "4", "--sharding", "fsdp", "--dp-replicate", "2"], {}),
     "tp": ("torchrun", 2, ["--batch-size", "16"], {"UNIFIED_DIST_TP": "2"}),
 }
-# what each rank holds under tensor parallelism, from the offline MiniLM-L6's config (hidden 384,
-# intermediate 1536, 6 layers): per layer the planned weights and colwise biases are halved, i.e.
-# query/key/value 3 x (384 x 384 + 384), attention.output.dense 384 x 384, intermediate.dense
-# 1536 x 384 + 1536, output.dense 384 x 1536 (rowwise biases stay whole)
-TP_SPLIT_PER_LAYER = 3 * (384 * 384 + 384) + 384 * 384 + (1536 * 384 + 1536) + 384 * 1536
+
+
+def tp_split_per_layer(hidden: int, intermediate: int) -> int:
+    """What tensor parallelism splits per BERT layer (each rank holds half of it): the planned weights and
+    colwise biases, i.e. query/key/value 3 x (h x h + h), attention.output.dense h x h, intermediate.dense
+    i x h + i, output.dense h x i (rowwise biases stay whole)."""
+    return 3 * (hidden * hidden + hidden) + hidden * hidden + (intermediate * hidden + intermediate) + \
+        hidden * intermediate
+
+
 MESH_LINE = {"hsdp": "| sharding fsdp | mesh dp_replicate 2 x dp_shard 2 x tp 1",
              "tp": "| sharding no | mesh dp_replicate 1 x dp_shard 1 x tp 2"}
 
@@ -350,8 +358,9 @@ def test_device_mesh_layouts_train_like_the_unsharded_reference(name: str, ring:
     Tolerances: the reductions run in another order (HSDP: reduce-scatter in a replica, all-reduce
     across, 4 x 4 examples; TP: split matmul sums), so the losses get the 4-process bound of
     ``assert_losses_agree`` (1e-4 relative; seen: 2e-7). The weights: every one of the 5 steps sums
-    in another order, so the bound is ``adamw_rounding_bound(1..5)`` = 1.0e-5 (see there); seen 2.2e-6
-    and 3.0e-6 (TP, 2026-11-28, AMD EPYC: an amplification of 1.7e5 against the 5.6e5 allowed)."""
+    in another order, so the bound is ``adamw_rounding_bound(1..5)`` = 1.0e-5 (see there); seen on the tests'
+    BERT 3.7e-9 (HSDP) and 2.0e-8 (TP, 2026-11-28, AMD EPYC: an amplification of 1.1e3 against the 5.6e5
+    allowed; on the MiniLM-L6, 2.2e-6 and 3.0e-6)."""
     launcher, nproc, _, _ = LAYOUTS[name]
     run = ring.layout(name)
     result = run.result.check()
@@ -369,7 +378,9 @@ def test_device_mesh_layouts_train_like_the_unsharded_reference(name: str, ring:
         assert sum(mine for mine, _ in held.values()) == 2 * total, held
         assert all(abs(mine - total / 2) <= total / 100 for mine, _ in held.values()), held
     else:
-        assert all(mine == total - 6 * TP_SPLIT_PER_LAYER // 2 for mine, _ in held.values()), held
+        config = tests_bert.CONFIG
+        split = config["num_hidden_layers"] * tp_split_per_layer(config["hidden_size"], config["intermediate_size"])
+        assert all(mine == total - split // 2 for mine, _ in held.values()), held
     reference = ring.reference()
     losses = [r["loss"] for r in run.rows if r["type"] == "train"]
     ref_losses = [r["loss"] for r in reference.rows if r["type"] == "train"]
@@ -402,10 +413,11 @@ def adamw_rounding_bound(steps) -> float:
     by lr x dg / (|g| + eps): a gradient whose true value is 0 or nearly (the attention key biases: softmax
     ignores a shift common to a row's scores, so their gradient is a rounding residue, below eps)
     reaches that ceiling on some CPU in the worst case. So the bound is the measured ratio of
-    |weight - reference| to 2**-24 x sum(lr) with a margin: 1.7e5 at most (the TP layout, all 5 steps,
-    3.0e-6, where a key bias of layer 5 differed most; 3.9e4 for the resumed runs, steps 4-5, 1.4e-7;
-    2026-11-28, AMD EPYC), times 3.3 (issue #58 saw such errors move by 1.5-2x between CPUs): 5.6e5.
-    That is the data's amplification (fixed by the seeds and the checkpoint), not a CPU's; the bound
+    |weight - reference| to 2**-24 x sum(lr) with a margin: 1.7e5 at most on the MiniLM-L6 (the TP layout, all 5
+    steps, 3.0e-6, where a key bias of layer 5 differed most; 3.9e4 for the resumed runs, steps 4-5, 1.4e-7;
+    2026-11-28, AMD EPYC), times 3.3 (issue #58 saw such errors move by 1.5-2x between CPUs): 5.6e5. The tests'
+    BERT, which these launches train now, amplifies less: 1.1e3 (TP, 2.0e-8) and 1.0e3 (horovodrun's steps 4-5,
+    3.7e-9). That is the data's amplification (fixed by the seeds and the checkpoint), not a CPU's; the bound
     stays under the move of one wrong step (2e-5 at the smallest lr): 1.0e-5 for 5 steps, 2.0e-6 for
     steps 4-5. A float64 run would make it derivable, but the example trains in float32."""
     return ADAMW_AMPLIFICATION * 2.0 ** -24 * sum(STEP_LR[t] for t in steps)
@@ -427,8 +439,9 @@ def test_weights_after_resume_match_the_uninterrupted_run(ring: Ring) -> None:
     or backend: the average of the same two gradients), the weights are bitwise equal, through a
     checkpoint written by another backend. Where the order differs (python's 2 x 8 accumulation,
     horovodrun -np 4 for steps 4-5), float32 sums differ in their last bits and AdamW carries that
-    into the weights: 1.4e-7 at most here (2026-11-28, AMD EPYC); the bound, ``adamw_rounding_bound``
-    of steps 4-5 (2.0e-6, derived there), stays a tenth of one wrong step's move (2e-5 at step 5).
+    into the weights: 3.7e-9 at most on the tests' BERT (1.4e-7 on the MiniLM-L6; 2026-11-28, AMD EPYC); the
+    bound, ``adamw_rounding_bound`` of steps 4-5 (2.0e-6, derived there), stays a tenth of one wrong step's move
+    (2e-5 at step 5).
     """
     reference = ring.reference()
     report = {}
@@ -497,6 +510,7 @@ def test_missing_column_and_bad_labels_are_one_clear_line(tmp_path: Path) -> Non
 
 @pytest.mark.slow  # one process, but a run of the example (7-15 s)
 def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
+    """The one launch of this file on the default model, the offline MiniLM-L6 (the others train the tests' BERT)."""
     data = tmp_path / "reviews.csv"
     rows = ["review,sentiment"] + [f"a truly great movie number {i},1" for i in range(30)] + \
         [f"an utterly awful movie number {i},0" for i in range(30)]
@@ -512,10 +526,10 @@ def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # one process, but a run of the example (7-15 s)
-def test_non_finite_loss_stops_with_the_step(tmp_path: Path) -> None:
+def test_non_finite_loss_stops_with_the_step(tmp_path: Path, tiny_bert: str) -> None:
     """The facade's own check (ud.backward raises ud.NonFiniteLoss on every rank) ends the example."""
     line = _error_run(tmp_path, "--limit-train", "64", "--limit-eval", "16", "--max-length", "32", "--batch-size", "8",
-                      "--lr", "1e6", "--max-steps", "8", "--no-progress")
+                      "--lr", "1e6", "--max-steps", "8", "--no-progress", "--model", tiny_bert)
     assert "loss is not finite" in line and "at optimizer step" in line
 
 

@@ -38,14 +38,14 @@ def _launch(launcher, out, args, nproc=2, timeout=400):
     return launch(launcher, SCRIPT, [*args, "--output-dir", str(out)], nproc=nproc, timeout=timeout).check()
 
 
-def test_resumed_run_ends_with_the_weights_of_the_uninterrupted_one(tmp_path):
+def test_resumed_run_ends_with_the_weights_of_the_uninterrupted_one(tmp_path, tiny_bert):
     """Dropout on: exact resume needs every rank's RNG state, the loader position and the optimizer.
 
     Two launches: the uninterrupted run saves step 3 on its way (the same state a run stopped there
     saves: ``--stop-after`` itself is exercised by test_bert_sentiment.py's ring), and a second
     launch continues that checkpoint in a directory of its own to step 6.
     """
-    args = [*TINY, "--max-steps", "6", "--batch-size", "8", "--save-every", "3"]
+    args = [*TINY, "--model", tiny_bert, "--max-steps", "6", "--batch-size", "8", "--save-every", "3"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     _launch("torchrun", whole, args)
     resumed = _launch("torchrun", parts, [*args, "--resume", str(whole / "checkpoints" / "checkpoint-000000003.pt")])
@@ -62,11 +62,11 @@ def test_resumed_run_ends_with_the_weights_of_the_uninterrupted_one(tmp_path):
     assert ea["accuracy"] == eb["accuracy"] and ea["macro_f1"] == eb["macro_f1"]
 
 
-def test_a_resume_with_more_steps_takes_the_new_schedule_at_once(tmp_path):
+def test_a_resume_with_more_steps_takes_the_new_schedule_at_once(tmp_path, tiny_bert):
     """Stopped at step 2 of a 4-step run, continued as a 6-step run: step 3 already uses the 6-step
     schedule's rate (linear decay without warm-up: lr * (6 - 2) / 6), not the one the 4-step schedule
     left in the optimizer (lr * (4 - 2) / 4)."""
-    args = [*TINY, "--batch-size", "8", "--warmup-ratio", "0", "--lr", "1e-4"]
+    args = [*TINY, "--model", tiny_bert, "--batch-size", "8", "--warmup-ratio", "0", "--lr", "1e-4"]
     _launch("python", tmp_path, [*args, "--max-steps", "4", "--stop-after", "2"], nproc=1)
     _launch("python", tmp_path, [*args, "--max-steps", "6", "--resume", "auto"], nproc=1)
     rates = {r["step"]: r["lr"] for r in _metrics(tmp_path) if r["type"] == "train"}

@@ -62,20 +62,21 @@ def _max_weight_difference(a: Path, b: Path) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs(module_dirs) -> Dict[str, Run]:
-    """The three launches, each once for the whole module (deleted when it passes)."""
+def runs(module_dirs, tiny_bert) -> Dict[str, Run]:
+    """The three launches, each once for the whole module (deleted when it passes), of the tests' BERT."""
     base = module_dirs.mktemp("bert-streaming")
+    tiny = [*TINY, "--model", tiny_bert]
     done: Dict[str, Run] = {}
     for name, launcher, nproc, args in (
             ("map", "torchrun", 2, ["--batch-size", "8", "--no-progress"]),
             ("stream", "torchrun", 2, ["--batch-size", "8", "--streaming", "--save-every", "6"]),
     ):
         out = base / name
-        done[name] = Run(launch(launcher, SCRIPT, [*TINY, *args, "--output-dir", str(out)], nproc=nproc,
+        done[name] = Run(launch(launcher, SCRIPT, [*tiny, *args, "--output-dir", str(out)], nproc=nproc,
                                 timeout=TIMEOUT), out)
     checkpoint = done["stream"].out / "checkpoints" / "checkpoint-000000006.pt"
     out = base / "resumed"
-    done["resumed"] = Run(launch("python", SCRIPT, [*TINY, "--batch-size", "16", "--streaming", "--no-progress",
+    done["resumed"] = Run(launch("python", SCRIPT, [*tiny, "--batch-size", "16", "--streaming", "--no-progress",
                                                     "--resume", str(checkpoint), "--output-dir", str(out)],
                                  nproc=1, timeout=TIMEOUT), out)
     return done

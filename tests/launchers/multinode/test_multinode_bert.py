@@ -64,10 +64,11 @@ def launch(hosts, name: str, commands) -> tuple:
 
 
 @pytest.fixture(scope="module")
-def reference(hosts):
-    """One host (the first namespace, loopback only), torchrun --standalone, 2 processes."""
+def reference(hosts, tiny_bert):
+    """One host (the first namespace, loopback only), torchrun --standalone, 2 processes, the tests' BERT."""
     result, out = launch(hosts, "one-host", lambda out: [(0, [str(BIN / "torchrun"), "--standalone", "--nproc_per_node",
-                                                              "2", SCRIPT, *TINY, "--output-dir", str(out)], {})])
+                                                              "2", SCRIPT, *TINY, "--model", tiny_bert,
+                                                              "--output-dir", str(out)], {})])
     result.check()
     return out
 
@@ -76,13 +77,14 @@ BERT_LAUNCHES = ["horovodrun"]
 
 
 @pytest.mark.parametrize("name", BERT_LAUNCHES)
-def test_bert_two_hosts_match_one_host(name, hosts, reference, request):
+def test_bert_two_hosts_match_one_host(name, hosts, reference, tiny_bert, request):
     backend, _ = LAUNCHES[name]
     if importlib.util.find_spec(MODULE_OF[backend]) is None:
         pytest.skip(f"{MODULE_OF[backend]} is not installed")
     ssh = request.getfixturevalue("ssh_hosts") if backend == "horovod" else None
     result, out = launch(hosts, name, lambda out: launch_commands(name, hosts, SCRIPT,
-                                                                  [*TINY, "--output-dir", str(out)], ssh))
+                                                                  [*TINY, "--model", tiny_bert, "--output-dir",
+                                                                   str(out)], ssh))
     result.check()
 
     train = [m for m in read_metrics(out) if m["type"] == "train"]
