@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--paired-steps", type=int, default=24, help="facade/native pairs per backend")
     p.add_argument("--batch-size", type=int, default=16, help="per process")
     p.add_argument("--max-length", type=int, default=64)
+    p.add_argument("--model", default=None, help="the steps' model folder (default: the example's, the offline "
+                                                 "MiniLM-L6; the suite's smoke run gives the tests' 2-layer BERT)")
     p.add_argument("--compile-backend", default="inductor", help="what UNIFIED_DIST_COMPILE names")
     p.add_argument("--backends", default=",".join(BACKENDS), help="for (b), comma-separated")
     p.add_argument("--smoke", action="store_true",
@@ -92,9 +94,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     record = provenance.start()
     record["settings"] = {k: getattr(args, k) for k in ("repeats", "steps", "warmup", "paired_steps", "batch_size",
-                                                        "max_length", "compile_backend", "backends", "smoke")}
+                                                        "max_length", "compile_backend", "backends", "smoke", "model")}
     record["loads"] = {}
-    shape = ["--batch-size", str(args.batch_size), "--max-length", str(args.max_length)]
+    shape = ["--batch-size", str(args.batch_size), "--max-length", str(args.max_length),
+             *(["--model", args.model] if args.model else [])]
     with tempfile.TemporaryDirectory(prefix="hotpath-") as tmp:
         tmp = Path(tmp)
         runs = []

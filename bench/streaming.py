@@ -60,7 +60,8 @@ def example_args(args: argparse.Namespace, config: str, seed: int, out: Path, ca
     return ["--limit-train", str(args.rows), "--limit-eval", str(args.eval_rows), "--max-length", str(args.max_length),
             "--batch-size", str(args.batch_size), "--epochs", "1", "--eval-every", "0", "--log-every", "1",
             "--threads", "1", "--no-progress", "--keep-checkpoints", "1", "--seed", str(seed),
-            "--cache-dir", str(cache), "--output-dir", str(out), *CONFIGS[config]]
+            "--cache-dir", str(cache), "--output-dir", str(out), *(["--model", args.model] if args.model else []),
+            *CONFIGS[config]]
 
 
 def speeds(metrics: list, global_batch: int, rows: int) -> dict:
@@ -137,13 +138,15 @@ def main() -> int:
     p.add_argument("--max-length", type=int, default=64)
     p.add_argument("--eval-rows", type=int, default=32, help="--limit-eval (evaluation is not timed)")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default=None, help="the example's --model (default: its own, the offline MiniLM-L6; "
+                                                 "the suite's smoke run gives it the tests' 2-layer BERT)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "streaming.json"))
     args = p.parse_args()
     if args.rows % (2 * args.batch_size):
         p.error("--rows must be a multiple of 2 x --batch-size (every step a whole global batch)")
     out = Path(args.out)
-    record = {**provenance.start(), "settings": {k: getattr(args, k) for k in
-                                                  ("rows", "batch_size", "max_length", "eval_rows", "repeats")},
+    settings = ("rows", "batch_size", "max_length", "eval_rows", "repeats", "model")
+    record = {**provenance.start(), "settings": {k: getattr(args, k) for k in settings},
               "launches": [], "runs": [], "rows": []}
     tmp = Path(tempfile.mkdtemp(prefix="ud-streaming-"))
     try:

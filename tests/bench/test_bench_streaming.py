@@ -69,15 +69,17 @@ def test_the_recorded_results_are_complete_and_add_up():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_script_runs_tiny_and_writes_a_well_formed_results_file(bench, monkeypatch, tmp_path):
-    """Both launches (python, torchrun x 2), every configuration, 16 rows of batches of 4, one repeat."""
+def test_the_script_runs_tiny_and_writes_a_well_formed_results_file(bench, monkeypatch, tmp_path, tiny_bert):
+    """Both launches (python, torchrun x 2), every configuration, 16 rows of batches of 4, one repeat, the tests'
+    BERT."""
     out = tmp_path / "streaming.json"
     monkeypatch.setattr(sys, "argv", ["streaming.py", "--rows", "16", "--batch-size", "4", "--max-length", "16",
-                                      "--eval-rows", "8", "--repeats", "1", "--out", str(out)])
+                                      "--eval-rows", "8", "--repeats", "1", "--model", tiny_bert, "--out", str(out)])
     assert bench.main() == 0
     record = json.loads(out.read_text())
     check_record(record, repeats=1)
-    assert record["settings"] == {"rows": 16, "batch_size": 4, "max_length": 16, "eval_rows": 8, "repeats": 1}
+    assert record["settings"] == {"rows": 16, "batch_size": 4, "max_length": 16, "eval_rows": 8, "repeats": 1,
+                                  "model": tiny_bert}
 
 
 def test_speeds_are_rows_over_summed_step_times_and_the_median_step(bench):
