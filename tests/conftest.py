@@ -37,11 +37,12 @@ def _refuse_unmarked_launches(item):
 
 _TIMES = {"items": {}}
 """Each test's seconds per phase, written where ``UNIFIED_DIST_TEST_TIMES`` names (``make test``: build/), with
-bench/provenance.py's record of the run (commit, CPU, load, steal): what bench/suite_time.py reads."""
+bench/provenance.py's record of the run (commit, CPU, load, steal) and its pytest-xdist workers: what
+bench/suite_time.py reads. Under xdist the controller writes it (every worker's reports reach it); workers do not."""
 
 
 def pytest_sessionstart(session):
-    if os.environ.get("UNIFIED_DIST_TEST_TIMES"):
+    if os.environ.get("UNIFIED_DIST_TEST_TIMES") and not os.environ.get("PYTEST_XDIST_WORKER"):
         import time
 
         from unified_dist.testing.launchers import bench_module
@@ -68,8 +69,9 @@ def pytest_sessionfinish(session, exitstatus):
 
     record = bench_module("provenance").finish(_TIMES["record"])
     record.pop("cpu_ticks_before", None)
-    record.update(command="make test", cores=os.cpu_count(), wall_s=round(time.time() - _TIMES["started"], 1),
-                  exit_status=int(exitstatus), items=_TIMES["items"])
+    workers = getattr(session.config.option, "numprocesses", None) or 0
+    record.update(command="make test", cores=os.cpu_count(), workers=workers,
+                  wall_s=round(time.time() - _TIMES["started"], 1), exit_status=int(exitstatus), items=_TIMES["items"])
     path = os.environ["UNIFIED_DIST_TEST_TIMES"]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as out:

@@ -46,6 +46,15 @@ def test_the_docs_lines_say_the_minutes_and_the_verdict(suite_time):
     assert "28.3 min under the budget" in under[0]  # 1800 s - 100 s = 1700 s
 
 
+def test_with_workers_the_budget_is_the_sessions_wall_clock(suite_time):
+    """Two xdist workers: their phases overlap, so the budget measures the session's 130 s, not the 100 s summed."""
+    s = suite_time.summarise(dict(TIMES, workers=2))
+    assert s["workers"] == 2 and s["tests_s"] == 100.0 and s["over_s"] == 130.0 - 1800
+    first = suite_time.table(s)[0]
+    assert "3 tests on 2 pytest-xdist workers, **2.2 min wall** (1.7 min of test phases summed" in first
+    assert "27.8 min under the budget of 30 min" in first  # 1800 s - 130 s = 1670 s
+
+
 def test_a_file_that_is_not_a_run_is_one_line_and_status_2(suite_time, tmp_path, capsys):
     empty = tmp_path / "t.json"
     empty.write_text(json.dumps({"items": {}}))
