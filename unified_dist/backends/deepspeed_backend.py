@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..detection import Detection
 from ..errors import BackendNotInstalled, CheckpointError, SettingError, UnifiedDistError
 from .base import Config, weighted
+from .optimizer_view import OptimizerView
 from .process_group import withdraw_rendezvous
 from .torch_ddp import TorchBackend
 
@@ -249,33 +250,20 @@ class DeepSpeedBackend(TorchBackend):
         withdraw_rendezvous(self._exported)
 
 
-class EngineOptimizer(torch.optim.Optimizer):
+class EngineOptimizer(OptimizerView):
     """The user's optimizer as DeepSpeed's engine steps it: ``step()`` is the engine's step (which also zeroes
-    the gradients); ``param_groups`` and ``state`` are the user's optimizer's (under ZeRO its parameters are
-    DeepSpeed's flat partitions), so a learning-rate scheduler drives what the engine steps."""
+    the gradients); ``param_groups`` and ``state`` are the user's optimizer's (:class:`OptimizerView`; under ZeRO
+    its parameters are DeepSpeed's flat partitions), so a learning-rate scheduler drives what the engine steps.
+    ``add_param_group`` is refused: the engine partitioned the groups it was given and would never step a new one."""
 
     def __init__(self, engine: Any, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(optimizer)
         self.engine = engine
-        self.optimizer = optimizer
 
-    @property
-    def param_groups(self) -> List[dict]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: List[dict]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    def __repr__(self) -> str:
-        return f"EngineOptimizer({self.optimizer!r})"
+    def add_param_group(self, param_group: dict) -> None:
+        raise UnifiedDistError("optimizer.add_param_group under the deepspeed backend: DeepSpeed's engine was built "
+                               "with the optimizer's groups and would never step a new one; give the optimizer every "
+                               "group before ud.prepare")
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """One engine step (the optimizer's update, then zeroed gradients); a closure is refused."""

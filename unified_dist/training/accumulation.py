@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..backends.base import Backend
+from ..backends.optimizer_view import OptimizerView
 from ..data.loaders import LoaderStack
 from ..errors import UnifiedDistError
 from .buffers import ModelBuffers
@@ -156,50 +157,19 @@ class GradientSync:
         return Fraction(self.backend.data_parallel_world_size * info.mine, step_samples)
 
 
-class PreparedOptimizer(torch.optim.Optimizer):
-    """The user's optimizer, stepped only on synchronising micro-steps.
-
-    Subclasses ``torch.optim.Optimizer`` (without its ``__init__``) so LR schedulers accept it;
-    ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's own.
-    """
+class PreparedOptimizer(OptimizerView):
+    """The user's optimizer, stepped only on synchronising micro-steps; ``param_groups``, ``state`` and
+    ``defaults`` are the wrapped optimizer's own (:class:`OptimizerView`), so LR schedulers drive it."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, sync: GradientSync,
                  scaler: Optional[Any] = None) -> None:
-        self.optimizer = optimizer
+        super().__init__(optimizer)
         self._sync = sync
         self.scaler = scaler
         self._finalized = False
         self.steps_taken = 0
         self._backward_calls_at_step = sync.backward_calls  # ud.backward calls counted before this step
         sync.optimizers.append(self)
-
-    # passthrough of what torch and schedulers read
-    @property
-    def param_groups(self) -> List[dict]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: List[dict]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict) -> None:
-        self.optimizer.defaults = value
-
-    def __repr__(self) -> str:
-        return f"PreparedOptimizer({self.optimizer!r})"
 
     def add_param_group(self, param_group: dict) -> None:
         self.optimizer.add_param_group(param_group)

@@ -141,3 +141,23 @@ def test_launch_command_starts_deepspeeds_launcher_on_one_node_and_torchrun_on_s
     two = launch.build(launch.Plan(backend="deepspeed", script="train.py", nproc=2, nnodes=2, node_rank=1,
                                    master_addr="10.0.0.1"), environ={})
     assert two.argv[0] == "torchrun" and two.env["UNIFIED_DIST_BACKEND"] == "deepspeed"
+
+
+def test_the_engines_optimizer_reads_through_and_refuses_a_new_group():
+    """A scheduler drives the user's optimizer through the wrapper; a group added after ud.prepare would never be
+    stepped by the engine (it partitioned the groups it was given): one line, and the optimizer keeps its groups."""
+    import torch
+
+    from unified_dist.backends.deepspeed_backend import EngineOptimizer
+    from unified_dist.errors import UnifiedDistError
+
+    weight = torch.nn.Parameter(torch.zeros(2))
+    inner = torch.optim.SGD([weight], lr=0.5)
+    wrapped = EngineOptimizer(engine=None, optimizer=inner)
+    scheduler = torch.optim.lr_scheduler.StepLR(wrapped, step_size=1, gamma=0.1)
+    scheduler.step()
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.05) and wrapped.state is inner.state
+    with pytest.raises(UnifiedDistError) as info:
+        wrapped.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
+    assert "before ud.prepare" in str(info.value) and "\n" not in str(info.value)
+    assert len(inner.param_groups) == 1 and repr(wrapped).startswith("EngineOptimizer(SGD")
