@@ -78,6 +78,15 @@ def load(name, tally):
     return module
 
 
+def say(line: str) -> None:
+    """``line`` and its newline in one write(2) of the raw stdout: the launcher merges both ranks' output in one
+    pipe, and ``print`` under ``python -u`` writes the text and the newline apart, so the other rank's line could
+    land between them (a fresh run's torchrun launch failed its ``...$`` match so, with every test passed). One
+    write of under PIPE_BUF (4096) bytes to a pipe is never split."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (line[:4000] + "\n").encode())
+
+
 def where():
     """``rank R of N`` from the process group; ``rank R alone`` (the launcher's rank) where none formed."""
     if dist.is_initialized():
@@ -95,15 +104,14 @@ def run(name):
     try:
         load(name, tally).main()
     except BaseException as error:  # an assertion, or a SystemExit from a script
-        print(f"own-scripts {name} {where()}: FAILED in {tally.running} after {len(tally.passed)} passed: "
-              f"{type(error).__name__}: {error}".replace("\n", " "), flush=True)
+        say(f"own-scripts {name} {where()}: FAILED in {tally.running} after {len(tally.passed)} passed: "
+            f"{type(error).__name__}: {error}".replace("\n", " "))
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
     faulthandler.cancel_dump_traceback_later()
     seconds = time.perf_counter() - start
-    print(f"own-scripts {name} {where()}: {len(tally.passed)} passed ({seconds:.1f} s): {' '.join(tally.passed)}",
-          flush=True)
+    say(f"own-scripts {name} {where()}: {len(tally.passed)} passed ({seconds:.1f} s): {' '.join(tally.passed)}")
 
 
 def main(workdir, names):
