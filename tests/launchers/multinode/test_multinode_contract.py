@@ -56,24 +56,27 @@ Accumulation's arithmetic does not depend on how the job met (static or c10d ren
 same native line built by ``unified-dist launch``); every line runs ``core`` over the network."""
 AGAIN_AFTER_SHUTDOWN = ("torchrun-static", "accelerate")
 """The lines whose processes run ``accum`` after ``core`` (``--then``); horovodrun's runs it in a second launch."""
-CASES = {name: SUITES if name in AGAIN_AFTER_SHUTDOWN else SUITES[:1] for name in LAUNCHES}
-CASES.update({f"{name}-{suite}": (suite,) for name in ACCUM_LINES if name not in AGAIN_AFTER_SHUTDOWN
-              for suite in SUITES})
-del CASES["horovodrun"]
+CASES = {}
+"""Test id -> (launch line, the suites its one launch runs in order)."""
+for _name in LAUNCHES:
+    if _name in ACCUM_LINES and _name not in AGAIN_AFTER_SHUTDOWN:
+        CASES.update({f"{_name}-{suite}": (_name, (suite,)) for suite in SUITES})
+    else:
+        CASES[_name] = (_name, SUITES if _name in AGAIN_AFTER_SHUTDOWN else SUITES[:1])
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_contract_on_two_hosts(case, hosts, request):
-    name = case if case in LAUNCHES else case.rsplit("-", 1)[0]
+    name, suites = CASES[case]
     backend, pinned = LAUNCHES[name]
     if importlib.util.find_spec(MODULE_OF[backend]) is None:
         pytest.skip(f"{MODULE_OF[backend]} is not installed")
     ssh = request.getfixturevalue("ssh_hosts") if backend == "horovod" else None
-    result, out = run(name, CASES[case], hosts, ssh)
+    result, out = run(name, suites, hosts, ssh)
     result.check()
     ran_on = {}
     for rank in (0, 1):
-        for suite in CASES[case]:
+        for suite in suites:
             path = out / f"{suite}_rank{rank}.json"
             assert path.exists(), f"rank {rank} wrote no {suite} results\n{result.output()}"
             data = json.loads(path.read_text())
@@ -83,7 +86,7 @@ def test_contract_on_two_hosts(case, hosts, request):
                 sorted(data["results"])
             failed = {check: text for check, text in data["results"].items() if text != "ok"}
             assert not failed, f"rank {rank}, {suite}: " + "\n".join(f"{c}: {t}" for c, t in failed.items())
-        where = json.loads((out / f"where_{CASES[case][0]}_rank{rank}.json").read_text())
+        where = json.loads((out / f"where_{suites[0]}_rank{rank}.json").read_text())
         assert hosts.nic in where["interfaces"], where
         ran_on[rank] = where["hostname"]
     if pinned:
