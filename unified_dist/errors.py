@@ -64,6 +64,12 @@ class LaunchError(UnifiedDistError, ValueError):
     """The launcher's environment contradicts itself; the message names the right command."""
 
 
+class PipelineError(UnifiedDistError, ValueError):
+    """Pipeline parallelism cannot run what was asked (a model the split cannot cut, a schedule that hangs
+    on gloo, a batch the microbatches do not divide, ``model(batch)`` of a pipelined model); the
+    message names the fix (see :mod:`unified_dist.parallel.pipeline`)."""
+
+
 class NonFiniteLoss(UnifiedDistError, FloatingPointError):
     """A rank's loss is NaN or infinite; every rank stops at the same step."""
 

@@ -23,7 +23,9 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
          shard_modules: Optional[Sequence[Any]] = None, reshard_after_forward: Optional[bool] = None,
          dp_replicate: Optional[Any] = None, tp: Optional[int] = None, tp_plan: Optional[Any] = None,
          cpu_offload: Optional[bool] = None, activation_checkpointing: Optional[bool] = None,
-         sync_batchnorm: Optional[bool] = None, gradient_compression: Optional[str] = None,
+         pp: Optional[int] = None, pp_schedule: Optional[str] = None, pp_microbatches: Optional[int] = None,
+         pp_split: Optional[Sequence[str]] = None, sync_batchnorm: Optional[bool] = None,
+         gradient_compression: Optional[str] = None,
          bucket_mb: Optional[float] = None, bucket_view: Optional[bool] = None,
          check_finite: Optional[bool] = None, compile: Optional[Any] = None,  # noqa: A002 - Accelerate's word
          compile_mode: Optional[str] = None, stop_signals: Optional[Any] = None, log_with: Optional[Any] = None,
@@ -47,7 +49,9 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     ``dp_replicate=R`` (HSDP: shard inside each of ``R`` replicas, an integer or ``"nodes"``),
     ``tp=T`` with ``tp_plan`` (tensor parallelism), ``cpu_offload`` and ``activation_checkpointing``
     lay the ranks out on a device mesh (:mod:`unified_dist.parallel.mesh`): ``R * dp_shard * T`` ranks, with
-    ``dp_shard`` the rest of the world. ``compile=True`` (or a ``torch.compile`` backend's name) makes
+    ``dp_shard`` the rest of the world. ``pp=P`` cuts models into ``P`` pipeline stages (``pp_schedule``,
+    ``pp_microbatches``, ``pp_split``; train with :func:`pipeline_step`, see ``docs/pipeline.md``).
+    ``compile=True`` (or a ``torch.compile`` backend's name) makes
     :func:`prepare` compile each model in place, after wrapping it (see ``docs/hot-path.md``).
     ``stop_signals`` (default SIGUSR1 and SIGTERM) are what :func:`should_stop` listens to
     (``docs/preemption.md``). ``log_with`` (tracker names, ``"all"`` or ``"none"``) and ``project_dir``
@@ -59,7 +63,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
                  reshard_after_forward=reshard_after_forward, sync_batchnorm=sync_batchnorm,
                  gradient_compression=gradient_compression, bucket_mb=bucket_mb, bucket_view=bucket_view,
                  check_finite=check_finite, dp_replicate=dp_replicate, tp=tp, tp_plan=tp_plan, cpu_offload=cpu_offload,
-                 activation_checkpointing=activation_checkpointing, compile=compile, compile_mode=compile_mode,
+                 activation_checkpointing=activation_checkpointing, pp=pp, pp_schedule=pp_schedule,
+                 pp_microbatches=pp_microbatches, pp_split=pp_split, compile=compile, compile_mode=compile_mode,
                  stop_signals=stop_signals, zero_stage=zero_stage, deepspeed_config=deepspeed_config)
     trackers.resolve_choice(log_with, project_dir)  # a tracker name that does not read fails before joining
     session.init(backend, given)
@@ -188,6 +193,20 @@ def backward(loss: torch.Tensor) -> None:
     ``gradient_accumulation_steps=k`` and full batches; a ragged last batch or a short last
     accumulation window by what it really holds (scaled for fp16 if needed)."""
     session.current().backward(loss)
+
+
+def pipeline_step(model: torch.nn.Module, inputs: Any, targets: torch.Tensor, loss_fn: Any) -> torch.Tensor:
+    """One pipelined forward and backward (``init(pp=P)``): what ``ud.backward(loss_fn(model(inputs), targets))``
+    is without a pipeline; the optimizer steps as usual afterwards.
+
+    ``model`` is the one ``ud.prepare`` returned (a stage of the model); every rank passes its batch
+    (``inputs``: a tensor or a tuple of the model's positional tensors; ``targets``), cut on dimension 0 into
+    ``pp_microbatches`` equal microbatches (a batch they do not divide is refused). ``loss_fn(output, target)``
+    must average over its microbatch. Returns the mean of the microbatch losses, detached, the same on every
+    stage (the last stage computes it and sends it to the others). Gradients are those of the mean loss over
+    the batch, averaged over the data-parallel ranks, as one process on the whole global batch would get
+    (``docs/pipeline.md``). Refused, in one line, for a model not cut into stages."""
+    return session.current().pipeline_step(model, inputs, targets, loss_fn)
 
 
 @contextlib.contextmanager

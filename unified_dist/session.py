@@ -32,8 +32,8 @@ from .collectives import ops as collectives
 from .data.loaders import LoaderStack, PreparedDataLoader
 from .data.streams import PreparedStreamLoader
 from .detection import Detection, detect, live
-from .errors import LaunchError, NonFiniteLoss, UnifiedDistError, warn_once
-from .parallel import compiling
+from .errors import LaunchError, NonFiniteLoss, PipelineError, UnifiedDistError, warn_once
+from .parallel import compiling, pipeline
 from .parallel.mesh import accelerate_dp_shard
 from .parallel.sharding import Sharding
 from .training import preemption
@@ -53,12 +53,18 @@ def config_from(given: Mapping[str, Any], environ: Mapping[str, str], cuda: bool
                         values.pop("reshard_after_forward"), dp_replicate=values.pop("dp_replicate"),
                         tp=values.pop("tp"), tp_plan=values.pop("tp_plan"), cpu_offload=values.pop("cpu_offload"),
                         activation_checkpointing=values.pop("activation_checkpointing"),
-                        dp_shard=accelerate_dp_shard(environ))
+                        dp_shard=accelerate_dp_shard(environ), pp=values.pop("pp"),
+                        pp_schedule=values.pop("pp_schedule"), pp_microbatches=values.pop("pp_microbatches"),
+                        pp_split=pipeline.split_names(values.pop("pp_split")))
     if settings.TABLE["sharding"].from_launcher(environ)[0] and environ.get("FSDP_VERSION", "1").strip() != "2":
         raise LaunchError("accelerate launch --use_fsdp asks for FSDP version "
                           f"{environ.get('FSDP_VERSION', '1')}; unified_dist shards with FSDP2: add --fsdp_version 2")
     if sharding.problem():
         raise UnifiedDistError(sharding.problem())
+    refusal = pipeline.settings_problem(sharding.pp, sharding.pp_schedule, sharding.pp_microbatches,
+                                        sharding.dp_replicate, values["gradient_accumulation_steps"], values["compile"])
+    if refusal:
+        raise PipelineError(refusal)
     if sharding.splits_model and values["gradient_compression"]:
         raise UnifiedDistError(
             f"gradient_compression={values['gradient_compression']!r} compresses DDP's and Horovod's all-reduce; "
@@ -236,8 +242,24 @@ class Session:
         prepared = backend.prepare_model(model)
         if backend.config.compile:
             prepared = backend.compile_model(prepared)
-        self.sync.buffers.add(prepared)  # every rank starts from rank 0's buffers (unified_dist.training.buffers)
+        if not isinstance(prepared, pipeline.PipelinedModel):  # stages hold different buffers (none floating)
+            self.sync.buffers.add(prepared)  # every rank starts from rank 0's buffers (unified_dist.training.buffers)
         return prepared
+
+    def pipeline_step(self, model: Any, inputs: Any, targets: torch.Tensor, loss_fn: Any) -> torch.Tensor:
+        """``ud.pipeline_step``'s work (see the facade): the schedule's forward and backward, counted as
+        ``ud.backward`` is, and the once-per-step exchange (non-finite loss, stop signals) after it."""
+        if not isinstance(model, pipeline.PipelinedModel):
+            raise PipelineError(f"pipeline_step needs a model that ud.prepare cut into pipeline stages (init(pp=2) or "
+                                f"more); got {type(model).__name__}: train it with ud.backward(loss_fn(model(x), y))")
+        self.sync.check_backward_context()
+        self.sync.backward_calls += 1
+        self.loaders.note_training()
+        self._backward_seen = True
+        loss = model.step(inputs, targets, loss_fn)
+        if self.exchanges:
+            self._exchange(torch.isfinite(loss).all() if self.backend.config.check_finite else None)
+        return loss
 
     # ------------------------------------------------------------------ training
     def backward(self, loss: torch.Tensor) -> None:
@@ -431,6 +453,11 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     refusal = replica_groups.refuse_layout(os.environ, config, cls.name, detection.launcher)
     if refusal:
         raise UnifiedDistError(refusal)
+    if config.sharding.pp > 1 and (not cls.supports_pipeline or replica_groups.layout_from(os.environ) is not None):
+        raise PipelineError(
+            f"pp={config.sharding.pp} runs on the torch backend only (torchrun, srun, mpirun), without replica "
+            f"groups; {detection.launcher} runs the {cls.name} backend"
+            f"{' with replica groups' if cls.supports_pipeline else ''}: launch with torchrun, or leave pp=1")
     if config.sharding.splits_model and not cls.supports_sharding:
         what = "sharding='fsdp'" if config.sharding.enabled else f"tp={config.sharding.tp}"
         raise UnifiedDistError(

@@ -111,7 +111,7 @@ def test_init_config_and_launch_name_exactly_the_tables_settings():
     assert all(inspect.signature(facade.init).parameters[k].default is None for k in keywords)
     fields = {f.name for f in dataclasses.fields(Config)}
     sharding = {"shard_modules", "reshard_after_forward", "dp_replicate", "tp", "tp_plan", "cpu_offload",
-                "activation_checkpointing"}  # held in Config.sharding
+                "activation_checkpointing", "pp", "pp_schedule", "pp_microbatches", "pp_split"}  # in Config.sharding
     assert fields | sharding == set(settings.RESOLVED)
     parser = argparse.ArgumentParser()
     launch.add_arguments(parser)

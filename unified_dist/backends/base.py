@@ -21,6 +21,7 @@ from ..detection import Detection
 from ..errors import PeerLost, UnifiedDistError, collective_timeout, peer_lost_message
 from ..parallel import sync_batchnorm
 from ..parallel.mesh import Layout
+from ..parallel.pipeline import PipelinedModel
 from ..parallel.sharding import KEYWORDS as SHARDING_KEYWORDS, Sharding, clip_grad_norm, full_tensor
 from ..settings import TABLE
 from .precision import Precision
@@ -107,6 +108,8 @@ class Backend(ABC):
     torch backend only), or ``None``: no fault tolerance across groups."""
     supports_sharding: bool = True
     """Whether ``sharding="fsdp"`` can run on this stack (Horovod has no sharding)."""
+    supports_pipeline: bool = False
+    """Whether ``pp > 1`` can run on this stack (torch's own backend only: :mod:`unified_dist.parallel.pipeline`)."""
     reads_deepspeed_settings: bool = False
     """Whether this stack honours ``zero_stage`` and ``deepspeed_config`` (the others refuse them at ``init``)."""
 
@@ -235,7 +238,7 @@ class Backend(ABC):
         """The user's original module inside whatever wrappers :meth:`prepare_model` and
         ``torch.compile`` (before or after ``prepare``) added, in any order."""
         while True:
-            if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+            if isinstance(model, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel, PipelinedModel)):
                 model = model.module
             elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's wrapper
                 model = model._orig_mod

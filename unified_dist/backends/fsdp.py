@@ -9,7 +9,8 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import LaunchError
-from ..parallel.mesh import Layout, machines
+from ..parallel import pipeline
+from ..parallel.mesh import PP_DIM, Layout, machines
 from ..parallel.sharding import Sharding, blocks_to_shard, is_sharded, no_gradient_sync, point_optimizer_at, shard_model
 from .precision import Precision
 from .process_group import host_names
@@ -29,15 +30,18 @@ class FsdpModels:
         self.mixed_precision = mixed_precision
         self._new_of: Dict[int, Tuple["weakref.ref[torch.nn.Parameter]", torch.nn.Parameter]] = {}
         self._blocks: "weakref.WeakKeyDictionary[torch.nn.Module, List[torch.nn.Module]]" = weakref.WeakKeyDictionary()
+        self._dropped: Dict[int, "weakref.ref[torch.nn.Parameter]"] = {}  # other pipeline stages' parameters
         self.layout = Layout(1, world_size, 1)
         self.mesh: Optional[Any] = None
         if sharding.splits_model:
             self.layout = sharding.layout(world_size, lambda: machines(host_names()))
             if not sharding.enabled and self.layout.data_parallel > 1:
+                what = " x ".join(f"{name}={size}" for name, size in (("pp", sharding.pp), ("tp", sharding.tp))
+                                  if size > 1)
                 raise LaunchError(
-                    f"tp={sharding.tp} on {world_size} ranks leaves {self.layout.data_parallel} data-parallel ranks, "
-                    "whose gradients only sharding='fsdp' averages (FSDP x TP); add sharding='fsdp' or make tp "
-                    "the world size")
+                    f"{what} on {world_size} ranks leaves {self.layout.data_parallel} data-parallel ranks, "
+                    "whose gradients only sharding='fsdp' averages (FSDP x TP, FSDP x PP); add sharding='fsdp' or "
+                    f"make {what} the world size")
             self.mesh = self.layout.build_mesh(device_type)
 
     @property
@@ -45,15 +49,25 @@ class FsdpModels:
         """Whether ``prepare`` splits models (FSDP2, HSDP or tensor parallelism)."""
         return self.sharding.splits_model
 
-    def prepare(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Split ``model`` (already on its device); remember which parameter became which."""
+    def prepare(self, model: torch.nn.Module, rank: int = 0, device: Optional[torch.device] = None) -> torch.nn.Module:
+        """Split ``model`` (already on ``device``; ``rank`` this process's global rank): with ``pp``
+        keep only this rank's pipeline stage of it, in place, and return it inside a
+        :class:`~unified_dist.parallel.pipeline.PipelinedModel`; remember which parameter became which."""
+        sharding, stage = self.sharding, self.layout.pp_rank(rank)
+        if sharding.pp > 1:
+            plan = pipeline.stage_units(model, sharding.pp, sharding.pp_split)
+            for param in pipeline.keep_stage(model, stage, plan):
+                self._dropped[id(param)] = weakref.ref(param)
         before = list(model.parameters())
-        self._blocks[model] = blocks_to_shard(model, self.sharding.modules)  # before FSDP2 renames their classes
+        self._blocks[model] = blocks_to_shard(model, sharding.modules)  # before FSDP2 renames their classes
         mesh = self.mesh
-        shard_model(model, self.sharding, Precision(self.mixed_precision),
+        shard_model(model, sharding, Precision(self.mixed_precision),
                     dp_mesh=self.layout.data_parallel_mesh(mesh), tp_mesh=mesh["tp"])
         for old, new in zip(before, model.parameters()):
             self._new_of[id(old)] = (weakref.ref(old), new)
+        if sharding.pp > 1:
+            return pipeline.PipelinedModel(model, stage, sharding.pp, sharding.pp_schedule, sharding.microbatches,
+                                           device or torch.device("cpu"), mesh[PP_DIM].get_group())
         return model
 
     def regions(self, model: torch.nn.Module) -> Optional[List[torch.nn.Module]]:
@@ -61,8 +75,18 @@ class FsdpModels:
         return self._blocks.get(model) if self.enabled else None
 
     def adopt(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """``optimizer`` stepping the sharded parameters (a no-op for an optimizer built after ``prepare``)."""
-        return point_optimizer_at(optimizer, self._replacement) if self.enabled else optimizer
+        """``optimizer`` stepping the sharded parameters (a no-op for an optimizer built after ``prepare``),
+        without the parameters of the other pipeline stages."""
+        if not self.enabled:
+            return optimizer
+        if self._dropped:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if not self._is_dropped(p)]
+        return point_optimizer_at(optimizer, self._replacement)
+
+    def _is_dropped(self, param: torch.nn.Parameter) -> bool:
+        ref = self._dropped.get(id(param))
+        return ref is not None and ref() is param
 
     def _replacement(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
         entry = self._new_of.get(id(param))

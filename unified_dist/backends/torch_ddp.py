@@ -23,6 +23,12 @@ class TorchBackend(TorchGroupBackend):
     process already joined itself, which it then never destroys."""
 
     name = "torch"
+    supports_pipeline = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "supports_pipeline" not in cls.__dict__:  # a stack built on this one (DeepSpeed's engine) says so itself
+            cls.supports_pipeline = False
 
     def __init__(self, detection: Detection, config: Config) -> None:
         super().__init__(detection, config)

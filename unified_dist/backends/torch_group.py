@@ -82,7 +82,7 @@ class TorchGroupBackend(Backend):
         if not any(p.requires_grad for p in model.parameters()):
             return model.to(self.device)
         if self._fsdp.enabled:
-            return self._fsdp.prepare(model.to(self.device))
+            return self._fsdp.prepare(model.to(self.device), self.rank, self.device)
         return self._ddp.track(self.apply_compression(self._wrap_ddp(model)))
 
     def apply_compression(self, model: torch.nn.Module) -> torch.nn.Module:

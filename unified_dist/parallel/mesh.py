@@ -1,5 +1,5 @@
-"""The layout of a job's ranks: data-parallel replicas × shards × tensor-parallel ranks, and the
-torch ``DeviceMesh`` built from it.
+"""The layout of a job's ranks: pipeline stages × data-parallel replicas × shards × tensor-parallel
+ranks, and the torch ``DeviceMesh`` built from it.
 
 ``ud.init(sharding="fsdp", dp_replicate=R, tp=T)`` (or their variables, ``unified-dist launch``
 flags, or ``accelerate launch --parallelism_config_*``) describes a world of ``R * S * T`` ranks;
@@ -24,20 +24,22 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from ..errors import LaunchError, UnifiedDistError
 
 DIMS = ("dp_replicate", "dp_shard", "tp")
-"""The mesh's dimension names, outermost first."""
+"""The mesh's dimension names, outermost first (``"pp"`` comes before them when ``pp > 1``)."""
+PP_DIM = "pp"
 
 
 @dataclass(frozen=True)
 class Layout:
-    """``replicate × shard × tp`` ranks; see the module docstring for where each rank sits."""
+    """``pp × replicate × shard × tp`` ranks; see the module docstring for where each rank sits."""
 
     replicate: int = 1
     shard: int = 1
     tp: int = 1
+    pp: int = 1
 
     @property
     def world(self) -> int:
-        return self.replicate * self.shard * self.tp
+        return self.pp * self.replicate * self.shard * self.tp
 
     @property
     def data_parallel(self) -> int:
@@ -45,8 +47,13 @@ class Layout:
         return self.replicate * self.shard
 
     def data_parallel_rank(self, rank: int) -> int:
-        """The data-parallel index of global ``rank`` (its tensor-parallel peers share it)."""
-        return rank // self.tp
+        """The data-parallel index of global ``rank`` (its tensor-parallel peers and the ranks at its
+        place in the other pipeline stages share it)."""
+        return rank // self.tp % self.data_parallel
+
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline stage global ``rank`` holds (0 without pipeline parallelism)."""
+        return rank // (self.replicate * self.shard * self.tp)
 
     def tp_rank(self, rank: int) -> int:
         """The index of global ``rank`` among its tensor-parallel peers."""
@@ -54,29 +61,34 @@ class Layout:
 
     @classmethod
     def plan(cls, world: int, dp_replicate: Any = 1, tp: int = 1, dp_shard: Optional[int] = None,
-             machines: Optional[Callable[[], int]] = None) -> "Layout":
-        """The layout of ``world`` ranks for ``dp_replicate`` (an integer, or ``"nodes"``: the number
-        of machines, asked of ``machines()``) and ``tp``; ``dp_shard`` is what a launcher declared
-        (``None``: the rest of the world). Raises a one-line :class:`LaunchError` with the fix when the
-        sizes do not multiply to the world size."""
+             machines: Optional[Callable[[], int]] = None, pp: int = 1) -> "Layout":
+        """The layout of ``world`` ranks for ``pp`` stages, ``dp_replicate`` (an integer, or ``"nodes"``:
+        the number of machines, asked of ``machines()``) and ``tp``; ``dp_shard`` is what a launcher
+        declared (``None``: the rest of the world). Raises a one-line :class:`LaunchError` with the fix
+        when the sizes do not multiply to the world size."""
         if dp_replicate == "nodes":
             dp_replicate = machines() if machines is not None else 1
-        if world % (dp_replicate * tp):
+        pipe = f"pp={pp} x " if pp > 1 else ""
+        if world % (pp * dp_replicate * tp):
             raise LaunchError(
-                f"dp_replicate={dp_replicate} x tp={tp} does not divide the world of {world} ranks; "
-                f"choose sizes whose product divides {world} (dp_shard is the rest: world / (dp_replicate x tp))")
-        shard = world // (dp_replicate * tp)
+                f"{pipe}dp_replicate={dp_replicate} x tp={tp} does not divide the world of {world} ranks; "
+                f"choose sizes whose product divides {world} (dp_shard is the rest: "
+                f"world / ({pipe}dp_replicate x tp))")
+        shard = world // (pp * dp_replicate * tp)
         if dp_shard is not None and dp_shard != shard:
             raise LaunchError(
-                f"dp_shard_size={dp_shard} x dp_replicate={dp_replicate} x tp={tp} is not the world of {world} "
-                f"ranks; give --parallelism_config_dp_shard_size {shard}")
-        return cls(dp_replicate, shard, tp)
+                f"dp_shard_size={dp_shard} x {pipe}dp_replicate={dp_replicate} x tp={tp} is not the world of "
+                f"{world} ranks; give --parallelism_config_dp_shard_size {shard}")
+        return cls(dp_replicate, shard, tp, pp)
 
     def build_mesh(self, device_type: str) -> Any:
         """The ``DeviceMesh`` of this layout on ``device_type`` (always given: torch's default follows
         the accelerator, which on a GPU host with a gloo job is wrong). A collective."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.pp > 1:
+            return init_device_mesh(device_type, (self.pp, self.replicate, self.shard, self.tp),
+                                    mesh_dim_names=(PP_DIM, *DIMS))
         return init_device_mesh(device_type, (self.replicate, self.shard, self.tp), mesh_dim_names=DIMS)
 
     def data_parallel_mesh(self, mesh: Any) -> Any:
@@ -115,4 +127,4 @@ def machines(hosts: Sequence[str]) -> int:
     return len(counts)
 
 
-__all__ = ["DIMS", "Layout", "accelerate_dp_shard", "machines"]
+__all__ = ["DIMS", "PP_DIM", "Layout", "accelerate_dp_shard", "machines"]

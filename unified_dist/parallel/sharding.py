@@ -36,7 +36,9 @@ class Sharding:
     ``tp`` tensor-parallel ranks and ``tp_plan`` what they split (:mod:`unified_dist.parallel.tensor_parallel`);
     ``cpu_offload`` FSDP2's ``CPUOffloadPolicy``; ``activation_checkpointing`` recomputes each
     block's activations in backward; ``dp_shard`` the shard size a launcher declared (checked
-    against the world, see :meth:`layout`)."""
+    against the world, see :meth:`layout`); ``pp`` pipeline stages, ``pp_schedule``,
+    ``pp_microbatches`` (``None``: one per stage) and ``pp_split`` (the units that begin stages
+    1..pp-1, ``None``: the default split) how they run (:mod:`unified_dist.parallel.pipeline`)."""
 
     mode: str = "no"
     modules: Optional[Tuple[Any, ...]] = None
@@ -47,6 +49,15 @@ class Sharding:
     cpu_offload: bool = False
     activation_checkpointing: bool = False
     dp_shard: Optional[int] = None
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_microbatches: Optional[int] = None
+    pp_split: Optional[Tuple[str, ...]] = None
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per pipeline step: ``pp_microbatches``, else one per stage."""
+        return self.pp_microbatches if self.pp_microbatches is not None else self.pp
 
     @property
     def enabled(self) -> bool:
@@ -55,14 +66,14 @@ class Sharding:
 
     @property
     def splits_model(self) -> bool:
-        """``prepare`` splits models over a device mesh: FSDP2/HSDP or tensor parallelism."""
-        return self.enabled or self.tp > 1
+        """``prepare`` splits models over a device mesh: FSDP2/HSDP, tensor or pipeline parallelism."""
+        return self.enabled or self.tp > 1 or self.pp > 1
 
     def layout(self, world: int, machines: Optional[Callable[[], int]] = None) -> Layout:
         """The :class:`~unified_dist.parallel.mesh.Layout` these choices give ``world`` ranks (a
         one-line ``LaunchError`` when they do not fit it); ``machines()`` counts machines for
         ``dp_replicate="nodes"``."""
-        return Layout.plan(world, self.dp_replicate, self.tp, self.dp_shard, machines)
+        return Layout.plan(world, self.dp_replicate, self.tp, self.dp_shard, machines, pp=self.pp)
 
     def problem(self) -> Optional[str]:
         """Why these choices cannot run together (one line with the fix), or ``None``."""
@@ -80,7 +91,7 @@ class Sharding:
 
 
 KEYWORDS = ("sharding", "shard_modules", "reshard_after_forward", "dp_replicate", "tp", "tp_plan", "cpu_offload",
-            "activation_checkpointing")
+            "activation_checkpointing", "pp", "pp_schedule", "pp_microbatches", "pp_split")
 """The ``init`` keywords :class:`Sharding` holds together."""
 
 
@@ -92,7 +103,8 @@ def blocks_to_shard(model: torch.nn.Module, modules: Optional[Sequence[Any]] = N
     """The sub-modules to shard one by one, innermost first (FSDP2 shards children before parents).
 
     ``modules`` (classes or class names) if given, else the classes a Hugging Face model names in
-    ``_no_split_modules``, else the children of every ``nn.ModuleList``. Raises when ``modules``
+    ``_no_split_modules``, else the children of every ``nn.ModuleList`` (but ``nn.Identity``: what a
+    pipeline stage holds in place of another stage's layers). Raises when ``modules``
     matches nothing (a typo would otherwise shard the whole model as one block).
     """
     wanted = list(modules) if modules else list(getattr(model, "_no_split_modules", None) or [])
@@ -102,7 +114,8 @@ def blocks_to_shard(model: torch.nn.Module, modules: Optional[Sequence[Any]] = N
             raise UnifiedDistError(f"shard_modules={list(modules)!r} matches no sub-module of "
                                    f"{type(model).__name__}; name classes that the model contains")
     else:
-        blocks = [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m]
+        blocks = [child for m in model.modules() if isinstance(m, torch.nn.ModuleList) for child in m
+                  if not isinstance(child, torch.nn.Identity)]  # a pipeline stage's stand-ins: nothing to shard
     return list(reversed(blocks))
 
 

@@ -1,0 +1,66 @@
+"""Pipeline parallelism under torchrun (issue 61): 2 stages on 2 ranks and pp 2 x FSDP2 2 on 4 ranks,
+each case equal to one plain process on the same global batches in float64
+(tests/launchers/workers/pipeline_worker.py derives the 1e-12 bound).
+
+One launch per world size runs every case of that size in the same processes (one ``ud.init`` ..
+``ud.shutdown`` each) and prints one JSON line per rank and case; each test asserts one claim of one case.
+"""
+from __future__ import annotations
+
+import json
+from typing import Dict, List, Tuple
+
+import pytest
+
+from unified_dist.testing.launchers import Result, launch
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+WORKER = "tests/launchers/workers/pipeline_worker.py"
+TIMEOUT = 240  # each launch took 25-50 s on 2 cores
+CASES = {2: ("pp_gpipe_sgd", "pp_1f1b_sgd", "pp_gpipe_adamw", "pp_1f1b_adamw", "pp_split_1f1b_sgd"),
+         4: ("pp_fsdp_sgd", "pp_fsdp_adamw")}
+CHECKS = ("update_equals_one_process_on_the_global_batch", "loss_is_the_batch_mean_on_every_stage",
+          "every_stage_gets_the_same_batches", "stage_holds_its_units_by_full_name", "optimizer_steps_only_the_stage",
+          "model_call_is_refused", "indivisible_batch_is_refused")
+
+
+class Launches:
+    """One torchrun launch per world size, by the first test that needs it."""
+
+    def __init__(self) -> None:
+        self._done: Dict[int, Tuple[Result, List[dict]]] = {}
+
+    def get(self, world: int) -> Tuple[Result, List[dict]]:
+        if world not in self._done:
+            result = launch("torchrun", WORKER, ["--cases", ",".join(CASES[world])], nproc=world, timeout=TIMEOUT,
+                            env={"OMP_NUM_THREADS": "1"})
+            records = [json.loads(line) for line in result.output.splitlines() if line.startswith('{"case"')]
+            self._done[world] = (result, records)
+        return self._done[world]
+
+
+@pytest.fixture(scope="module")
+def launches() -> Launches:
+    return Launches()
+
+
+def _records(launches: Launches, world: int, case: str) -> List[dict]:
+    result, records = launches.get(world)
+    result.check()
+    mine = [r for r in records if r["case"] == case]
+    assert sorted(r["rank"] for r in mine) == list(range(world)), f"missing ranks:\n{result.output[-3000:]}"
+    return mine
+
+
+@pytest.mark.parametrize("world,case", [(w, c) for w, cases in CASES.items() for c in cases])
+@pytest.mark.parametrize("check", CHECKS)
+def test_pipeline_case(launches, world, case, check):
+    for record in _records(launches, world, case):
+        assert record["checks"].get(check) == "ok", f"rank {record['rank']}: {record['checks']}"
+
+
+def test_the_measured_difference_is_far_inside_the_bound(launches):
+    """The largest difference over every case and rank, printed for the report (bound 1e-12)."""
+    worst = max(r["max_diff"] for world in CASES for case in CASES[world] for r in _records(launches, world, case))
+    print(f"pipeline: largest |stage - one process| over every case: {worst:.3g}")
+    assert worst <= 1e-12

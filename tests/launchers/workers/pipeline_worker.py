@@ -1,0 +1,186 @@
+"""Pipeline parallelism (issue 61) checked inside every rank of one real launch.
+
+    torchrun --standalone --nproc_per_node=2 tests/launchers/workers/pipeline_worker.py --cases pp_gpipe_sgd,...
+    torchrun --standalone --nproc_per_node=4 tests/launchers/workers/pipeline_worker.py --cases pp_fsdp_sgd,...
+
+Each case is one ``ud.init(pp=2, ...)`` .. ``ud.shutdown()`` in the same processes: a stack (embedding
+layer, 4 blocks, head) in float64 trains STEPS steps with ``ud.pipeline_step`` on a prepared loader, and
+every rank compares its stage's parameters with one plain process (plain torch, no facade) that took the
+same steps on the global batches (the union of the data-parallel ranks' batches, whatever their order:
+a mean gradient does not depend on it). Every check runs on every rank in the same order and is only
+asserted afterwards, so a failing rank does not hang the others. Each rank prints one JSON line per case,
+``{"case": ..., "rank": ..., "stage": ..., "checks": {name: "ok" | "FAIL: ..."}, "max_diff": ...}``,
+each written whole in one write(2) so that two ranks' lines never interleave.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import unified_dist as ud
+
+DTYPE = torch.float64
+STEPS = 3
+ROWS = 32  # the dataset
+PER_RANK = 4  # rows per data-parallel rank and step
+LR = 0.05
+BOUND = 1e-12
+"""Float64 throughout: the pipeline sums each gradient in another order than one process (per microbatch,
+then the schedule's division by the microbatches, then FSDP's average over the data-parallel ranks), and
+each sum of n <= 32 terms (rows, widths 8) of magnitude O(1) moves by at most n * 2**-53 ~ 4e-15 of it.
+SGD moves a parameter by lr * that ~ 2e-16 per step. AdamW's first steps divide by sqrt(v) + eps with
+sqrt(v) ~ |g| (not tiny here: the data are O(1)), so the step moves by ~ lr * dg / |g| ~ lr * 1e-15: three
+steps stay below 1e-12 with two orders of magnitude to spare (the measured difference is printed)."""
+
+CASES = {  # name -> (init keywords beyond pp=2, optimizer)
+    "pp_gpipe_sgd": (dict(pp_schedule="gpipe", pp_microbatches=2), "sgd"),
+    "pp_1f1b_sgd": (dict(pp_schedule="1f1b", pp_microbatches=4), "sgd"),
+    "pp_gpipe_adamw": (dict(pp_schedule="gpipe", pp_microbatches=4), "adamw"),
+    "pp_1f1b_adamw": (dict(pp_schedule="1f1b", pp_microbatches=2), "adamw"),
+    "pp_split_1f1b_sgd": (dict(pp_schedule="1f1b", pp_microbatches=2, pp_split=["layers.3"]), "sgd"),
+    "pp_fsdp_sgd": (dict(sharding="fsdp", pp_schedule="1f1b", pp_microbatches=2), "sgd"),
+    "pp_fsdp_adamw": (dict(sharding="fsdp", pp_schedule="gpipe", pp_microbatches=2), "adamw"),
+}
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Linear(width, 2 * width)
+        self.w2 = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.w2(torch.tanh(self.w1(x)))
+
+
+class Stack(torch.nn.Module):
+    """Embeddings, N blocks, head: the shape the default split cuts."""
+
+    def __init__(self, features: int = 6, width: int = 8, layers: int = 4, classes: int = 3) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(features, width)
+        self.layers = torch.nn.ModuleList(Block(width) for _ in range(layers))
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(output, target)  # the mean over the microbatch
+
+
+def _optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=LR, momentum=0.9)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.01)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def run_case(name: str) -> dict:
+    keywords, kind = CASES[name]
+    checks: dict = {}
+    ud.init(pp=2, **keywords)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        per_stage = world // 2
+        stage = rank // per_stage
+        torch.manual_seed(0)
+        model = Stack().to(DTYPE)
+        reference, initial = copy.deepcopy(model), copy.deepcopy(model)
+        optimizer = _optimizer(kind, model.parameters())
+        data = torch.utils.data.TensorDataset(torch.arange(ROWS), torch.randn(ROWS, 6, dtype=DTYPE),
+                                              torch.randint(0, 3, (ROWS,)))
+        loader = torch.utils.data.DataLoader(data, batch_size=PER_RANK, shuffle=True, drop_last=True)
+        model, optimizer, loader = ud.prepare(model, optimizer, loader)
+        owned = sorted(ud.unwrap(model).state_dict())
+        held = sum(len(g["params"]) for g in optimizer.param_groups)
+        rows_seen, losses = [], []
+        for step, (index, x, y) in enumerate(loader):
+            if step == STEPS:
+                break
+            losses.append(float(ud.pipeline_step(model, x, y, loss_fn)))
+            optimizer.step()
+            optimizer.zero_grad()
+            rows_seen.append(index.tolist())
+        # refusals, the same on every rank before any communication
+        try:
+            model(x)
+            checks["model_call_is_refused"] = "FAIL: model(x) ran"
+        except ud.PipelineError as exc:
+            checks["model_call_is_refused"] = "ok" if "pipeline_step" in str(exc) else f"FAIL: {exc}"
+        try:
+            ud.pipeline_step(model, x[:3], y[:3], loss_fn)
+            checks["indivisible_batch_is_refused"] = "FAIL: a batch of 3 ran"
+        except ud.PipelineError as exc:
+            checks["indivisible_batch_is_refused"] = "ok" if "pp_microbatches" in str(exc) else f"FAIL: {exc}"
+        # every rank's rows, over the whole world (plain torch.distributed, not the facade)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, rows_seen)
+        same_rows = all(everyone[r] == everyone[r % per_stage] for r in range(world))
+        checks["every_stage_gets_the_same_batches"] = "ok" if same_rows else f"FAIL: {everyone}"
+        # the reference: one process on each step's global batch
+        ref_optimizer = _optimizer(kind, reference.parameters())
+        _, all_x, all_y = data.tensors
+        ref_losses = []
+        for step in range(STEPS):
+            rows = [i for r in range(per_stage) for i in everyone[r][step]]
+            mine = everyone[rank % per_stage][step]
+            with torch.no_grad():
+                ref_losses.append(float(loss_fn(reference(all_x[mine]), all_y[mine])))
+            loss_fn(reference(all_x[rows]), all_y[rows]).backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+        loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
+        checks["loss_is_the_batch_mean_on_every_stage"] = "ok" if loss_diff <= BOUND else f"FAIL: {loss_diff:.3g}"
+        expected = {0: ["embed", "layers.0", "layers.1"], 1: ["layers.2", "layers.3", "head"]}
+        if keywords.get("pp_split"):
+            expected = {0: ["embed", "layers.0", "layers.1", "layers.2"], 1: ["layers.3", "head"]}
+        want = sorted(f"{unit}.{p}" for unit in expected[stage] for p in
+                      (("weight", "bias") if unit in ("embed", "head") else
+                       ("w1.weight", "w1.bias", "w2.weight", "w2.bias")))
+        checks["stage_holds_its_units_by_full_name"] = "ok" if owned == want else f"FAIL: {owned} != {want}"
+        checks["optimizer_steps_only_the_stage"] = "ok" if held == len(want) else f"FAIL: {held} != {len(want)}"
+        state = ud.unwrap(model).state_dict()
+        ref_state = reference.state_dict()
+        diffs = {k: float((_full(v).detach() - ref_state[k]).abs().max()) for k, v in sorted(state.items())}
+        moved = max(float((ref_state[k] - v).abs().max()) for k, v in initial.state_dict().items())
+        max_diff = max(diffs.values())
+        checks["update_equals_one_process_on_the_global_batch"] = (
+            "ok" if max_diff <= BOUND and moved > 1e-3 else f"FAIL: max diff {max_diff:.3g}, moved {moved:.3g}")
+        return {"case": name, "rank": rank, "stage": stage, "checks": checks, "max_diff": max_diff,
+                "loss_diff": loss_diff}
+    finally:
+        ud.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for name in args.cases.split(","):
+        try:
+            record = run_case(name)
+        except Exception:  # noqa: BLE001 - reported as the case's failure, in its own line
+            record = {"case": name, "rank": int(os.environ.get("RANK", -1)),
+                      "checks": {"ran": "FAIL: " + traceback.format_exc()[-1500:]}}
+        os.write(1, (json.dumps(record) + "\n").encode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Pipeline parallelism: each rank holds one stage of the model, and a schedule of
+``torch.distributed.pipelining`` runs forward and backward of several microbatches together.
+
+What ``pp=P`` means (``ud.init(pp=...)``, ``UNIFIED_DIST_PP``, ``unified-dist launch --pp``):
+
+- The mesh gains an outermost ``"pp"`` dimension (:mod:`unified_dist.parallel.mesh`): rank ``r`` holds
+  stage ``r // (world / P)``; inside a stage the ranks are laid out as without ``pp`` (FSDP2 shards,
+  HSDP replicas, ``tp``), and rank ``r`` of every stage is given the same batches by a prepared loader.
+- ``ud.prepare(model)`` keeps only this rank's stage of ``model``, in place: the *units* of the model
+  (its children in registration order, each ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential``
+  child expanded into its items) are cut into ``P`` runs, and every unit another stage owns is
+  replaced by ``nn.Identity``. Parameters keep their fully-qualified names (``layers.3.w``), so state
+  dicts are keyed as in the whole model. The split points are ``pp_split`` (the names of the units
+  that begin stages 1..P-1, e.g. ``["layers.2"]``), by default the layers of the model's largest
+  ``ModuleList`` cut evenly (units before them join the first stage, units after them the last).
+  The model's own ``forward`` then runs on each stage, so it must apply its units one after the
+  other, each to the previous one's output (embeddings, blocks, head): an ``Identity`` stands for a
+  unit another stage ran. A model with parameters or buffers on its root, too few layers, an unknown
+  or out-of-order split point, or a parameter shared between two stages is refused in one line.
+- The training step differs in one explicit place: ``loss = ud.pipeline_step(model, inputs, targets,
+  loss_fn)`` runs the schedule (forward and backward of ``pp_microbatches`` microbatches) and returns
+  the mean of ``loss_fn(output, target)`` over the microbatches, detached, on every stage (the last
+  stage computes it; one scalar broadcast over the pipeline). ``loss_fn`` must average over its
+  microbatch: the schedule divides the gradients by the number of microbatches, so the step applies
+  the gradient of the mean loss over the batch, as one process would. ``model(batch)`` of a pipelined
+  model is refused (a stage alone would compute something else).
+- Schedules by name (``pp_schedule``): ``gpipe`` (every forward, then every backward) and ``1f1b``
+  (one forward, one backward; fewer activations held). Interleaved and zero-bubble schedules
+  (several stages per rank) are refused: they have hung on gloo, and unified_dist builds one stage
+  per rank. Microbatches (``pp_microbatches``, default the number of stages) below the number of
+  stages are refused (1F1B hangs there), and so is a batch they do not divide.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import PipelineError
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+"""The schedules unified_dist runs, by the name ``pp_schedule`` takes, to their torch class."""
+MULTI_STAGE_SCHEDULES = ("interleaved1f1b", "loopedbfs", "interleavedzerobubble", "zbvzerobubble", "dualpipev")
+"""torch's schedules with several stages per rank: named so that the refusal can say why."""
+CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def settings_problem(pp: int, schedule: str, microbatches: Optional[int], dp_replicate: Any,
+                     accumulation: int = 1, compile_backend: Optional[str] = None) -> Optional[str]:
+    """Why these pipeline settings cannot run (one line with the fix), or ``None``."""
+    if pp == 1:
+        return None
+    if compile_backend:
+        return f"compile={compile_backend!r} with pp={pp} is not supported yet (the stages run uncompiled); drop one"
+    if accumulation > 1:
+        return (f"gradient_accumulation_steps={accumulation} with pp={pp}: the pipeline's microbatches already "
+                "accumulate within a step; raise pp_microbatches (and the batch) instead")
+    if schedule in MULTI_STAGE_SCHEDULES:
+        return (f"pp_schedule={schedule!r} runs several stages per rank, which unified_dist does not build, and "
+                "such schedules have hung on gloo (non-NCCL backends); use pp_schedule='gpipe' or '1f1b'")
+    if microbatches is not None and microbatches < pp:
+        return (f"pp_microbatches={microbatches} is fewer than the pp={pp} stages (1F1B hangs there and GPipe "
+                f"leaves a stage idle); use pp_microbatches >= {pp}")
+    if dp_replicate == "nodes":
+        return "dp_replicate='nodes' with pp > 1 is not supported; give dp_replicate as a number"
+    return None
+
+
+# ---------------------------------------------------------------------- the split
+def split_names(value: Any) -> Optional[Tuple[str, ...]]:
+    """``pp_split`` as a tuple of unit names: a list of names, or one string of names separated by commas."""
+    if not value:
+        return None
+    names = value.split(",") if isinstance(value, str) else list(value)
+    return tuple(str(name).strip() for name in names)
+
+
+def units(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    """The model's units in order, by fully-qualified name: its children in registration order,
+    a ``ModuleList``/``ModuleDict``/``Sequential`` child expanded into its items (the root itself
+    when it is a ``Sequential``)."""
+    if isinstance(model, CONTAINERS):
+        return [(name, child) for name, child in model.named_children()]
+    out = []
+    for name, child in model.named_children():
+        if isinstance(child, CONTAINERS):
+            out += [(f"{name}.{item}", grandchild) for item, grandchild in child.named_children()]
+        else:
+            out.append((name, child))
+    return out
+
+
+def default_split(model: torch.nn.Module, stages: int) -> List[str]:
+    """The names of the units that begin stages ``1..stages-1``: the layers of the model's largest
+    ``ModuleList`` (or of a ``Sequential`` root) cut evenly, the first stages taking one layer more
+    when they do not divide."""
+    if isinstance(model, CONTAINERS):
+        prefix, layers = "", [name for name, _ in model.named_children()]
+    else:
+        lists = [(name, child) for name, child in model.named_children() if isinstance(child, torch.nn.ModuleList)]
+        if not lists:
+            raise PipelineError(
+                f"pp={stages} cannot split {type(model).__name__}: it has no nn.ModuleList of layers (nor is it an "
+                "nn.Sequential); pass pp_split=[names of the units that begin each stage after the first]")
+        name, biggest = max(lists, key=lambda item: len(item[1]))
+        prefix, layers = f"{name}.", [item for item, _ in biggest.named_children()]
+    if len(layers) < stages:
+        raise PipelineError(
+            f"pp={stages} cannot split {type(model).__name__}: its stack has {len(layers)} layers, fewer than the "
+            "stages; use fewer stages or pass pp_split")
+    per, extra = divmod(len(layers), stages)
+    starts, at = [], 0
+    for stage in range(stages - 1):
+        at += per + (1 if stage < extra else 0)
+        starts.append(prefix + layers[at])
+    return starts
+
+
+def stage_units(model: torch.nn.Module, stages: int, split: Optional[Sequence[str]] = None) -> List[List[str]]:
+    """The unit names of each stage, in order (see the module docstring). Raises :class:`PipelineError`
+    in one line for a model or split that cannot be cut into ``stages`` stages."""
+    held = [name for name, _ in model.named_parameters(recurse=False)] + \
+           [name for name, _ in model.named_buffers(recurse=False)]
+    if held:
+        raise PipelineError(
+            f"pp={stages} cannot split {type(model).__name__}: its root holds {', '.join(held)} directly, which no "
+            "single stage owns; move them into a sub-module")
+    starts = list(split) if split else default_split(model, stages)
+    names = [name for name, _ in units(model)]
+    if len(starts) != stages - 1:
+        raise PipelineError(f"pp_split={starts!r} names {len(starts)} split points; pp={stages} stages need "
+                            f"{stages - 1} (the unit that begins each stage after the first)")
+    unknown = [s for s in starts if s not in names]
+    if unknown:
+        raise PipelineError(f"pp_split names {unknown!r}, which are not units of {type(model).__name__}; "
+                            f"its units are {', '.join(names)}")
+    at = [names.index(s) for s in starts]
+    if at != sorted(set(at)) or at[0] == 0:
+        raise PipelineError(f"pp_split={starts!r} must name units in the model's order, after its first unit "
+                            f"({names[0]}), each once, so that every stage holds at least one unit")
+    bounds = [0, *at, len(names)]
+    return [names[bounds[i]:bounds[i + 1]] for i in range(stages)]
+
+
+def _owner_of_each_parameter(model: torch.nn.Module, plan: List[List[str]]) -> Dict[int, int]:
+    modules = dict(units(model))
+    owner: Dict[int, int] = {}
+    for stage, names in enumerate(plan):
+        for name in names:
+            for pname, p in modules[name].named_parameters():
+                if owner.setdefault(id(p), stage) != stage:
+                    raise PipelineError(
+                        f"parameter {name}.{pname} is shared between stages {owner[id(p)]} and {stage} (tied "
+                        "weights); untie it, or choose pp_split so that both users sit in one stage")
+    return owner
+
+
+def keep_stage(model: torch.nn.Module, stage: int, plan: List[List[str]]) -> List[torch.nn.Parameter]:
+    """Replace, in place, every unit of ``model`` that stage ``stage`` of ``plan`` (from
+    :func:`stage_units`) does not own by ``nn.Identity``; return the parameters dropped."""
+    _owner_of_each_parameter(model, plan)
+    kept = set(plan[stage])
+    dropped: List[torch.nn.Parameter] = []
+    for name, unit in units(model):
+        if name in kept:
+            continue
+        dropped += list(unit.parameters())
+        parent, _, attr = name.rpartition(".")
+        container = model.get_submodule(parent) if parent else model
+        if isinstance(container, torch.nn.ModuleList | torch.nn.Sequential):
+            container[int(attr)] = torch.nn.Identity()
+        elif isinstance(container, torch.nn.ModuleDict):
+            container[attr] = torch.nn.Identity()
+        else:
+            setattr(container, attr, torch.nn.Identity())
+    return dropped
+
+
+# ---------------------------------------------------------------------- the prepared model and its step
+class PipelinedModel(torch.nn.Module):
+    """One stage of a pipelined model: ``module`` is the user's model with the other stages' units
+    replaced (possibly sharded by FSDP2/TP). ``model(batch)`` is refused; train with
+    :meth:`step` (``ud.pipeline_step``). ``state_dict``/``load_state_dict`` are the stage's, keyed
+    by the whole model's fully-qualified names (no ``module.`` prefix)."""
+
+    def __init__(self, module: torch.nn.Module, stage: int, stages: int, schedule: str, microbatches: int,
+                 device: torch.device, pp_group: Any) -> None:
+        super().__init__()
+        self.module = module
+        self.stage, self.stages, self.schedule_name, self.microbatches = stage, stages, schedule, microbatches
+        self._device, self._group = device, pp_group
+        self._schedule: Any = None
+        self._loss_fn: Optional[Callable] = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PipelineError(
+            f"model(batch) of a pipelined model (pp={self.stages}) would run stage {self.stage} alone; train with "
+            "loss = ud.pipeline_step(model, inputs, targets, loss_fn), which runs every stage's forward and backward")
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def _schedule_for(self, loss_fn: Callable) -> Any:
+        if self._schedule is None or loss_fn is not self._loss_fn:
+            from torch.distributed import pipelining
+
+            stage = pipelining.PipelineStage(self.module, self.stage, self.stages, self._device, group=self._group)
+            cls = getattr(pipelining, SCHEDULES[self.schedule_name])
+            self._schedule = cls(stage, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=True)
+            self._loss_fn = loss_fn
+        return self._schedule
+
+    def step(self, inputs: Any, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """Forward and backward of ``inputs`` (a tensor, or a tuple of the model's positional tensors)
+        against ``targets`` in microbatches (dimension 0); the mean microbatch loss, detached, on every
+        stage. Every stage is given the same batch: the first reads ``inputs``, the last ``targets``."""
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        rows = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
+        if rows is None or rows % self.microbatches or targets.shape[0] != rows:
+            raise PipelineError(
+                f"pipeline_step got a batch of {rows} rows (targets {tuple(targets.shape)[:1]}) that "
+                f"pp_microbatches={self.microbatches} does not divide into equal microbatches; use a batch size "
+                f"that is a multiple of {self.microbatches} (drop_last=True on the loader)")
+        schedule = self._schedule_for(loss_fn)
+        losses: List[torch.Tensor] = []
+        if self.stage == 0 and self.is_last:
+            schedule.step(*args, target=targets, losses=losses)
+        elif self.stage == 0:
+            schedule.step(*args)
+        elif self.is_last:
+            schedule.step(target=targets, losses=losses)
+        else:
+            schedule.step()
+        mean = torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
+        return _from_last_stage(mean, self.stages, self._group, self._device)
+
+
+LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _from_last_stage(loss: Optional[torch.Tensor], stages: int, group: Any, device: torch.device) -> torch.Tensor:
+    """The last stage's ``loss`` (``None`` elsewhere) on every stage of the pipeline ``group``, a 0-d
+    tensor of its dtype: one broadcast of ``[value, dtype]`` in float64 (which holds every value of
+    the floating dtypes exactly)."""
+    import torch.distributed as dist
+
+    box = torch.zeros(2, dtype=torch.float64, device=device)
+    if loss is not None:
+        box[0] = loss.to(torch.float64)
+        box[1] = LOSS_DTYPES.index(loss.dtype) if loss.dtype in LOSS_DTYPES else 1
+    dist.broadcast(box, group=group, group_src=stages - 1)
+    return box[0].to(LOSS_DTYPES[int(box[1].item())])
+
+
+__all__ = ["SCHEDULES", "MULTI_STAGE_SCHEDULES", "PipelinedModel", "default_split", "keep_stage",
+           "settings_problem", "split_names", "stage_units", "units"]
