@@ -1,4 +1,4 @@
-"""Pipeline parallelism under torchrun (issue 61): 2 stages on 2 ranks and pp 2 x FSDP2 2 on 4 ranks,
+"""Pipeline parallelism under torchrun (issue 61): 2 stages on 2 ranks, pp 2 x FSDP2 2 and pp 2 x TP 2 on 4 ranks,
 each case equal to one plain process on the same global batches in float64
 (tests/launchers/workers/pipeline_worker.py derives the 1e-12 bound).
 
@@ -18,9 +18,10 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 WORKER = "tests/launchers/workers/pipeline_worker.py"
 TIMEOUT = 240  # each launch took 25-50 s on 2 cores
 CASES = {2: ("pp_gpipe_sgd", "pp_1f1b_sgd", "pp_gpipe_adamw", "pp_1f1b_adamw", "pp_split_1f1b_sgd"),
-         4: ("pp_fsdp_sgd", "pp_fsdp_adamw")}
+         4: ("pp_fsdp_sgd", "pp_fsdp_adamw", "pp_tp_adamw")}
 CHECKS = ("update_equals_one_process_on_the_global_batch", "loss_is_the_batch_mean_on_every_stage",
-          "every_stage_gets_the_same_batches", "stage_holds_its_units_by_full_name", "optimizer_steps_only_the_stage",
+          "every_stage_gets_the_same_batches", "stage_holds_its_units_by_full_name",
+          "stage_is_split_as_the_layout_says", "optimizer_steps_only_the_stage",
           "model_call_is_refused", "indivisible_batch_is_refused")
 
 

@@ -46,6 +46,8 @@ CASES = {  # name -> (init keywords beyond pp=2, optimizer)
     "pp_split_1f1b_sgd": (dict(pp_schedule="1f1b", pp_microbatches=2, pp_split=["layers.3"]), "sgd"),
     "pp_fsdp_sgd": (dict(sharding="fsdp", pp_schedule="1f1b", pp_microbatches=2), "sgd"),
     "pp_fsdp_adamw": (dict(sharding="fsdp", pp_schedule="gpipe", pp_microbatches=2), "adamw"),
+    "pp_tp_adamw": (dict(tp=2, tp_plan={"layers.*.w1": "colwise", "layers.*.w2": "rowwise"}, pp_schedule="1f1b",
+                         pp_microbatches=2), "adamw"),
 }
 
 
@@ -97,7 +99,9 @@ def run_case(name: str) -> dict:
     ud.init(pp=2, **keywords)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        per_stage = world // 2
+        tp = keywords.get("tp", 1)
+        per_stage = world // 2  # ranks per stage; rank r sees the batches of data-parallel rank r // tp % dp
+        dp = per_stage // tp
         stage = rank // per_stage
         torch.manual_seed(0)
         model = Stack().to(DTYPE)
@@ -108,6 +112,16 @@ def run_case(name: str) -> dict:
         loader = torch.utils.data.DataLoader(data, batch_size=PER_RANK, shuffle=True, drop_last=True)
         model, optimizer, loader = ud.prepare(model, optimizer, loader)
         owned = sorted(ud.unwrap(model).state_dict())
+        from torch.distributed.tensor import DTensor
+
+        split = sorted(n for n, p in ud.unwrap(model).named_parameters() if isinstance(p, DTensor))
+        if keywords.get("sharding") == "fsdp":
+            want_split = owned  # FSDP2 shards every parameter of the stage
+        elif keywords.get("tp"):
+            want_split = [n for n in owned if n.startswith("layers.") and ".w" in n]  # the planned blocks
+        else:
+            want_split = []
+        checks["stage_is_split_as_the_layout_says"] = "ok" if split == want_split else f"FAIL: {split}"
         held = sum(len(g["params"]) for g in optimizer.param_groups)
         rows_seen, losses = [], []
         for step, (index, x, y) in enumerate(loader):
@@ -131,14 +145,14 @@ def run_case(name: str) -> dict:
         # every rank's rows, over the whole world (plain torch.distributed, not the facade)
         everyone = [None] * world
         dist.all_gather_object(everyone, rows_seen)
-        same_rows = all(everyone[r] == everyone[r % per_stage] for r in range(world))
+        same_rows = all(everyone[r] == everyone[r % per_stage // tp * tp] for r in range(world))
         checks["every_stage_gets_the_same_batches"] = "ok" if same_rows else f"FAIL: {everyone}"
         # the reference: one process on each step's global batch
         ref_optimizer = _optimizer(kind, reference.parameters())
         _, all_x, all_y = data.tensors
         ref_losses = []
         for step in range(STEPS):
-            rows = [i for r in range(per_stage) for i in everyone[r][step]]
+            rows = [i for d in range(dp) for i in everyone[d * tp][step]]
             mine = everyone[rank % per_stage][step]
             with torch.no_grad():
                 ref_losses.append(float(loss_fn(reference(all_x[mine]), all_y[mine])))
