@@ -51,6 +51,16 @@ class TorchBackend(TorchGroupBackend):
     def world_size(self) -> int:
         return dist.get_world_size()
 
+    def checkpoint_problem(self, action: str) -> Optional[str]:
+        """Under pipeline parallelism each rank holds one stage, and the portable format (one file of the whole
+        model, written by the main process) would hold the first stage only: refused until it gathers them."""
+        pp = self.config.sharding.pp
+        if pp == 1:
+            return None
+        return (f"ud.{action} of a model under pp={pp} is not supported yet (each rank holds one pipeline stage, and "
+                "the main process would write the first stage only); save each stage's "
+                "ud.unwrap(model).state_dict() (keyed by the whole model's names) from its own ranks")
+
     # ----------------------------------------------------------------- replica groups
     @property
     def data_parallel_rank(self) -> int:

@@ -142,6 +142,12 @@ def run_case(name: str) -> dict:
             checks["indivisible_batch_is_refused"] = "FAIL: a batch of 3 ran"
         except ud.PipelineError as exc:
             checks["indivisible_batch_is_refused"] = "ok" if "pp_microbatches" in str(exc) else f"FAIL: {exc}"
+        try:
+            ud.save({"model": model}, os.path.join(os.environ.get("TMPDIR", "/tmp"), "never-written.pt"))
+            checks["save_is_refused"] = "FAIL: ud.save wrote a pipelined model"
+        except ud.CheckpointError as exc:
+            checks["save_is_refused"] = "ok" if "not supported yet" in str(exc) and "\n" not in str(exc) \
+                else f"FAIL: {exc}"
         # every rank's rows, over the whole world (plain torch.distributed, not the facade)
         everyone = [None] * world
         dist.all_gather_object(everyone, rows_seen)
