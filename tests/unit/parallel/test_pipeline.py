@@ -189,3 +189,21 @@ def test_data_parallel_stages_without_fsdp_are_refused_in_one_line():
 
     with pytest.raises(LaunchError, match="pp=2 on 4 ranks leaves 2 data-parallel ranks.*add sharding='fsdp'"):
         FsdpModels(Sharding(pp=2), "no", world_size=4)
+
+
+def test_a_pipeline_with_replica_groups_is_refused_at_init(monkeypatch):
+    """A replica group of one plain process runs the torch backend (torchft needs it); pp is refused before it
+    starts, so no lighthouse is asked."""
+    from unified_dist.backends import replica_groups
+
+    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv(replica_groups.LIGHTHOUSE_VAR, "http://localhost:1")
+    monkeypatch.setenv(replica_groups.GROUP_VAR, "0")
+    monkeypatch.setenv(replica_groups.GROUPS_VAR, "2")
+    try:
+        with pytest.raises(PipelineError, match="runs the torch backend with replica groups") as caught:
+            ud.init(pp=2)
+        assert "\n" not in str(caught.value)
+    finally:
+        ud.shutdown()
