@@ -38,7 +38,7 @@ $(STAMP): requirements-ci.txt requirements-offline-data.txt setup.cfg tools/buil
 	touch $(STAMP)
 
 # Lint first (rules in pyproject.toml's [tool.ruff]): a finding fails the target before the tests run. Every test's
-# seconds per phase go to build/test-times.json (bench/suite_time.py turns them into docs/testing.md's budget).
+# seconds per phase go to build/test-times.json (bench/suite_time/suite_time.py turns them into docs/testing.md's budget).
 # The test files run on TEST_WORKERS pytest-xdist workers, a file's tests on one worker in order (--dist loadfile:
 # a module's shared launches stay shared); a launch leaves a core idle a third of its time (rendezvous, waits, I/O),
 # which the other worker's file uses. TEST_WORKERS=0: one process, as plain pytest.
@@ -60,21 +60,21 @@ demo: setup
 mutants: setup
 	$(PY) bench/mutants.py
 
-# The version matrix (bench/versions.py, issue #52): a scratch venv per Python x torch outside the repository
+# The version matrix (tools/versions/versions.py, issue #52): a scratch venv per Python x torch outside the repository
 # (~/.cache/unified_dist/versions/), the contract under every launcher and the unit tests in each, rows in
-# bench/results/versions.json, docs/versions.md rendered from them. Not in `make test` (GBs of CUDA wheels).
+# tools/versions/versions.json, docs/versions.md rendered from them. Not in `make test` (GBs of CUDA wheels).
 versions: setup
-	$(PY) bench/versions.py
+	$(PY) tools/versions/versions.py
 
 # Every CUDA path in a few minutes on one GPU (unified_dist/checks/gpu.py), written to
-# bench/results/gpu_check_<date>.json for docs/gpus.md; without a GPU one line, exit status 0.
+# bench/gpu/results/gpu_check_<date>.json for docs/gpus.md; without a GPU one line, exit status 0.
 gpu-check: setup
 	$(PY) -m unified_dist test --gpu
 
 bench: setup
-	$(PY) bench/run.py --short
-	$(PY) bench/network.py --short  # needs root (network namespaces); skips with the reason otherwise
-	if [ -f bench/results/network_short.json ]; then $(PY) bench/network_report.py bench/results/network_short.json; fi
+	$(PY) bench/shared/run.py --short
+	$(PY) bench/network/network.py --short  # needs root (network namespaces); skips with the reason otherwise
+	if [ -f bench/network/results/network_short.json ]; then $(PY) bench/network/network_report.py bench/network/results/network_short.json; fi
 
 clean:
 	rm -rf $(VENV) build site *.egg-info .pytest_cache

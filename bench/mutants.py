@@ -43,9 +43,9 @@ except ModuleNotFoundError:  # Python < 3.11 (the package supports 3.9; this too
     raise SystemExit("bench/mutants.py needs Python 3.11 or newer (tomllib); make setup's venv has it") from None
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "shared"))
 
-import provenance  # noqa: E402  (bench/provenance.py)
+import provenance  # noqa: E402  (bench/shared/provenance.py)
 
 REGISTRY = ROOT / "bench" / "mutants.toml"
 FIELDS = {"name", "promise", "file", "old", "new", "tests"}

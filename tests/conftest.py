@@ -37,8 +37,9 @@ def _refuse_unmarked_launches(item):
 
 _TIMES = {"items": {}}
 """Each test's seconds per phase, written where ``UNIFIED_DIST_TEST_TIMES`` names (``make test``: build/), with
-bench/provenance.py's record of the run (commit, CPU, load, steal) and its pytest-xdist workers: what
-bench/suite_time.py reads. Under xdist the controller writes it (every worker's reports reach it); workers do not."""
+bench/shared/provenance.py's record of the run (commit, CPU, load, steal) and its pytest-xdist workers: what
+bench/suite_time/suite_time.py reads. Under xdist the controller writes it (every worker's reports reach it);
+workers do not."""
 
 
 def pytest_sessionstart(session):
@@ -47,7 +48,7 @@ def pytest_sessionstart(session):
 
         from unified_dist.testing.launchers import bench_module
 
-        _TIMES["record"] = bench_module("provenance").start()
+        _TIMES["record"] = bench_module("bench/shared/provenance").start()
         _TIMES["started"] = time.time()
 
 
@@ -67,7 +68,7 @@ def pytest_sessionfinish(session, exitstatus):
 
     from unified_dist.testing.launchers import bench_module
 
-    record = bench_module("provenance").finish(_TIMES["record"])
+    record = bench_module("bench/shared/provenance").finish(_TIMES["record"])
     record.pop("cpu_ticks_before", None)
     workers = getattr(session.config.option, "numprocesses", None) or 0
     record.update(command="make test", cores=os.cpu_count(), workers=workers,

@@ -3,7 +3,7 @@ switch per difference, here and nowhere else.
 
 Each switch probes what the installed torch can do (a name, a parameter, a registered kernel) rather
 than comparing version numbers, says which releases take which side, and is run on its side by every
-cell of the version matrix (``make versions``, ``bench/versions.py``): the pinned cell takes the new
+cell of the version matrix (``make versions``, ``tools/versions/versions.py``): the pinned cell takes the new
 side of each, the oldest declared cell the old side of :func:`enable_fake_collectives`.
 
 This module imports torch only; every layer may use it, and it uses none of them.
@@ -65,7 +65,7 @@ def enable_fake_collectives() -> Optional[str]:
 
 def sides() -> Dict[str, str]:
     """Which side of each switch the installed torch takes, by switch name: what the version matrix
-    records per cell (``bench/versions.py``), so docs/versions.md shows each side run by some cell."""
+    records per cell (``tools/versions/versions.py``), so docs/versions.md shows each side run by some cell."""
     return {
         "all_gather_into_tensor": all_gather_into_tensor.__name__,
         "DDP_WITHOUT_BUFFER_SYNC": next(iter(DDP_WITHOUT_BUFFER_SYNC)),

@@ -547,7 +547,7 @@ TABLE: Dict[str, Setting] = _declare(
             keyword=False, flag=False, read_by="tools", default_text="off"),
     Setting("test_times", "UNIFIED_DIST_TEST_TIMES", Text("a file"), None,
             "where the test suite writes each test's seconds per phase (`make test`: build/test-times.json, "
-            "which bench/suite_time.py sums into the suite's budget)",
+            "which bench/suite_time/suite_time.py sums into the suite's budget)",
             keyword=False, flag=False, read_by="tools", default_text="none (not written)"),
 )
 """Every setting, in the order ``unified-dist env`` lists them."""

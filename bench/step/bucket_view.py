@@ -23,8 +23,8 @@ import torch.distributed as dist
 from common import model_and_batches, parse_args
 from native_torch import train_step
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import provenance  # noqa: E402  (bench/provenance.py)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared"))
+import provenance  # noqa: E402  (bench/shared/provenance.py)
 
 
 def make_step(model, view: bool):

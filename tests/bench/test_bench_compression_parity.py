@@ -1,4 +1,4 @@
-"""bench/compression_parity.py's verdict, with the example's launches replaced by a stand-in that
+"""bench/compression/compression_parity.py's verdict, with the example's launches replaced by a stand-in that
 writes the losses for the format its environment names (the real runs are the benchmark itself,
 minutes per backend): the compressed run gets the format, a compressed run whose losses are the
 float32 ones to within one float32 rounding step fails (compression did nothing), and so does one
@@ -15,14 +15,14 @@ import torch
 from unified_dist.testing.launchers import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
-# the first 4 logged losses of bench/results/compression_parity_smoke.json's torch row
+# the first 4 logged losses of bench/compression/results/compression_parity_smoke.json's torch row
 FLOAT32 = [0.6932196617126465, 0.6910006999969482, 0.6925051808357239, 0.7032231092453003]
 BF16 = [0.6932196617126465, 0.6910006999969482, 0.6925051212310791, 0.7032227516174316]
 
 
 @pytest.fixture(scope="module")
 def parity():
-    return bench_module("compression_parity")
+    return bench_module("bench/compression/compression_parity")
 
 
 def _run(parity, monkeypatch, tmp_path, losses_for):

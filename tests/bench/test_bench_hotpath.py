@@ -1,4 +1,4 @@
-"""bench/hotpath.py (issue #28's benchmark): the recorded results are complete; the script runs in its
+"""bench/hotpath/hotpath.py (issue #28's benchmark): the recorded results are complete; the script runs in its
 smoke mode (seconds of steps; two launches of the facade step and one paired launch) and writes a
 well-formed results file; its arithmetic, in process, against hand-computed values."""
 import json
@@ -9,12 +9,12 @@ import pytest
 from unified_dist.testing.launchers import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results" / "hotpath.json"
+RESULTS = ROOT / "bench" / "hotpath" / "results" / "hotpath.json"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return bench_module("hotpath")
+    return bench_module("bench/hotpath/hotpath")
 
 
 def check_record(record: dict, repeats: int, backends: list) -> None:
@@ -38,7 +38,8 @@ def check_record(record: dict, repeats: int, backends: list) -> None:
 
 
 def test_the_recorded_results_are_complete():
-    """bench/results/hotpath.json (what docs/benchmarks/hot-path.md shows): >= 3 repeats, inductor, every backend."""
+    """bench/hotpath/results/hotpath.json (what docs/benchmarks/hot-path.md shows): >= 3 repeats, inductor, every
+    backend."""
     record = json.loads(RESULTS.read_text())
     assert record["settings"]["repeats"] >= 3 and record["settings"]["compile_backend"] == "inductor"
     assert not record["settings"]["smoke"]

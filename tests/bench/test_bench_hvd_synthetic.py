@@ -1,4 +1,4 @@
-"""bench/hvd_synthetic.py (issue #40's benchmark) and its page, docs/benchmarks/horovod-synthetic.md.
+"""bench/horovod/hvd_synthetic.py (issue #40's benchmark) and its page, docs/benchmarks/horovod-synthetic.md.
 
 Fast: no process is launched. The committed results file must hold every round of every side with the
 engine each side claims, and its summary must be the medians recomputed here; the page's figures must
@@ -6,7 +6,6 @@ be that file's values (formatted here with json, not through the hook's lookup),
 does. The driver's arithmetic is checked with the launches replaced by a stand-in that writes known
 throughputs."""
 import json
-import shutil
 import statistics
 import sys
 import types
@@ -17,20 +16,19 @@ import pytest
 from unified_dist.testing.launchers import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "bench" / "horovod" / "results"
 PAGE = ROOT / "docs" / "benchmarks" / "horovod-synthetic.md"
 ENGINE = {"shim": "unified_dist.horovod", "real": "horovod.torch", "real_cycle": "horovod.torch"}
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return bench_module("hvd_synthetic")
+    return bench_module("bench/horovod/hvd_synthetic")
 
 
 @pytest.fixture(scope="module")
 def hook():
-    sys.path.insert(0, str(ROOT / "bench"))
-    return bench_module("docs_hook")
+    return bench_module("tools/docs_hook")
 
 
 def _results():
@@ -85,11 +83,12 @@ def test_the_page_shows_the_results_values(hook):
 
 
 def test_a_changed_results_file_changes_the_page(hook, tmp_path):
-    shutil.copy(RESULTS / "hvd_synthetic.json", tmp_path / "hvd_synthetic.json")
+    copy = tmp_path / RESULTS.relative_to(ROOT)  # the hook names results files by their paths from the root
+    copy.mkdir(parents=True)
     data = _results()
     data["summary"]["ratio"] = 0.87654
     data["runs"]["shim"][1]["images_per_s_total"] = 4321.0
-    (tmp_path / "hvd_synthetic.json").write_text(json.dumps(data))
+    (copy / "hvd_synthetic.json").write_text(json.dumps(data))
     text = hook.render(PAGE.read_text(), tmp_path)
     assert "real Horovod: 0.877**" in text and "| 1 | 4321 |" in text
 
@@ -130,7 +129,7 @@ def test_the_driver_takes_medians_of_rounds_and_rotates_the_order(bench, monkeyp
         return types.SimpleNamespace(check=lambda: None)
 
     monkeypatch.setattr(launchers, "run", fake_run)
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.insert(0, str(ROOT / "bench" / "shared"))
     args = types.SimpleNamespace(batch_size=4, warmup=1, iters=1, batches_per_iter=1, rounds=3, timeout=10)
     s = bench.drive(args)["summary"]
     assert order[:3] == ["shim", "real", "real_cycle"] and order[3:6] == ["real", "real_cycle", "shim"]

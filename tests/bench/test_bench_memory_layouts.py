@@ -1,4 +1,4 @@
-"""bench/memory_layouts.py (issue #26's benchmark): the recorded results meet the targets and agree
+"""bench/memory_layouts/memory_layouts.py (issue #26's benchmark): the recorded results meet the targets and agree
 with the models' sizes; the counting functions count what a rank holds (local shards, checked on
 FSDP2 shards of a 4-rank fake process group in this process) and see activation checkpointing;
 the script's verdict fails a missed target (the launches replaced by a stand-in: the real runs are
@@ -13,7 +13,7 @@ import torch
 from unified_dist.testing.launchers import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results" / "memory_layouts.json"
+RESULTS = ROOT / "bench" / "memory_layouts" / "results" / "memory_layouts.json"
 LAYOUTS_4 = ["ddp", "fsdp", "hsdp", "fsdp_tp", "fsdp_ac"]
 LAYOUTS_2 = ["ddp", "tp"]
 # the bench's Llama, written out here (not imported): the expected sizes come from this config
@@ -23,12 +23,12 @@ LLAMA = dict(vocab_size=8000, hidden_size=768, intermediate_size=2048, num_hidde
 
 @pytest.fixture(scope="module")
 def worker():
-    return bench_module("memory_layouts_worker")
+    return bench_module("bench/memory_layouts/memory_layouts_worker")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return bench_module("memory_layouts")
+    return bench_module("bench/memory_layouts/memory_layouts")
 
 
 @pytest.fixture(scope="module")

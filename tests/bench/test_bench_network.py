@@ -1,4 +1,4 @@
-"""bench/network.py's arithmetic and link settings, without making hosts (the run itself is a benchmark)."""
+"""bench/network/network.py's arithmetic and link settings, without making hosts (the run itself is a benchmark)."""
 import importlib
 from pathlib import Path
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def network():
-    return bench_module("network")
+    return bench_module("bench/network/network")
 
 
 def test_rates_in_tc_units(network):
@@ -89,7 +89,7 @@ def test_a_cycle_time_and_a_bucket_size_reach_the_launch_line(network, monkeypat
 
 
 def test_report_shows_the_cycle_horovod_read_and_the_quiet_ratio_against_the_rows_own_baseline(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "network"))
     report = importlib.import_module("network_report")
     tc = ["tc qdisc add dev udnet0 root tbf rate 1gbit burst 250kb latency 50ms"]
     row = {"rate": "1gbit", "delay": "0ms", "backend": "horovod", "compression": "fp16", "bucket_mb": None,
@@ -100,7 +100,7 @@ def test_report_shows_the_cycle_horovod_read_and_the_quiet_ratio_against_the_row
            "step_times_s": [1.2, 2.0, 1.2, 2.0]}
     old = {**row, "horovod_cycle_ms_effective": None, "accum": 1}
     del old["step_times_s"]
-    data = {"commit": "abc", "command": "python bench/network.py", "load_before": [0.1], "steal_fraction": 0.01,
+    data = {"commit": "abc", "command": "python bench/network/network.py", "load_before": [0.1], "steal_fraction": 0.01,
             "settings": {"steps": 4, "warmup": 2, "batch_size": 16, "max_length": 64}, "rows": [row, old],
             "one_host": [{"samples_per_s": 10.0, "step_times_s": [0.8, 1.0, 0.8, 1.0]}, {"samples_per_s": 10.0}]}
     new_line, old_line = [line for line in report.table(data) if line.startswith("| 1gbit")]

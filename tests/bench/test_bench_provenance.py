@@ -1,4 +1,4 @@
-"""bench/provenance.py and bench/steal_report.py: what every results file records about the machine."""
+"""bench/shared/provenance.py and bench/steal/steal_report.py: what every results file records about the machine."""
 import json
 from pathlib import Path
 
@@ -15,7 +15,7 @@ def _load(name):
 
 @pytest.fixture(scope="module")
 def provenance():
-    return _load("provenance")
+    return _load("bench/shared/provenance")
 
 
 def test_steal_share_is_stolen_ticks_over_all_ticks(provenance):
@@ -35,24 +35,24 @@ def test_a_results_record_has_commit_cpu_load_and_steal(provenance):
 
 
 def test_steal_report_windows():
-    report = _load("steal_report")
+    report = _load("bench/steal/steal_report")
     lines = [f"{t} cpu {100 * k} 0 0 {100 * k} 0 0 0 {50 * k} 0 0" for k, t in enumerate(range(0, 130, 5))]
     shares = report.windows(lines, 60)
     assert shares and all(s == pytest.approx(50 / 250) for _, s in shares)
 
 
-# written before bench/provenance.py recorded the steal share (2026-11-23); everything since has it
-BEFORE_STEAL = {"compression_parity_smoke", "exit_stress_before_fix", "network_smoke_10gbit_torch",
-                "network_smoke_10gbit_torch_rep1", "network_smoke_10gbit_torch_rep2", "network_smoke_1gbit_16bit",
-                "network_smoke_1gbit_torch", "network_tuning", "network_tuning_repeat", "exit_stress"}
+# written before bench/shared/provenance.py recorded the steal share (2026-11-23); everything since has it
+BEFORE_STEAL = {"compression_parity_smoke", "exit_stress_before_fix", "network_tuning", "network_tuning_repeat",
+                "exit_stress"}
 
 
 def test_every_results_file_records_commit_command_load_and_steal():
     """Each results file has the commit, the command and the load around it (the benchmark pages,
     docs/benchmarks/*.md, show them), and the steal share unless it is one of the older files named here."""
-    root = Path(__file__).resolve().parents[2] / "bench" / "results"
-    files = sorted(p for p in root.glob("*.json") if not p.stem.endswith(("_partial", "_short")))  # git ignores these
-    assert files
+    found = [*ROOT.glob("bench/*/results/*.json"), *ROOT.glob("bench/results/*.json"), ROOT / "tools" / "versions" /
+             "versions.json"]  # each benchmark's folder, the mutation runs, the version matrix
+    files = sorted(p for p in found if not p.stem.endswith(("_partial", "_short")))  # git ignores these
+    assert len({p.parent for p in files}) > 10
     for path in files:
         record = json.loads(path.read_text())
         assert isinstance(record, dict), path.name

@@ -1,4 +1,5 @@
-"""bench/replica_cost.py and bench/replica_soak.py (issue #53) and what docs/fault-tolerance.md says of them.
+"""bench/replicas/replica_cost.py and bench/replicas/replica_soak.py (issue #53) and what docs/fault-tolerance.md says
+of them.
 
 Fast: no process is launched. The committed results files must hold what the page claims, recomputed here
 from their raw rows (each run's median step, each kill's recovery), not read from the scripts' summaries."""
@@ -7,7 +8,7 @@ import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results"
+RESULTS = ROOT / "bench" / "replicas" / "results"
 
 
 def load(name: str) -> dict:

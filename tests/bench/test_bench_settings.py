@@ -1,4 +1,4 @@
-"""bench/time_to_accuracy.py compares like with like: the Trainer's TrainingArguments read back
+"""bench/time_to_accuracy/time_to_accuracy.py compares like with like: the Trainer's TrainingArguments read back
 as the example's own settings (issue 12 item 1: the Trainer once ran with weight decay 0 because
 its weight_decay sat inside a comment)."""
 import importlib.util
@@ -20,7 +20,7 @@ def _module(name, path):
 
 @pytest.fixture(scope="module")
 def tta():
-    return _module("time_to_accuracy", ROOT / "bench" / "time_to_accuracy.py")
+    return _module("time_to_accuracy", ROOT / "bench" / "time_to_accuracy" / "time_to_accuracy.py")
 
 
 @pytest.fixture

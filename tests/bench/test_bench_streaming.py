@@ -1,4 +1,4 @@
-"""bench/streaming.py (issue #27's benchmark): the recorded results are complete and their bytes add up;
+"""bench/streaming/streaming.py (issue #27's benchmark): the recorded results are complete and their bytes add up;
 the script runs in a tiny configuration (both launches, every configuration) and writes a well-formed
 results file; its arithmetic and the worker's filter of what counts as a read, in process."""
 import json
@@ -10,7 +10,7 @@ import pytest
 from unified_dist.testing.launchers import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "bench" / "results" / "streaming.json"
+RESULTS = ROOT / "bench" / "streaming" / "results" / "streaming.json"
 # (processes, configuration) rows the benchmark writes, written out here
 EXPECTED_ROWS = [(1, "map"), (1, "stream"), (1, "stream-shuffled"),
                  (2, "map"), (2, "stream"), (2, "stream-shuffled"), (2, "stream-2-shards")]
@@ -19,7 +19,7 @@ HEADER = len("text,label\r\n")  # each CSV file repeats the header line (csv.wri
 
 @pytest.fixture(scope="module")
 def bench():
-    return bench_module("streaming")
+    return bench_module("bench/streaming/streaming")
 
 
 def _row(record, nproc, config):
@@ -59,8 +59,8 @@ def check_record(record: dict, repeats: int) -> None:
 
 
 def test_the_recorded_results_are_complete_and_add_up():
-    """bench/results/streaming.json (what docs/benchmarks/streaming.md shows): every row, 3 repeats, and two shards
-    halve what each of two ranks reads (the halves differ by a few bytes of text)."""
+    """bench/streaming/results/streaming.json (what docs/benchmarks/streaming.md shows): every row, 3 repeats, and
+    two shards halve what each of two ranks reads (the halves differ by a few bytes of text)."""
     record = json.loads(RESULTS.read_text())
     check_record(record, repeats=record["settings"]["repeats"])
     assert record["settings"]["repeats"] >= 3
@@ -111,7 +111,7 @@ def test_loader_alone_counts_every_ranks_examples_over_the_slowest_rank(bench):
 
 
 def test_the_worker_counts_reads_of_the_training_csv_only():
-    worker = bench_module("streaming_worker")
+    worker = bench_module("bench/streaming/streaming_worker")
     assert worker.is_training_csv_read("/c/train-0a1b-00000-of-00002.csv", "r")
     assert worker.is_training_csv_read(b"/c/train-0a1b-00000-of-00001.csv", "rb")
     assert not worker.is_training_csv_read("/c/train-0a1b-00000-of-00001.csv.tmp12", "w")  # rank 0 writing it

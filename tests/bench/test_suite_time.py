@@ -1,4 +1,5 @@
-"""bench/suite_time.py: the suite's budget sums every phase of every test, and ranks them (figures by hand)."""
+"""bench/suite_time/suite_time.py: the suite's budget sums every phase of every test, and ranks them (figures by
+hand)."""
 import json
 
 import pytest
@@ -8,7 +9,7 @@ from unified_dist.testing.launchers import bench_module
 
 @pytest.fixture(scope="module")
 def suite_time():
-    return bench_module("suite_time")
+    return bench_module("bench/suite_time/suite_time")
 
 
 TIMES = {"commit": "abc1234", "command": "make test", "cpu": "Some CPU", "cores": 2, "wall_s": 130.0,

@@ -1,4 +1,4 @@
-"""bench/versions.py, the version matrix (issue #52): its results file, the page rendered from it, and the
+"""tools/versions/versions.py, the version matrix (issue #52): its results file, the page rendered from it, and the
 parsing that turns a cell's logs into counts and first error lines (no environment is built here)."""
 import json
 import re
@@ -13,16 +13,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def versions():
-    return bench_module("versions")
+    return bench_module("tools/versions/versions")
 
 
 def test_the_page_is_the_results_file_rendered(versions):
-    """docs/versions.md is exactly ``python bench/versions.py --render``'s output (rerun it after a cell)."""
+    """docs/versions.md is exactly ``python tools/versions/versions.py --render``'s output (rerun it after a cell)."""
     assert (ROOT / "docs" / "versions.md").read_text() == versions.render()
 
 
 def test_every_row_has_the_fields_the_issue_asks_for():
-    results = json.loads((ROOT / "bench" / "results" / "versions.json").read_text())
+    results = json.loads((ROOT / "tools" / "versions" / "versions.json").read_text())
     assert results["rows"]
     for row in results["rows"]:
         missing = [k for k in ("python", "torch", "accelerate", "transformers", "datasets", "horovod", "passed",
@@ -70,7 +70,7 @@ def test_the_contract_table_is_read_row_by_row(versions):
 
 def test_make_versions_runs_the_matrix_and_make_test_does_not():
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"^versions: setup\n\t\$\(PY\) bench/versions\.py$", makefile, re.M)
+    assert re.search(r"^versions: setup\n\t\$\(PY\) tools/versions/versions\.py$", makefile, re.M)
     test_target = re.search(r"^test:.*?\n\n", makefile, re.M | re.S).group(0)
     assert "versions" not in test_target
 
@@ -92,7 +92,7 @@ unified_dist/testing/launchers.py:110: AssertionError"""
 def test_setup_cfg_declares_exactly_the_oldest_passing_cells_and_the_readme_says_so(versions):
     """Declared = tested (issue #52): setup.cfg's torch and Python lower bounds are the oldest cells with no
     failure, no failing cell lies inside them, and the README's "Supported versions" line is rendered from them."""
-    rows = json.loads((ROOT / "bench" / "results" / "versions.json").read_text())["rows"]
+    rows = json.loads((ROOT / "tools" / "versions" / "versions.json").read_text())["rows"]
     bounds = versions.declared(rows)
     setup = (ROOT / "setup.cfg").read_text()
     assert re.search(rf"^python_requires = >={re.escape(bounds['python'])}$", setup, re.M), bounds

@@ -1,4 +1,4 @@
-"""The reduced form of bench/exit_stress.py: short jobs that end without ud.shutdown() exit cleanly,
+"""The reduced form of bench/exit/exit_stress.py: short jobs that end without ud.shutdown() exit cleanly,
 and the facade's exit handler tore down what it started.
 
 The full benchmark (30 launches per launcher) measures the exit-crash rate; here one launch per
@@ -25,7 +25,7 @@ def test_short_jobs_exit_cleanly_under_every_launcher(tmp_path):
     if "horovodrun" not in LAUNCHERS:
         unavailable("horovod is not installed (make setup)")  # skips, or fails under CI=true
     out = tmp_path / "exit_stress.json"
-    result = run([sys.executable, str(ROOT / "bench" / "exit_stress.py"), "--launches", "1",
+    result = run([sys.executable, str(ROOT / "bench" / "exit" / "exit_stress.py"), "--launches", "1",
                   "--launchers", ",".join(LAUNCHERS), "--timeout", "90", "--out", str(out)],
                  timeout=600, env=child_env())
     report = json.loads(out.read_text())

@@ -14,8 +14,10 @@ from unified_dist.settings import SETTINGS, TABLE, in_effect, unknown_variables,
 from unified_dist.testing.launchers import ROOT
 
 SCANNED = ("unified_dist", "examples", "tools", "bench", "Makefile")
-"""Where the variables are read: the library, its examples, tools and benchmarks, the Makefile (not
-bench/results/: recorded output, which may quote a misspelled name a test ran)."""
+"""Where the variables are read: the library, its examples, tools and benchmarks, the Makefile (not the
+results folders, bench/<topic>/results/ and bench/results/, nor the version matrix's rows: recorded output,
+which may quote a misspelled name a test ran)."""
+RECORDED = ("tools/versions/versions.json",)
 LITERAL = re.compile(r"UNIFIED_DIST_[A-Z_]+")
 
 
@@ -26,7 +28,8 @@ def literals(root: Path):
         path = root / top
         files = ([path] if path.is_file()
                  else [p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts
-                       and not p.relative_to(root).as_posix().startswith("bench/results/")])
+                       and "results" not in p.relative_to(root).parts[:-1]
+                       and p.relative_to(root).as_posix() not in RECORDED])
         for file in files:
             found.update(LITERAL.findall(file.read_text(errors="ignore")))
     return found

@@ -6,7 +6,7 @@ new install: this runs each check of :mod:`.gpu_checks` (in :data:`CHECKS`' orde
 process, times each from the moment the worker starts it, and kills the worker's whole process
 group when a check overruns its budget or the total budget runs out; the next worker goes on with
 the checks left. A check that fails, hangs or crashes its worker fails alone. The table and a
-results file (``bench/results/gpu_check_<date>.json`` in a checkout: commit, command, device, torch
+results file (``bench/gpu/results/gpu_check_<date>.json`` in a checkout: commit, command, device, torch
 and CUDA versions, each check's figure and pass/fail) come out at the end; docs/gpus.md renders
 the newest one.
 
@@ -148,8 +148,8 @@ def run_checks(names: Sequence[str], device: str, total_s: float, budget: Dict[s
 
 # ---------------------------------------------------------------------- the record and the table
 def _provenance() -> Dict[str, Any]:
-    """bench/provenance.py's fields (commit, command, load, CPU) in a checkout; the command alone elsewhere."""
-    path = PACKAGE_ROOT / "bench" / "provenance.py"
+    """bench/shared/provenance.py's fields (commit, command, load, CPU) in a checkout; the command alone elsewhere."""
+    path = PACKAGE_ROOT / "bench" / "shared" / "provenance.py"
     if path.exists():
         return _bench_provenance().start()
     return {"commit": "unknown (not a checkout)", "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -157,17 +157,18 @@ def _provenance() -> Dict[str, Any]:
 
 
 def _bench_provenance():
-    """The checkout's bench/provenance.py as a module (the library does not import its test helpers)."""
+    """The checkout's bench/shared/provenance.py as a module (the library does not import its test helpers)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_provenance", PACKAGE_ROOT / "bench" / "provenance.py")
+    path = PACKAGE_ROOT / "bench" / "shared" / "provenance.py"
+    spec = importlib.util.spec_from_file_location("bench_provenance", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def _finish(record: Dict[str, Any]) -> Dict[str, Any]:
-    if (PACKAGE_ROOT / "bench" / "provenance.py").exists():
+    if (PACKAGE_ROOT / "bench" / "shared" / "provenance.py").exists():
         return _bench_provenance().finish(record)
     record["load_after"] = list(os.getloadavg())
     return record
@@ -183,13 +184,13 @@ def machine(device: str) -> Dict[str, Any]:
 
 
 def default_results_path(device: str, results: Optional[str]) -> Optional[Path]:
-    """``--results``; else, for a GPU run, bench/results/gpu_check_<YYYYMMDD>.json in a checkout (the
+    """``--results``; else, for a GPU run, bench/gpu/results/gpu_check_<YYYYMMDD>.json in a checkout (the
     current folder elsewhere); the dry run writes none unless asked."""
     if results:
         return Path(results)
     if device != "cuda":
         return None
-    folder = PACKAGE_ROOT / "bench" / "results"
+    folder = PACKAGE_ROOT / "bench" / "gpu" / "results"
     return (folder if folder.is_dir() else Path.cwd()) / f"gpu_check_{datetime.date.today():%Y%m%d}.json"
 
 

@@ -71,7 +71,7 @@ def add_arguments(parser) -> None:
     options.add_argument("--only", metavar="NAMES",
                          help=f"with --gpu: these checks (comma list of {', '.join(gpu.NAMES)})")
     options.add_argument("--results", metavar="FILE",
-                         help="with --gpu: the results file (default bench/results/gpu_check_<date>.json on a GPU)")
+                         help="with --gpu: the results file (default bench/gpu/results/gpu_check_<date>.json on a GPU)")
 
 
 def main(args) -> int:

@@ -1,7 +1,7 @@
 """What one rank holds and sends: bytes of parameters, gradients and optimizer state as the rank
 stores them, bytes a forward saves for backward, and the bytes of each collective it calls.
 
-Used by the memory benchmark (bench/memory_layouts_worker.py, on real ranks) and by
+Used by the memory benchmark (bench/memory_layouts/memory_layouts_worker.py, on real ranks) and by
 ``unified-dist plan`` (:mod:`unified_dist.checks.plan_worker`, on one simulated rank whose tensors are
 torch's fake tensors: shapes, dtypes and storages without data). Every count here reads only
 shapes, dtypes and storage identities, so it gives the same number on a real tensor and on its fake

@@ -27,12 +27,13 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-def bench_module(name: str):
-    """``bench/<name>.py`` imported as module ``bench_<name>`` (registered in ``sys.modules``, so its
-    dataclasses and pickling work), for tests of the benchmark scripts."""
+def bench_module(path: str):
+    """The script ``<path>.py`` of this checkout (e.g. ``bench/hotpath/hotpath``, ``bench/shared/provenance``,
+    ``tools/versions/versions``) imported as module ``bench_<its name>`` (registered in ``sys.modules``, so
+    its dataclasses and pickling work), for tests of the benchmark scripts and tools."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{Path(path).name}", ROOT / f"{path}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

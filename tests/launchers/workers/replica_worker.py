@@ -1,4 +1,4 @@
-"""A facade training loop for replica groups (tests/launchers/test_replica_groups.py, bench/replica_groups.py).
+"""A facade training loop for replica groups (tests/launchers/test_replica_groups.py, bench/replicas/).
 
 An MLP regression (float64) with SGD and momentum on 256 fixed examples, shuffled, 4 per rank: the loop is the
 usual one (``ud.init``, ``ud.prepare(model, optimizer, loader)``, ``ud.backward``, ``optimizer.step``), and it runs

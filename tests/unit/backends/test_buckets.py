@@ -2,7 +2,7 @@
 and Horovod get, and the refusals. Under the real launchers, the contract's accum suite is launched
 with UNIFIED_DIST_BUCKET_MB=0.25 and asserts the bucket cap (262,144 bytes) and bucket count of the
 DDP that torch's backend and Accelerate built, and Horovod's HOROVOD_FUSION_THRESHOLD
-(tests/launchers/test_contract_under_launchers.py -k accum-bucket); bench/network.py's tuning rows time them."""
+(tests/launchers/test_contract_under_launchers.py -k accum-bucket); bench/network/network.py's tuning rows time them."""
 import os
 
 import pytest

@@ -79,7 +79,7 @@ def test_the_call_returns_before_the_write_and_the_file_holds_the_state_at_the_c
 def test_a_reserved_first_save_stages_into_memory_made_ahead_and_holds_the_state_at_its_call(
         single, gate, tmp_path, monkeypatch):
     """Issue #50 item 4: the first async save of a run waited for the operating system's new pages for its
-    staging copy (several times the copy itself, bench/async_checkpoint.py); ``ud.reserve_async_save``
+    staging copy (several times the copy itself, bench/checkpoint/async_checkpoint.py); ``ud.reserve_async_save``
     makes that copy's memory ahead, in a thread. The first save then stages into exactly those buffers
     (no fresh tensor, whichever order the state lists them in), and still holds the state at its call."""
     from unified_dist.checkpoint import background

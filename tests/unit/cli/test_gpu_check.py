@@ -36,7 +36,7 @@ def _env(**extra):
 
 
 def _hook():
-    spec = importlib.util.spec_from_file_location("docs_hook", ROOT / "bench" / "docs_hook.py")
+    spec = importlib.util.spec_from_file_location("docs_hook", ROOT / "tools" / "docs_hook.py")
     hook = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("docs_hook", hook)
     spec.loader.exec_module(hook)
@@ -98,8 +98,10 @@ def test_docs_render_the_newest_results_file_or_the_checks_not_yet_run(dry_run, 
     empty = hook.render("<!-- results: - gpu-checks -->", tmp_path)
     assert "not yet run" in empty and all(f"- `{name}`" in empty for name in gpu.NAMES)
     _, out = dry_run
-    (tmp_path / "gpu_check_20261101.json").write_text("{}")  # older: not the one shown
-    (tmp_path / out.name).write_text(out.read_text())
+    folder = tmp_path / hook.GPU_CHECKS  # bench/gpu/results under the root given
+    folder.mkdir(parents=True)
+    (folder / "gpu_check_20261101.json").write_text("{}")  # older: not the one shown
+    (folder / out.name).write_text(out.read_text())
     page = hook.render("<!-- results: - gpu-checks -->", tmp_path)
     record = json.loads(out.read_text())
     rows = [line for line in page.splitlines() if line.startswith("| `")]
@@ -108,7 +110,7 @@ def test_docs_render_the_newest_results_file_or_the_checks_not_yet_run(dry_run, 
         cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
         assert cells[0] == f"`{c['name']}`" and cells[2] == c["status"]
         assert cells[3] == gpu.figure_text(c["figure"]).replace("|", "\\|")
-    assert f"- `bench/results/{out.name}`: commit `{record['commit']}`" in page
+    assert f"- `bench/gpu/results/{out.name}`: commit `{record['commit']}`" in page
 
 
 FAKE_WORKER = textwrap.dedent("""

@@ -1,0 +1,74 @@
+"""What every results file records: the commit measured, the exact command, the load around it,
+and the share of CPU time the hypervisor took from this VM while it ran (steal)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def commit() -> str:
+    """``git rev-parse --short HEAD``, with ``-dirty`` when tracked files outside the results folders
+    (bench/<topic>/results/, bench/results/) differ
+    from it (results an earlier part of the same run wrote do not change what is measured); ``$BENCH_COMMIT``
+    instead where the sender of a copy set it (a copy's ``.git`` may be stale)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]  # a copy of a checkout sent to another machine (a GPU's)
+    try:
+        head = git("rev-parse", "--short", "HEAD") or "unknown"
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                       ":(exclude)bench/results",
+                                       ":(exclude,glob)bench/*/results/**") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def cpu_ticks() -> list:
+    """The aggregate ``cpu`` line of /proc/stat (user nice system idle iowait irq softirq steal ...),
+    in clock ticks since boot; empty where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_fraction(before: list, after: list):
+    """Share of all CPU ticks between two :func:`cpu_ticks` readings that the hypervisor stole
+    (field 8): time this VM wanted to run but another guest had the core. ``None`` if unknown."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    total = sum(after[:8]) - sum(before[:8])
+    return (after[7] - before[7]) / total if total > 0 else None
+
+
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name, and whether the CPU has native bf16 (AVX-512 BF16 or AMX): the VM's
+    CPU changes between sessions here, and bf16 timings depend on it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    native = [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name}; native bf16: {', '.join(native) if native else 'none'}"
+
+
+def start() -> dict:
+    """Provenance fields to put in a results file before measuring; call :func:`finish` after."""
+    return {"commit": commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "cpu": cpu_model(), "load_before": os.getloadavg(), "cpu_ticks_before": cpu_ticks()}
+
+
+def finish(record: dict) -> dict:
+    """``record`` with the load average after the measurement and the steal share over it."""
+    record["load_after"] = os.getloadavg()
+    record["steal_fraction"] = steal_fraction(record.get("cpu_ticks_before", []), cpu_ticks())
+    return record

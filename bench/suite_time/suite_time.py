@@ -1,0 +1,122 @@
+"""Where ``make test``'s time goes: the suite's budget, from the seconds every test took.
+
+``make test`` writes ``build/test-times.json`` (tests/conftest.py: each test's seconds per phase, with the run's
+commit, CPU, load and steal); this script sums it into a results file that docs/testing.md renders::
+
+    python bench/suite_time/suite_time.py build/test-times.json --out bench/suite_time/results/suite_time.json
+
+What it records (:func:`summarise`):
+
+- ``tests_s``: the seconds of tests, every phase of every test summed (set-up, call, tear-down); pytest's own
+  collection and start are not in it, ``wall_s`` (the session's wall clock) has them;
+- ``workers``: the pytest-xdist workers the run had (0: one process);
+- ``budget_s``: the goal, 30 minutes of tests on the slowest 2-core machine (issue #60), and ``over_s``: what is
+  measured against it is ``tests_s`` in one process, and the session's wall clock ``wall_s`` where workers ran
+  tests side by side (their phases overlap, so their sum is more than the minutes one waits);
+- ``by_phase``: set-up is mostly the module-scoped fixtures that launch once for many checks, call the tests'
+  own work (a launch of its own, most often);
+- ``by_folder`` and ``by_file`` (the 25 heaviest files), each with its share of ``tests_s``;
+- ``slowest``: the 20 slowest single phases (``nodeid``, ``phase``, ``s``, ``share``), pytest's ``--durations``.
+
+Ratios within one run only: the machine's CPU changes between sessions (the record names it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+BUDGET_S = 30 * 60
+"""The suite's goal: 30 minutes of tests on the slowest 2-core machine (issue #60)."""
+
+PHASES = ("setup", "call", "teardown")
+RUN_FIELDS = ("commit", "command", "cpu", "cores", "workers", "load_before", "load_after", "steal_fraction",
+              "wall_s", "exit_status")
+
+
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _folder(nodeid: str) -> str:
+    parts = _file(nodeid).split("/")
+    return "/".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+def summarise(times: dict, slowest: int = 20, files: int = 25) -> dict:
+    """The budget of one run from ``times`` (tests/conftest.py's record: ``items`` maps a test's node id to its
+    seconds per phase); the run's own fields (commit, CPU, load, ...) are kept as they are."""
+    items = times["items"]
+    phases = [(nodeid, phase, float(seconds)) for nodeid, record in items.items()
+              for phase, seconds in record.items() if phase in PHASES]
+    total = sum(s for _, _, s in phases)
+    if total <= 0:
+        raise ValueError("no test took any time: is this a test-times file of a run?")
+    by_phase, by_folder, by_file = defaultdict(float), defaultdict(float), defaultdict(float)
+    for nodeid, phase, seconds in phases:
+        by_phase[phase] += seconds
+        by_folder[_folder(nodeid)] += seconds
+        by_file[_file(nodeid)] += seconds
+
+    def shares(table: dict, top: int = 0) -> list:
+        rows = sorted(table.items(), key=lambda kv: (-kv[1], kv[0]))
+        return [{"name": name, "s": round(s, 1), "share": round(s / total, 4)} for name, s in rows[:top or None]]
+
+    top = sorted(phases, key=lambda p: (-p[2], p[0], p[1]))[:slowest]
+    summary = {key: times[key] for key in RUN_FIELDS if key in times}
+    measured = float(times["wall_s"]) if times.get("workers") else total
+    summary.update({
+        "tests": len(items), "failed": sum(1 for r in items.values() if r.get("outcome") == "failed"),
+        "tests_s": round(total, 1), "budget_s": BUDGET_S, "over_s": round(measured - BUDGET_S, 1),
+        "by_phase": shares(by_phase), "by_folder": shares(by_folder), "by_file": shares(by_file, files),
+        "slowest": [{"nodeid": n, "phase": p, "s": round(s, 1), "share": round(s / total, 4)} for n, p, s in top],
+        "slowest_share": round(sum(s for _, _, s in top) / total, 4),
+    })
+    return summary
+
+
+def table(summary: dict) -> list:
+    """docs/testing.md's lines: the budget against the measured run, then the slowest phases with their share."""
+    minutes = summary["tests_s"] / 60
+    verdict = (f"{summary['over_s'] / 60:.1f} min over" if summary["over_s"] > 0
+               else f"{-summary['over_s'] / 60:.1f} min under")
+    where = f"on {summary.get('cpu', 'an unrecorded CPU')}, {summary.get('cores', '?')} cores"
+    wall = summary["wall_s"] / 60
+    if summary.get("workers"):
+        first = (f"- {summary['tests']} tests on {summary['workers']} pytest-xdist workers, **{wall:.1f} min wall** "
+                 f"({minutes:.1f} min of test phases summed over the workers) {where}")
+    else:
+        first = f"- {summary['tests']} tests, **{minutes:.1f} min of tests** ({wall:.1f} min wall) {where}"
+    lines = [f"{first}: {verdict} the budget of {summary['budget_s'] / 60:.0f} min.",
+             "- By folder: " + ", ".join(f"`{r['name']}` {r['s'] / 60:.1f} min ({r['share']:.0%})"
+                                         for r in summary["by_folder"]) + ".",
+             "- By phase: " + ", ".join(f"{r['name']} {r['s'] / 60:.1f} min ({r['share']:.0%})"
+                                        for r in summary["by_phase"])
+             + " (set-up: mostly the shared launches of module-scoped fixtures).",
+             f"- The {len(summary['slowest'])} slowest phases below take {summary['slowest_share']:.0%} of it:", "",
+             "| test | phase | seconds | share |", "|---|---|---:|---:|"]
+    lines += [f"| `{r['nodeid']}` | {r['phase']} | {r['s']:.0f} | {r['share']:.1%} |" for r in summary["slowest"]]
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("times", help="the test-times file make test wrote (build/test-times.json)")
+    parser.add_argument("--out", help="the results file to write (bench/suite_time/results/suite_time.json)")
+    args = parser.parse_args(argv)
+    try:
+        summary = summarise(json.loads(Path(args.times).read_text()))
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"suite_time: cannot read {args.times} ({exc}); run `make test` first", file=sys.stderr)
+        return 2
+    summary["summarised_by"] = " ".join(["python", "bench/suite_time/suite_time.py", *(argv or sys.argv[1:])])
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+    print("\n".join(table(summary)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
