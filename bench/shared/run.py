@@ -92,10 +92,9 @@ def overhead(short: bool) -> dict:
     steps = ["--steps", "6" if short else "14", "--warmup", "2"]
     paired_steps = ["--steps", "8" if short else "24", "--warmup", "2"]
     out = {}
-    tmp = TMP
-    tmp.mkdir(parents=True, exist_ok=True)
+    TMP.mkdir(parents=True, exist_ok=True)
     for backend in BACKENDS:
-        path = tmp / f"paired_{backend}.json"
+        path = TMP / f"paired_{backend}.json"
         launch(backend, 2, "bench/step/paired.py", ["--out", str(path), *paired_steps], result=path)
         paired = json.loads(path.read_text())
         # torch also runs the facade with its per-step finite-loss exchange off (UNIFIED_DIST_CHECK_FINITE=0)
@@ -105,7 +104,7 @@ def overhead(short: bool) -> dict:
         for rep in range(reps):  # interleaved: facade, native, [facade without the check,] facade, native...
             for variant in variants:
                 script = f"bench/step/{'native_' + backend if variant == 'native' else 'facade'}.py"
-                path = tmp / f"step_{backend}_{variant}_{rep}.json"
+                path = TMP / f"step_{backend}_{variant}_{rep}.json"
                 crashes[variant] += not launch(backend, 2, script, ["--out", str(path), *steps], result=path,
                                                extra_env={"UNIFIED_DIST_CHECK_FINITE": "0"}
                                                if variant == NO_FINITE_CHECK else None)
