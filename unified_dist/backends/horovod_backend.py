@@ -121,6 +121,9 @@ class HorovodBackend(Backend):
         self.hvd = _import_horovod()
         self.compressor()  # an unsupported format fails before anyone joins
         seconds = max(1, int(config.timeout.total_seconds()))
+        # what this backend sets for hvd.init() it takes back at shutdown (the process's next backend finds
+        # the variables as the launch left them): the name -> the value before, None where unset
+        self._set_before = {"HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")}
         os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
         self._owns_horovod = not self.hvd.is_initialized()  # a user's own hvd.init() stays running
         # read by hvd.init(); a Horovod the user started keeps the cycle it started with
@@ -132,6 +135,7 @@ class HorovodBackend(Backend):
                 f"bucket_mb={config.bucket_mb:g} cannot reach the Horovod your code started with hvd.init(): "
                 f"it read its fusion buffer then; set {HOROVOD_VAR}={wanted[HOROVOD_VAR]} before hvd.init(), "
                 "or drop bucket_mb")
+        self._set_before.update({name: os.environ.get(name) for name in wanted if name not in self._set_before})
         os.environ.update(wanted)
         self._exported: dict = {}
         if detection.master_addr is not None:  # another launcher's processes: Horovod meets them by itself
@@ -155,9 +159,16 @@ class HorovodBackend(Backend):
         return self.hvd.size()
 
     def shutdown(self) -> None:
+        """Ends the Horovod this backend started (one the user started keeps running) and puts back the
+        variables it set for ``hvd.init()``."""
         if self._owns_horovod:
             self.hvd.shutdown()
         horovod_rendezvous.withdraw(self._exported)
+        for name, value in self._set_before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
     @property
     def elastic(self) -> bool:

@@ -200,3 +200,34 @@ def test_bucket_mb_for_a_horovod_the_user_started_is_refused_unless_it_already_h
     horovod_backend.HorovodBackend(detection, Config(bucket_mb=4.0))  # the size it already has: fine
     horovod_backend.HorovodBackend(detection, Config())  # no bucket_mb: nothing to say
     assert len(inits) == 2
+
+
+def test_the_variables_set_for_hvd_init_are_put_back_at_shutdown(monkeypatch):
+    """The Horovod backend sets HOROVOD_CYCLE_TIME (CPU), HOROVOD_FUSION_THRESHOLD (bucket_mb) and
+    HOROVOD_GLOO_TIMEOUT_SECONDS for its hvd.init(); ud.shutdown() puts each back as the launch had it (unset,
+    or the user's value), so the next backend of the process (ud.init(backend=...) again) finds no Horovod
+    variable it did not have. Found in one launch running two suites: the torch backend's suite saw the cycle."""
+    import types
+
+    import torch
+
+    from unified_dist.backends import horovod_backend
+    from unified_dist.backends.base import Config
+    from unified_dist.detection import Detection
+    seen = []
+    names = ("HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_GLOO_TIMEOUT_SECONDS")
+    fake = types.SimpleNamespace(Compression=types.SimpleNamespace(none=None, fp16=None),
+                                 is_initialized=lambda: False, local_rank=lambda: 0, shutdown=lambda: None,
+                                 init=lambda: seen.append({name: os.environ.get(name) for name in names}))
+    monkeypatch.setattr(horovod_backend, "_import_horovod", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    detection = Detection(backend="horovod", launcher="horovodrun", reason="test")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOROVOD_GLOO_TIMEOUT_SECONDS", "77")  # the user's: hvd.init() reads it, shutdown keeps it
+    backend = horovod_backend.HorovodBackend(detection, Config(bucket_mb=4.0))
+    assert seen == [{"HOROVOD_CYCLE_TIME": "5", "HOROVOD_FUSION_THRESHOLD": str(4 * 2 ** 20),
+                     "HOROVOD_GLOO_TIMEOUT_SECONDS": "77"}]
+    backend.shutdown()
+    assert {name: os.environ.get(name) for name in names} == {
+        "HOROVOD_CYCLE_TIME": None, "HOROVOD_FUSION_THRESHOLD": None, "HOROVOD_GLOO_TIMEOUT_SECONDS": "77"}
