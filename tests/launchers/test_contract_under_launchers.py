@@ -1,10 +1,11 @@
 """The facade's contract, checked inside real launchers: python, torchrun, accelerate launch, horovodrun,
 and a real srun (one-node SLURM made by tools/slurm_cluster.sh) and Open MPI's mpirun.
 
-Each (launcher, suite) pair is launched once per session with 2 processes (1 for plain python), by
-the first test that needs it (the ``runs`` fixture); every check in tests/launchers/workers/contract_worker.py
-(whose core suite starts with the self-test's list, unified_dist/checks/contract.py) becomes one test
-item here, asserted on every rank.
+Each (launcher, suite) pair runs once per session with 2 processes (1 for plain python), launched by
+the first test that needs it (the ``runs`` fixture; a launcher's core, accum and syncbn suites share one
+launch, see :data:`CHAINED`); every check in tests/launchers/workers/contract_worker.py (whose core suite
+starts with the self-test's list, unified_dist/checks/contract.py) becomes one test item here, asserted on
+every rank.
 """
 from __future__ import annotations
 
@@ -33,22 +34,39 @@ SUITE_ENV = contract_worker.SUITE_ENV
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def _launch(launcher: str, suite: str, out: Path, env=None) -> Tuple[Result, Dict[int, dict]]:
-    """Launch the worker; returns the launch and each rank's results."""
+CHAINED = {"python": ("core", "accum", "syncbn"), "torchrun": ("core", "accum", "syncbn"),
+           "accelerate": ("core", "accum", "syncbn")}
+"""The suites one launch runs in turn (``--then``: ``ud.shutdown()``, then ``ud.init`` again with the next suite's
+settings, in the same processes): a launch costs ~15 s of imports and rendezvous on 2 cores, the accum and syncbn
+suites ~3 s of work each. The accum suite's variable is set for the whole launch: the core and syncbn suites' models
+fit one bucket either way. Under horovodrun each suite keeps its own launch: there Horovod's second ``hvd.init()``
+after the core or the accum suite aborted the process in gloo ("connect ...: Connection refused", or SIGSEGV;
+2026-11-29), though one after a plain init, all_reduce and shutdown joins (the 2-host horovodrun line of
+tests/launchers/multinode keeps two launches for the same reason)."""
+
+
+def _launch(launcher: str, suites: Tuple[str, ...], out: Path, env=None) -> Tuple[Result, Dict[str, Dict[int, dict]]]:
+    """Launch the worker on ``suites`` (the first, then each next with ``--then``); returns the launch and,
+    per suite, each rank's results."""
     nproc = NPROC.get(launcher, 2)
-    args = ["--suite", suite, "--out", str(out)]
-    if suite == ADOPTING_SUITE and launcher != "python":
+    args = ["--suite", suites[0], "--out", str(out)]
+    for following in suites[1:]:
+        args += ["--then", following]
+    if suites[0] == ADOPTING_SUITE and launcher != "python":
         args.append("--adopt")
-    if suite == "core":  # then ud.init(backend=B) with each other backend (test_every_backend_...)
+    if suites[0] == "core":  # then ud.init(backend=B) with each other backend (test_every_backend_...)
         args.append("--every-backend")
-    result = launch(launcher, WORKER, args, nproc=nproc, timeout=240, env={**SUITE_ENV.get(suite, {}), **(env or {})})
-    ranks = {}
-    for r in range(nproc):
-        path = out / f"{suite}_rank{r}.json"
-        if path.exists():
-            ranks[r] = json.loads(path.read_text())
-            path.rename(out / f"{launcher}_{suite}_rank{r}.json")
-    return result, ranks
+    suite_env = {name: value for suite in suites for name, value in SUITE_ENV.get(suite, {}).items()}
+    result = launch(launcher, WORKER, args, nproc=nproc, timeout=240, env={**suite_env, **(env or {})})
+    found: Dict[str, Dict[int, dict]] = {}
+    for suite in suites:
+        ranks = found.setdefault(suite, {})
+        for r in range(nproc):
+            path = out / f"{suite}_rank{r}.json"
+            if path.exists():
+                ranks[r] = json.loads(path.read_text())
+                path.rename(out / f"{launcher}_{suite}_rank{r}.json")
+    return result, found
 
 
 # Where each launcher tells a process its index on the host; the facade's ud.local_rank() must say the same
@@ -81,7 +99,8 @@ def _installed(launcher: str) -> bool:
 
 
 class Runs:
-    """Each (launcher, suite) launched once, by the first test that asks; every check's item reads it.
+    """Each (launcher, suite) launched once, by the first test that asks; every check's item reads it. The
+    launchers of :data:`LAUNCHERS` run their :data:`CHAINED` suites in one launch.
 
     The core suite loads every checkpoint that earlier core runs left in the shared directory, so
     a core run first has the registry's launchers before it run theirs, in :data:`LAUNCHERS` order
@@ -99,7 +118,10 @@ class Runs:
                 if _installed(other):
                     self.get(other, "core")
         if (launcher, suite) not in self._done:
-            self._done[(launcher, suite)] = _launch(launcher, suite, out or self.shared, env)
+            suites = CHAINED[launcher] if suite in CHAINED.get(launcher, ()) else (suite,)
+            result, found = _launch(launcher, suites, out or self.shared, env)
+            for each in suites:
+                self._done[(launcher, each)] = result, found[each]
         return self._done[(launcher, suite)]
 
 

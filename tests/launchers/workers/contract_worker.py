@@ -8,11 +8,12 @@
 The ``core`` suite is the library's own contract list (:data:`unified_dist.checks.contract.CHECKS`,
 what ``unified-dist test`` runs) followed by the checks only a test needs, defined here. Each
 check raises AssertionError on failure; results go to DIR/<suite>_rank<R>.json as
-{check: "ok" | "FAIL: ..."} plus the detected identity. ``--then SUITE`` runs a second suite in
-the same processes after the first one's ``ud.shutdown()`` (``ud.init`` again, with that suite's
-settings): the mp.spawn workers run the accum suite so, in the group they joined themselves and
-still hold (where the facade made the group, joining again is not reliable: see the srun/mpirun
-cases in tests/launchers/test_contract_under_launchers.py). Checks call collectives in the same
+{check: "ok" | "FAIL: ..."} plus the detected identity. ``--then SUITE`` (repeatable) runs another suite in
+the same processes after the previous one's ``ud.shutdown()`` (``ud.init`` again, with that suite's
+settings): the launches of python, torchrun and accelerate launch run ``core``, then ``accum``, then ``syncbn``
+so (horovodrun one launch per suite), and the mp.spawn workers the accum suite in the group they joined themselves and
+still hold (under srun and mpirun, where the facade made the group, the accum suite keeps a launch of its
+own: see the srun/mpirun cases in tests/launchers/test_contract_under_launchers.py). Checks call collectives in the same
 order on every rank and assert only afterwards, so one failing rank does not hang the others.
 Expected values come from arithmetic or from a plain single-process torch computation, never
 from the facade itself.
@@ -1502,10 +1503,10 @@ def _stop_native_stack():
         torch.distributed.destroy_process_group()
 
 
-def _spawned(rank, world_size, port, suite, out, then=None):
+def _spawned(rank, world_size, port, suite, out, then=()):
     run_suite(suite, out, adopt=True, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    if then:  # the group this worker joined is still running: the facade adopts it again
-        run_suite(then, out)
+    for following in then:  # the group this worker joined is still running: the facade adopts it again
+        run_suite(following, out)
     torch.distributed.destroy_process_group()
 
 
@@ -1520,8 +1521,9 @@ def main():
                         help="plain python: mp.spawn N workers that each init_process_group(tcp://...)")
     parser.add_argument("--every-backend", action="store_true",
                         help="after the suite, ud.init(backend=B) with each other backend B, one at a time")
-    parser.add_argument("--then", choices=sorted(CHECKS), metavar="SUITE",
-                        help="after the suite's ud.shutdown(), ud.init() again in the same processes and run SUITE")
+    parser.add_argument("--then", choices=sorted(CHECKS), metavar="SUITE", action="append", default=[],
+                        help="after the suite's ud.shutdown(), ud.init() again in the same processes and run SUITE "
+                             "(repeatable: the suites run in the order given)")
     args = parser.parse_args()
     if args.spawn:
         from unified_dist.backends.ports import free_port
@@ -1530,8 +1532,8 @@ def main():
                                     nprocs=args.spawn)
     else:
         run_suite(args.suite, args.out, adopt=args.adopt, every_backend=args.every_backend)
-        if args.then:
-            run_suite(args.then, args.out)
+        for following in args.then:
+            run_suite(following, args.out)
 
 
 # ----------------------------------------------------------------- issue #46 item 5: a chosen backend joins or refuses

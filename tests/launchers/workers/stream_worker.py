@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -181,6 +182,7 @@ class Checks:
     def run(self, group):
         """The group's collectives, then its assertions (check name -> function); an error in the
         collectives' part fails every check of the group."""
+        started = time.perf_counter()
         try:
             asserts = getattr(self, group)()
         except Exception as exc:  # noqa: BLE001
@@ -189,6 +191,7 @@ class Checks:
             for check in CHECKS[group]:
                 self.results[check] = text
             return
+        self.measured.setdefault("group_s", {})[group] = round(time.perf_counter() - started, 2)
         assert sorted(asserts) == sorted(CHECKS[group]), (group, sorted(asserts))
         for check in CHECKS[group]:
             self.attempt(check, asserts[check])
