@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 
 from . import nested, session
-from .checkpoint import files as checkpoint, rng, sharded as sharded_checkpoint
+from .checkpoint import deepspeed_directory, files as checkpoint, rng, sharded as sharded_checkpoint
 from .checkpoint.background import WRITER
 from .collectives import ops as collectives
 from .errors import CheckpointError, UnifiedDistError, summary
@@ -38,10 +38,10 @@ def save(obj: Any, path: str, *, async_save: bool = False) -> None:
 
     Without sharding or ``ud.RNG`` it is no collective: call it on every rank or under
     ``if ud.is_main():``, as DDP scripts do; no rank waits for the write, so call :func:`barrier`
-    before another rank reads the file. With ``sharding="fsdp"`` or ``tp > 1`` (gathering the shards) or an
-    ``ud.RNG`` entry (gathering every rank's generators) it is a collective: every rank must call
-    it, every rank raises if the write fails, and rank 0 raises within seconds, naming the mistake,
-    when the others do not call it.
+    before another rank reads the file. With ``sharding="fsdp"`` or ``tp > 1`` or a ZeRO stage under the deepspeed
+    backend (gathering the shards) or an ``ud.RNG`` entry (gathering every rank's generators) it is a collective:
+    every rank must call it, every rank raises if the write fails, and rank 0 raises within seconds, naming the
+    mistake, when the others do not call it.
 
     ``async_save=True`` (a collective too) returns once the state is copied off the live tensors and
     writes it in a background thread (:mod:`unified_dist.checkpoint.background`): the next optimizer step
@@ -56,7 +56,7 @@ def _save(obj: Any, path: str, async_save: bool, keep_last: Optional[int]) -> No
     ``path``'s directory (:func:`checkpoint.rotate`, after the write is complete)."""
     backend = current_backend()
     _refuse_models(backend, obj, "save")
-    sharded = backend.config.sharding.splits_model
+    sharded = backend.saves_collectively
     with_rng = _holds_rng(obj)
     if sharded or with_rng or async_save:
         of = "of a sharded model" if sharded else "of ud.RNG" if with_rng else "with async_save=True"
@@ -66,16 +66,18 @@ def _save(obj: Any, path: str, async_save: bool, keep_last: Optional[int]) -> No
         WRITER.wait()  # one save in flight at a time; a failure is raised at the next settling point
     obj = _rng_states_for_markers(obj) if with_rng else obj
     if async_save:
-        state = checkpoint.to_state(obj, backend.unwrap, _staged(backend.rank, sharded)) \
+        state = checkpoint.to_state(obj, backend.unwrap, _staged(backend.rank, sharded), backend.model_state_dict) \
             if sharded or backend.rank == 0 else None  # gathering a shard is a collective
         WRITER.submit(path, (lambda: _write_then_rotate(state, path, keep_last)) if backend.rank == 0 else None)
         return
     state = None
     if sharded:  # gathering a shard is a collective: every rank walks the state
-        state = checkpoint.to_state(obj, backend.unwrap, _full_on_main(backend.rank))
+        state = checkpoint.to_state(obj, backend.unwrap, _full_on_main(backend.rank), backend.model_state_dict)
     error = None
     if backend.rank == 0:
-        error = _write(state if sharded else checkpoint.to_state(obj, backend.unwrap), path, keep_last)
+        if not sharded:
+            state = checkpoint.to_state(obj, backend.unwrap, module_state=backend.model_state_dict)
+        error = _write(state, path, keep_last)
     if sharded or with_rng:  # the other ranks are here too: each raises the main process's error
         error = collectives.broadcast(backend, error, 0, what="save")
     if error is not None:
@@ -94,7 +96,7 @@ def reserve_async_save(obj: Any) -> None:
     (its async saves gather each tensor on rank 0 instead) and nothing on the other ranks.
     """
     backend = current_backend()
-    if backend.config.sharding.splits_model or backend.rank != 0:
+    if backend.saves_collectively or backend.rank != 0:
         return
     specs: list = []
     checkpoint.to_state(obj, backend.unwrap, lambda t: specs.append((tuple(t.shape), t.dtype)))
@@ -174,10 +176,11 @@ def get_state_dict(model: torch.nn.Module) -> Optional[dict]:
     """
     backend = current_backend()
     _refuse_models(backend, model, "get_state_dict")
-    if not backend.config.sharding.splits_model:  # nothing to gather: only the main process walks
-        return checkpoint.to_state(model, backend.unwrap) if backend.rank == 0 else None
+    if not backend.saves_collectively:  # nothing to gather: only the main process walks
+        return checkpoint.to_state(model, backend.unwrap, module_state=backend.model_state_dict) \
+            if backend.rank == 0 else None
     _every_rank_calls(backend, "get_state_dict")
-    state = checkpoint.to_state(model, backend.unwrap, _full_on_main(backend.rank))  # a collective
+    state = checkpoint.to_state(model, backend.unwrap, _full_on_main(backend.rank), backend.model_state_dict)
     return state if backend.rank == 0 else None
 
 
@@ -192,7 +195,7 @@ def save_sharded(obj: dict, directory: str, *, async_save: bool = False) -> None
     shards, then writes them in the background, with DCP's collectives on a gloo group of their own).
     """
     backend = current_backend()
-    _refuse_models(backend, obj, "save")
+    _refuse_models(backend, obj, "save_sharded")
     _every_rank_calls(backend, "save_sharded")
     session.current().settle_saves()
     if _holds_rng(obj):
@@ -213,7 +216,7 @@ def load_sharded(obj: dict, directory: str) -> dict:
     size and sharding (state is resharded on load), and for an ``ud.RNG`` entry this rank's
     generators; returns the other values that were saved. A background save still in flight ends first."""
     backend = current_backend()
-    _refuse_models(backend, obj, "load")
+    _refuse_models(backend, obj, "load_sharded")
     _every_rank_calls(backend, "load_sharded")
     session.current().settle_saves()
     extra = sharded_checkpoint.load(sharded_checkpoint.split(obj, backend.unwrap, _torch_optimizer), directory)
@@ -242,7 +245,7 @@ def save_checkpoint(obj: Any, directory: str, step: int, keep_last: Optional[int
         checkpoint.check_keep_last(keep_last)  # on every rank, before anyone waits for the write
     path = checkpoint.checkpoint_path(directory, step)
     _save(obj, path, async_save, keep_last)
-    if current_backend().config.sharding.splits_model and not async_save:
+    if current_backend().saves_collectively and not async_save:
         barrier()
     return path
 
@@ -270,12 +273,17 @@ def load(path: str, state: Optional[dict] = None, map_location: Optional[Any] = 
     values in ``state`` are replaced by the saved ones. A name in ``state`` that the checkpoint
     lacks is a :class:`CheckpointError` before anything is loaded (``strict=False``: skipped, and
     models may miss or add keys). On the rank whose background save writes ``path``, it waits for that
-    write (and raises if it failed); another rank reads only after :func:`barrier`.
+    write (and raises if it failed); another rank reads only after :func:`barrier`. Under a ZeRO stage of the
+    deepspeed backend, loading a model or optimizer is a collective (every rank calls it). ``path`` may also be a
+    directory DeepSpeed's ``engine.save_checkpoint`` wrote: its model's weights, as ``{"model": weights}`` or into
+    the one model ``state`` names (:mod:`unified_dist.checkpoint.deepspeed_directory`).
     """
     if state is not None and not isinstance(state, dict):
         raise CheckpointError(
             f"load(path, state) takes a dict of names to live objects, got {type(state).__name__}; "
             "pass the device as ud.load(path, map_location=...)")
+    if deepspeed_directory.holds_one(path):
+        return _load_deepspeed_directory(path, state, strict)
     failed = WRITER.wait(path)  # this rank's background save of ``path`` ends first
     if failed and WRITER.unsettled:
         raise CheckpointError(f"{path} was not written: its background save failed ({failed}); "
@@ -284,6 +292,21 @@ def load(path: str, state: Optional[dict] = None, map_location: Optional[Any] = 
     if state is None:
         return saved
     return restore(saved, state, path, strict=strict)
+
+
+def _load_deepspeed_directory(path: str, state: Optional[dict], strict: bool) -> Any:
+    """:func:`load` of a directory written by DeepSpeed's ``engine.save_checkpoint``: its model's float32 weights
+    (DeepSpeed's ``zero_to_fp32``), as ``{"model": weights}``, or restored into the one model ``state`` names."""
+    weights = deepspeed_directory.read_weights(path)
+    if state is None:
+        return {"model": weights}
+    models = [name for name, value in state.items() if isinstance(value, torch.nn.Module)]
+    if len(models) != 1 or len(state) != 1:
+        raise CheckpointError(
+            f"{path} is a DeepSpeed checkpoint directory, which gives one model's weights only (DeepSpeed's "
+            f"zero_to_fp32), not {', '.join(map(repr, state))}: pass ud.load(path, {{'model': model}}), and take the "
+            "optimizer's state from a ud.save checkpoint or DeepSpeed's engine.load_checkpoint(dir)")
+    return restore({models[0]: weights}, state, path, strict=strict)
 
 
 def restore(saved: Any, state: dict, source: str, *, strict: bool = True) -> dict:
@@ -296,8 +319,8 @@ def restore(saved: Any, state: dict, source: str, *, strict: bool = True) -> dic
         raise CheckpointError(f"{source} has no {', '.join(map(repr, missing))} "
                               f"(it holds {', '.join(map(repr, saved))}); "
                               "leave those names out of state, or pass strict=False to skip them")
-    unwrap = current_backend().unwrap
-    _refuse_models(current_backend(), {name: state[name] for name in state if name in saved}, "load")
+    backend = current_backend()
+    _refuse_models(backend, {name: state[name] for name in state if name in saved}, "load")
     # schedulers after optimizers (an optimizer's state overwrites the learning rates), RNG last
     names = sorted((name for name in state if name in saved),
                    key=lambda name: 2 if state[name] is rng.RNG else 1 if is_scheduler(state[name]) else 0)
@@ -306,7 +329,7 @@ def restore(saved: Any, state: dict, source: str, *, strict: bool = True) -> dic
         if target is rng.RNG:
             restore_rng_states(saved[name])
         elif isinstance(target, torch.nn.Module):
-            unwrap(target).load_state_dict(saved[name], strict=strict)
+            backend.load_model_state_dict(target, saved[name], strict)
         elif hasattr(target, "load_state_dict") and callable(target.load_state_dict):
             target.load_state_dict(saved[name])
             if is_scheduler(target):

@@ -8,7 +8,9 @@ the same processes), then the same loop on the torch backend (DDP). 2 ranks x ba
 backend's numbers. The selector launches run one case each, with the backend and stage left to the launcher
 and the environment: ``UNIFIED_DIST_BACKEND=deepspeed`` under torchrun (stage from ``UNIFIED_DIST_ZERO_STAGE``),
 ``accelerate launch --use_deepspeed --zero_stage 2`` (which trained plain DDP without a word before this
-backend) and ``unified-dist launch --backend deepspeed --zero-stage 3`` (DeepSpeed's own launcher).
+backend) and ``unified-dist launch --backend deepspeed --zero-stage 3`` (DeepSpeed's own launcher). The torchrun
+selector launch then runs, in the same processes, the portable checkpoints' reshard chain (DDP -> ZeRO-1 -> ZeRO-2
+-> ZeRO-3 -> FSDP2, then one process in the test itself) and a plain DeepSpeed script's ``engine.save_checkpoint``.
 
 Why float32 and a derived bound: DeepSpeed refuses float64 parameters (stage 0: ``attempting to reduce an
 unsupported grad type: torch.float64``; ZeRO keeps float32 master weights), so the launched runs are float32
@@ -20,7 +22,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
@@ -42,8 +44,8 @@ def launch_command(name: str, out: Path) -> list:
     if name == "physics":
         return command("torchrun", WORKER, args)
     args.append("--detected")
-    if name == "variable":
-        return command("torchrun", WORKER, args)
+    if name == "variable":  # then, in the same processes, the reshard chain and a plain DeepSpeed checkpoint
+        return command("torchrun", WORKER, [*args, "--checkpoints"])
     if name == "accelerate":  # what a user types: Accelerate's DeepSpeed flags (on a CPU, without --cpu)
         return [str(BIN / "accelerate"), "launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
@@ -222,19 +224,134 @@ def test_another_backend_under_use_deepspeed_is_refused_in_one_line(launches):
 
 
 @pytest.mark.parametrize("stage", worker.STAGES)
-def test_checkpoints_are_portable_or_refused_in_one_line(launches, stage):
-    """ud.save of the model writes the portable format under stages 0-2 (the weights the run ended with), and
-    is refused in one line under ZeRO-3; the optimizer's state saves under stage 0 only; ud.load into the
-    prepared model works under stage 0 only (under ZeRO it would miss DeepSpeed's float32 master weights)."""
+def test_checkpoints_are_portable_under_every_stage(launches, stage):
+    """ud.save of the model writes the portable format under every stage (the float32 weights the run ended with,
+    by parameter name), ud.save of the optimizer torch's state_dict layout (one entry per parameter, numbered in
+    the groups' order, each moment shaped like its parameter; the group's hyperparameters), and ud.load into the
+    prepared model is accepted: nothing is refused."""
     ranks = finished(launches, "physics")
     case = ranks[0][worker.case_name("deepspeed", stage, "sgd", 1)]
     outcome = case["checkpoint"]
-    refused = {name for name in ("save_model", "save_optimizer", "load_model") if outcome[name] is not None}
-    expected = {0: set(), 1: {"save_optimizer", "load_model"}, 2: {"save_optimizer", "load_model"},
-                3: {"save_model", "save_optimizer", "load_model"}}[stage]
-    assert refused == expected, outcome
-    for name in refused:
-        assert outcome[name]["type"] == "CheckpointError" and "\n" not in outcome[name]["message"], outcome[name]
-    if stage < 3:
-        saved = torch.load(outcome["file"], weights_only=True)["model"]
-        assert {n: t.double().flatten().tolist() for n, t in saved.items()} == case["weights"]
+    assert [outcome[name] for name in ("save_model", "save_optimizer", "load_model")] == [None] * 3, outcome
+    saved = torch.load(outcome["file"], weights_only=True)["model"]
+    assert {n: t.double().flatten().tolist() for n, t in saved.items()} == case["weights"]
+    optimizer = torch.load(outcome["optimizer_file"], weights_only=True)["optimizer"]
+    shapes = [tuple(p.shape) for p in worker.model().parameters()]
+    assert [{k: v for k, v in g.items() if k in ("lr", "momentum", "params")} for g in optimizer["param_groups"]] == [
+        {"lr": 0.1, "momentum": 0.9, "params": list(range(len(shapes)))}]
+    assert {i: {k: tuple(v.shape) for k, v in entry.items()} for i, entry in optimizer["state"].items()} == {
+        i: {"momentum_buffer": shape} for i, shape in enumerate(shapes)}
+
+
+# The reshard chain: DDP -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 -> FSDP2 in the "variable" launch (torchrun, after its
+# selector case: one session each), then one process here; each leg resumes the previous leg's ud.save file (model,
+# AdamW, step) and trains CHAIN_STEPS steps. (The physics launch, 21 engines, is near its timeout under load already.)
+CHAIN = list(worker.CHAIN)
+
+
+def chain_reference(steps: int) -> Tuple[Dict[int, Dict[str, torch.Tensor]], float, float, float]:
+    """The uninterrupted run, 1 process in float64, plain torch (no unified_dist): the weights after every step
+    (by parameter name, flattened) and, over the whole run, the largest gradient entry G, the smallest |gradient
+    entry| g_min and the largest |weight| W (for :func:`bound`'s AdamW derivation)."""
+    x, y = (t.double() for t in worker.data())
+    net = worker.model().double()
+    opt = worker.optimizer("adamw", net.parameters())
+    after, big, small = {}, 0.0, math.inf
+    for step in range(steps):
+        rows = worker.chain_rows(step)
+        torch.nn.functional.mse_loss(net(x[rows]), y[rows]).backward()
+        grads = torch.cat([p.grad.flatten() for p in net.parameters()]).abs()
+        big, small = max(big, grads.max().item()), min(small, grads.min().item())
+        opt.step()
+        opt.zero_grad()
+        after[step + 1] = {n: p.detach().flatten().clone() for n, p in net.named_parameters()}
+    return after, big, small, max(p.abs().max().item() for p in net.parameters())
+
+
+def chain_bound(steps: int, G: float, g_min: float, W: float) -> float:
+    """:func:`bound`'s AdamW derivation over ``steps`` steps (float32 against float64; each checkpoint moves the
+    float32 values unchanged, so the legs add no rounding of their own)."""
+    return steps * (0.01 * 3.16 * 1.5 * 64 * U * G / g_min + 4 * U * W)
+
+
+def last_leg(launches: Launches) -> dict:
+    """The chain's last leg, one process in this test process: the FSDP2 leg's file loaded into a fresh model and
+    AdamW on the torch backend, CHAIN_STEPS steps on the whole global batches. Once per module."""
+    if "last-leg" not in launches._done:
+        import unified_dist as ud
+
+        ranks = finished(launches, "variable")
+        previous = ranks[0][f"chain-{CHAIN[-1]}"]
+        ud.init(backend="torch")
+        try:
+            net = worker.model()
+            model, opt = ud.prepare(net, worker.optimizer("adamw", net.parameters()))
+            extra = ud.load(previous["file"], {"model": model, "optimizer": opt})
+            leg = {"extra": extra, "loaded": worker.witness(ud, model, opt), "steps_taken_loaded": opt.steps_taken}
+            x, y = worker.data()
+            for step in range(extra["step"], extra["step"] + worker.CHAIN_STEPS):
+                rows = worker.chain_rows(step)
+                ud.backward(torch.nn.functional.mse_loss(model(x[rows]), y[rows]))
+                opt.step()
+                opt.zero_grad()
+            leg["saved"] = worker.witness(ud, model, opt)
+        finally:
+            ud.shutdown()
+        launches._done["last-leg"] = leg
+    return launches._done["last-leg"]
+
+
+def chain_legs(launches: Launches) -> List[Tuple[str, dict]]:
+    ranks = finished(launches, "variable")
+    return [(name, ranks[0][f"chain-{name}"]) for name in CHAIN] + [("one-process", last_leg(launches))]
+
+
+@pytest.mark.parametrize("index", range(1, len(CHAIN) + 1))
+def test_reshard_chain_leg_resumes_the_previous_legs_checkpoint_exactly(launches, index):
+    """Just after ud.load, the leg's weights (DeepSpeed's float32 master weights under ZeRO), both AdamW moments and
+    its step count equal, bitwise, what the previous leg held when it saved (each read with its engine's own API,
+    not the facade's): DDP -> ZeRO-1, ZeRO-1 -> ZeRO-2, ZeRO-2 -> ZeRO-3, ZeRO-3 -> FSDP2, FSDP2 -> one process."""
+    legs = chain_legs(launches)
+    (_, before), (name, leg) = legs[index - 1], legs[index]
+    assert leg["loaded"] == before["saved"], name
+    assert leg["steps_taken_loaded"] == index * worker.CHAIN_STEPS
+    if name != "one-process":
+        assert (leg["backend"], leg["stage"]) == ({"zero1": ("deepspeed", 1), "zero2": ("deepspeed", 2), "zero3": (
+            "deepspeed", 3), "fsdp2": ("torch", None)}[name])
+
+
+def test_reshard_chain_ends_on_the_uninterrupted_weights(launches):
+    """Every leg's weights after its steps, the last one's (one process) included, are the uninterrupted run's
+    (1 process in float64, plain torch) at that step count, within :func:`chain_bound`: AdamW's moments and step
+    count went through every checkpoint (a leg that restarted them would take a step of size lr in every weight)."""
+    legs = chain_legs(launches)
+    steps = len(legs) * worker.CHAIN_STEPS
+    after, G, g_min, W = chain_reference(steps)
+    for index, (name, leg) in enumerate(legs):
+        done = (index + 1) * worker.CHAIN_STEPS
+        assert leg["saved"]["step"] == done, (name, leg["saved"]["step"])
+        difference = max_difference(leg["saved"]["weights"], after[done])
+        assert difference <= chain_bound(done, G, g_min, W), (name, difference, chain_bound(done, G, g_min, W))
+
+
+def test_a_plain_deepspeed_checkpoint_directory_loads(launches):
+    """A directory that a plain DeepSpeed script wrote (deepspeed.initialize under ZeRO-3, engine.save_checkpoint)
+    loads with ud.load(dir, {"model": model}) into a model in one process: the float32 weights that script ended
+    with (read there with DeepSpeed's safe_get_full_fp32_param), bitwise; ud.load(dir) returns them as
+    {"model": weights}. Its optimizer's state is refused in one line (it stays in DeepSpeed's layout)."""
+    import unified_dist as ud
+
+    plain = finished(launches, "variable")[0]["plain-deepspeed"]
+    ud.init(backend="torch")
+    try:
+        model = worker.model()
+        assert ud.load(plain["directory"], {"model": model}) == {}
+        weights = {n: p.detach().double().flatten().tolist() for n, p in model.named_parameters()}
+        whole = ud.load(plain["directory"])
+        with pytest.raises(ud.CheckpointError) as refused:
+            ud.load(plain["directory"], {"model": model, "optimizer": torch.optim.AdamW(model.parameters())})
+    finally:
+        ud.shutdown()
+    assert weights == plain["weights"]
+    assert list(whole) == ["model"] and {n: t.double().flatten().tolist() for n, t in whole["model"].items()} == weights
+    assert "\n" not in str(refused.value) and "gives one model's weights only" in str(refused.value)

@@ -231,8 +231,25 @@ class Backend(ABC):
 
     def checkpoint_problem(self, action: str) -> Optional[str]:
         """Why ``action`` (``"save"``: write a model's weights in the portable format; ``"load"``: load them into
-        a prepared model) cannot be done right now, in one line (``None``: it can)."""
+        a prepared model; ``"save_sharded"``/``"load_sharded"``: the same per rank) cannot be done right now, in one
+        line (``None``: it can)."""
         return None
+
+    @property
+    def saves_collectively(self) -> bool:
+        """Whether the portable state of a prepared model or optimizer is gathered from every rank, so that
+        ``ud.save`` is a collective (every rank calls it; only the main process writes)."""
+        return self.config.sharding.splits_model
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict:
+        """``model``'s state dict by parameter name, unwrapped; its tensors may still be shards (DTensors), which
+        the caller gathers. A collective where :attr:`saves_collectively`."""
+        return self.unwrap(model).state_dict()
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: dict, strict: bool) -> None:
+        """Load a full state dict (by parameter name) into ``model``, prepared or not: every rank passes the same
+        ``state`` and keeps its own part of it (``load_state_dict(strict=strict)``)."""
+        self.unwrap(model).load_state_dict(state, strict=strict)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's original module inside whatever wrappers :meth:`prepare_model` and

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..detection import Detection
-from ..errors import BackendNotInstalled, CheckpointError, SettingError, UnifiedDistError
+from ..errors import BackendNotInstalled, SettingError, UnifiedDistError
 from .base import Config, weighted
 from .optimizer_view import OptimizerView
 from .process_group import withdraw_rendezvous
@@ -154,7 +154,9 @@ class DeepSpeedBackend(TorchBackend):
                 "backend='torch'")
         loaders = [o for o in objs if isinstance(o, torch.utils.data.DataLoader) and o.batch_size]
         self._pending = {"model": models[0], "optimizer": optimizers[0],
-                         "micro_batch": loaders[0].batch_size if loaders else 1}
+                         "micro_batch": loaders[0].batch_size if loaders else 1,
+                         # the parameters of the user's groups, before DeepSpeed points the groups at its partitions
+                         "groups": [list(group["params"]) for group in optimizers[0].param_groups]}
 
     def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         if not any(p.requires_grad for p in model.parameters()):
@@ -177,7 +179,7 @@ class DeepSpeedBackend(TorchBackend):
         if self.engine is None or self._pending.get("optimizer") is not optimizer:
             raise UnifiedDistError("the deepspeed backend prepares an optimizer together with its model: "
                                    "ud.prepare(model, optimizer, loader)")
-        return EngineOptimizer(self.engine, optimizer)
+        return EngineOptimizer(self.engine, optimizer, self._pending["groups"])
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from deepspeed import DeepSpeedEngine
@@ -222,17 +224,44 @@ class DeepSpeedBackend(TorchBackend):
         return norm
 
     def checkpoint_problem(self, action: str) -> Optional[str]:
-        """ZeRO-3 holds a slice of every parameter on each rank: no portable save or load yet. ZeRO 1-2 keep the
-        weights whole in the module (saved as they are) but step float32 master copies inside the optimizer,
-        which loading into the module would not reach: loading is refused there too."""
-        if self.zero_stage == 3:
-            return (f"ud.{action} of a model under ZeRO stage 3 is not written yet (each rank holds a slice of every "
-                    "parameter): use zero_stage 0-2, or DeepSpeed's own engine.save_checkpoint/load_checkpoint(dir)")
-        if action == "load" and self.zero_stage > 0:
-            return (f"ud.load into a model under ZeRO stage {self.zero_stage} would miss DeepSpeed's float32 master "
-                    "weights, which the next step copies back: load before ud.prepare (into the plain module), or "
-                    "use DeepSpeed's own engine.load_checkpoint(dir)")
+        """``ud.save``/``ud.load`` take the portable format under every stage (:mod:`.deepspeed_checkpoint`).
+        Per-rank shards (``save_sharded``/``load_sharded``, torch's DCP over the module) would miss DeepSpeed's
+        partitions: refused where they hold them (ZeRO-3's parameters on save, the master weights on load)."""
+        if action == "save_sharded" and self.zero_stage == 3 or action == "load_sharded" and self.zero_stage > 0:
+            return (f"ud.{action} under ZeRO stage {self.zero_stage} would miss DeepSpeed's partitions: use "
+                    f"ud.{action.split('_')[0]}(...) (the portable format, gathered), or zero_stage 0")
         return None
+
+    @property
+    def saves_collectively(self) -> bool:
+        """Under ZeRO the weights and optimizer state are gathered from every rank's partitions."""
+        return self.zero_stage > 0
+
+    def _zero_engine_of(self, model: torch.nn.Module) -> Any:
+        """The engine whose ZeRO partitions hold ``model``'s weights, or ``None`` (stage 0, or another module)."""
+        engine = self.engine
+        if engine is None or not self.zero_stage or self.unwrap(model) is not engine.module:
+            return None
+        return engine
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict:
+        """Under ZeRO the full state dict with the float32 master weights (a collective); else the module's."""
+        engine = self._zero_engine_of(model)
+        if engine is None:
+            return super().model_state_dict(model)
+        from .deepspeed_checkpoint import model_state
+
+        return model_state(engine)
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: dict, strict: bool) -> None:
+        """Under ZeRO into the module and DeepSpeed's float32 master weights (a collective); else the module's."""
+        engine = self._zero_engine_of(model)
+        if engine is None:
+            super().load_model_state_dict(model, state, strict)
+            return
+        from .deepspeed_checkpoint import load_model_state
+
+        load_model_state(engine, state, strict)
 
     def shutdown(self) -> None:
         """Leave the group through DeepSpeed, which then forgets the groups it derived from it (a later
@@ -254,11 +283,14 @@ class EngineOptimizer(OptimizerView):
     """The user's optimizer as DeepSpeed's engine steps it: ``step()`` is the engine's step (which also zeroes
     the gradients); ``param_groups`` and ``state`` are the user's optimizer's (:class:`OptimizerView`; under ZeRO
     its parameters are DeepSpeed's flat partitions), so a learning-rate scheduler drives what the engine steps.
-    ``add_param_group`` is refused: the engine partitioned the groups it was given and would never step a new one."""
+    ``add_param_group`` is refused: the engine partitioned the groups it was given and would never step a new one.
+    ``groups``: the parameters of the optimizer's groups as the user built them (the portable state's layout)."""
 
-    def __init__(self, engine: Any, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, engine: Any, optimizer: torch.optim.Optimizer,
+                 groups: Optional[List[List[torch.nn.Parameter]]] = None) -> None:
         super().__init__(optimizer)
         self.engine = engine
+        self.groups = groups if groups is not None else [list(group["params"]) for group in optimizer.param_groups]
 
     def add_param_group(self, param_group: dict) -> None:
         raise UnifiedDistError("optimizer.add_param_group under the deepspeed backend: DeepSpeed's engine was built "
@@ -284,19 +316,20 @@ class EngineOptimizer(OptimizerView):
             self.engine.zero_grad()
 
     def state_dict(self) -> dict:
-        """Under ZeRO stage 0 the user's optimizer's own state dict (portable); under ZeRO its state is DeepSpeed's
-        flat partitions: a one-line :class:`CheckpointError`."""
+        """torch's ``state_dict()`` of the user's optimizer over the parameters it was built with: under stage 0 its
+        own; under ZeRO gathered from DeepSpeed's partitions (a collective: every rank calls it)."""
         if not self.engine.zero_optimization():
             return self.optimizer.state_dict()
-        raise CheckpointError(
-            f"the optimizer's state under ZeRO stage {self.engine.zero_optimization_stage()} is partitioned in "
-            "DeepSpeed's flat layout and has no portable form yet: save the model alone (ud.save({'model': model})), "
-            "or use DeepSpeed's engine.save_checkpoint(dir)")
+        from .deepspeed_checkpoint import optimizer_state
+
+        return optimizer_state(self.engine, self.optimizer, self.groups)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch's ``state_dict()`` layout (from any backend); under ZeRO into DeepSpeed's partitions (a
+        collective: every rank calls it with the same state)."""
         if not self.engine.zero_optimization():
             self.optimizer.load_state_dict(state_dict)
             return
-        raise CheckpointError(
-            f"loading an optimizer's state under ZeRO stage {self.engine.zero_optimization_stage()} is not written "
-            "yet: load the model alone, or use DeepSpeed's engine.load_checkpoint(dir)")
+        from .deepspeed_checkpoint import load_optimizer_state
+
+        load_optimizer_state(self.engine, self.optimizer, self.groups, state_dict)

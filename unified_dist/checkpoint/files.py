@@ -27,18 +27,21 @@ def _on_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def to_state(obj: Any, unwrap: Callable[[torch.nn.Module], torch.nn.Module],
-             tensor: Callable[[torch.Tensor], Any] = _on_cpu) -> Any:
-    """Plain, portable state: modules/optimizers/schedulers/loaders become their state dicts,
+             tensor: Callable[[torch.Tensor], Any] = _on_cpu,
+             module_state: Optional[Callable[[torch.nn.Module], dict]] = None) -> Any:
+    """Plain, portable state: modules/optimizers/schedulers/loaders become their state dicts (a module's
+    ``module_state(module)`` where given, the backend's: else its unwrapped ``state_dict()``),
     tensors become ``tensor(t)`` (a CPU copy by default), dicts become plain ``dict``/``OrderedDict``
     without DDP's ``module.``. Tensors are visited in the same order on every rank."""
 
     def leaf(value: Any) -> Any:
         if isinstance(value, torch.nn.Module):
-            return to_state(unwrap(value).state_dict(), unwrap, tensor)
+            state = module_state(value) if module_state is not None else unwrap(value).state_dict()
+            return to_state(state, unwrap, tensor, module_state)
         if isinstance(value, torch.Tensor):
             return tensor(value)
         if hasattr(value, "state_dict") and callable(value.state_dict):
-            return to_state(value.state_dict(), unwrap, tensor)
+            return to_state(value.state_dict(), unwrap, tensor, module_state)
         return value
 
     return nested.map_leaves(leaf, obj, _plain)

@@ -6,7 +6,9 @@ zero_stage=S, gradient_accumulation_steps=K)`` ... ``ud.shutdown()`` session, th
 backend (DDP). Each rank writes the final full weights of every case (read with DeepSpeed's own
 ``safe_get_full_fp32_param``, independent of the facade) to ``--out/rank{r}.json``; the test compares them with
 plain single-process torch computed in the test process. Data and model are literal functions of a seed, so the
-test rebuilds them exactly (:func:`data`, :func:`model`).
+test rebuilds them exactly (:func:`data`, :func:`model`). With ``--checkpoints`` the launch then runs the portable
+checkpoints' reshard chain (:func:`chain_leg`) and a plain DeepSpeed script's checkpoint
+(:func:`plain_deepspeed_checkpoint`).
 """
 from __future__ import annotations
 
@@ -93,10 +95,10 @@ OUT: Optional[Path] = None  # --out: where the checkpoint cases write
 def save_and_load(ud, model, optimizer, stage: int) -> dict:
     """What ud.save and ud.load do with the prepared model and optimizer under this stage: the file written
     (``None``) or the one-line error, per call."""
-    path = OUT / f"zero{stage}-model.pt"
+    path, optimizer_path = OUT / f"zero{stage}-model.pt", OUT / f"zero{stage}-optimizer.pt"
     outcome = {}
     for name, call in (("save_model", lambda: ud.save({"model": model}, str(path))),
-                       ("save_optimizer", lambda: ud.save({"optimizer": optimizer}, str(OUT / "optimizer.pt"))),
+                       ("save_optimizer", lambda: ud.save({"optimizer": optimizer}, str(optimizer_path))),
                        ("load_model", lambda: ud.load(str(OUT / "zero0-model.pt"), {"model": model}))):
         try:
             call()
@@ -105,7 +107,117 @@ def save_and_load(ud, model, optimizer, stage: int) -> dict:
             outcome[name] = {"type": type(exc).__name__, "message": str(exc)}
         ud.barrier()
     outcome["file"] = str(path)
+    outcome["optimizer_file"] = str(optimizer_path)
     return outcome
+
+
+CHAIN = {  # the reshard chain's legs in these processes, in order; the test runs the last leg, 1 process
+    "ddp": dict(backend="torch"),
+    "zero1": dict(backend="deepspeed", zero_stage=1),
+    "zero2": dict(backend="deepspeed", zero_stage=2),
+    "zero3": dict(backend="deepspeed", zero_stage=3),
+    "fsdp2": dict(backend="torch", sharding="fsdp"),
+}
+CHAIN_STEPS = 2  # AdamW steps per leg, each on the next global batch of 2 x BATCH rows (chain_rows)
+
+
+def chain_rows(step: int) -> list:
+    """The rows of global batch ``step`` in the chain: the data's batches in order, again from the start after
+    the last one."""
+    return [(step * 2 * BATCH + j) % ROWS for j in range(2 * BATCH)]
+
+
+def witness(ud, prepared, opt) -> dict:
+    """The full float32 weights and AdamW state by parameter name, read with each engine's own API and not through
+    the facade's checkpoints: DeepSpeed's ``safe_get_full_fp32_param``/``safe_get_full_optimizer_state`` under ZeRO
+    (its step from the optimizer's own state), ``DTensor.full_tensor`` under FSDP2, the tensors themselves under
+    DDP. A collective; values as lists."""
+    inner = ud.unwrap(prepared)
+    user = opt
+    while not type(user).__module__.startswith("torch.optim"):
+        user = user.optimizer
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    weights, moments = {}, {}
+    step = float(next(iter(user.state.values()))["step"])  # one count for every parameter (and partition)
+    if ud.backend_name() == "deepspeed" and prepared.zero_optimization_stage():
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        for n, p in inner.named_parameters():
+            weights[n] = safe_get_full_fp32_param(p)
+            moments[n] = {k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}
+    else:
+        for n, p in inner.named_parameters():
+            weights[n] = full(p.detach())
+            moments[n] = {k: full(user.state[p][k]) for k in ("exp_avg", "exp_avg_sq")}
+    as_list = lambda t: t.detach().cpu().double().flatten().tolist()  # noqa: E731
+    return {"step": step, "weights": {n: as_list(w) for n, w in weights.items()},
+            "moments": {n: {k: as_list(v) for k, v in m.items()} for n, m in moments.items()}}
+
+
+def chain_leg(ud, index: int, name: str) -> dict:
+    """One leg of the chain: a fresh model and AdamW prepared under ``CHAIN[name]``, the previous leg's
+    ``ud.save`` file loaded into them (model, optimizer, step), CHAIN_STEPS steps, ``ud.save`` again; the witness
+    just after the load and at the end."""
+    ud.init(**CHAIN[name])
+    net = model()
+    prepared, opt = ud.prepare(net, optimizer("adamw", net.parameters()))
+    out: dict = {"backend": ud.backend_name(), "world_size": ud.world_size(),
+                 "stage": prepared.zero_optimization_stage() if ud.backend_name() == "deepspeed" else None}
+    start = 0
+    if index:
+        extra = ud.load(str(OUT / f"chain{index - 1}.pt"), {"model": prepared, "optimizer": opt})
+        start = extra["step"]
+        out["loaded"] = witness(ud, prepared, opt)
+        out["steps_taken_loaded"] = opt.steps_taken
+    x, y = data()
+    mine = slice(ud.rank() * BATCH, (ud.rank() + 1) * BATCH)
+    for step in range(start, start + CHAIN_STEPS):
+        rows = chain_rows(step)[mine]
+        ud.backward(torch.nn.functional.mse_loss(prepared(x[rows]), y[rows]))
+        opt.step()
+        opt.zero_grad()
+    ud.save({"model": prepared, "optimizer": opt, "step": start + CHAIN_STEPS}, str(OUT / f"chain{index}.pt"))
+    out["saved"] = witness(ud, prepared, opt)
+    out["file"] = str(OUT / f"chain{index}.pt")
+    ud.barrier()  # the file is whole before the next leg reads it
+    ud.shutdown()
+    return out
+
+
+def plain_deepspeed_checkpoint(ud) -> dict:
+    """What a plain DeepSpeed script does, on the process group of a torch-backend session (none of the facade's
+    objects): ``deepspeed.initialize`` under ZeRO-3 with AdamW, CHAIN_STEPS steps, ``engine.save_checkpoint(dir)``.
+    Returns the directory and the weights it ended with (DeepSpeed's ``safe_get_full_fp32_param``)."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    ud.init(backend="torch")
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False, verbose=False)
+    net = model()
+    config = {"train_micro_batch_size_per_gpu": BATCH, "zero_optimization": {"stage": 3},
+              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0, "steps_per_print": 2**62}
+    engine, _, _, _ = deepspeed.initialize(model=net, optimizer=optimizer("adamw", net.parameters()), config=config,
+                                           dist_init_required=False)
+    x, y = data()
+    mine = slice(ud.rank() * BATCH, (ud.rank() + 1) * BATCH)
+    for step in range(CHAIN_STEPS):
+        rows = chain_rows(step)[mine]
+        engine.backward(torch.nn.functional.mse_loss(engine(x[rows]), y[rows]))
+        engine.step()
+    directory = OUT / "deepspeed_checkpoint"
+    engine.save_checkpoint(str(directory))
+    weights = {n: safe_get_full_fp32_param(p).double().flatten().tolist() for n, p in engine.module.named_parameters()}
+    torch.distributed.barrier()
+    engine.destroy()
+    ud.shutdown()
+    return {"directory": str(directory), "weights": weights}
+
+
+def checkpoints(ud, results: dict) -> None:
+    """The reshard chain's legs, then the plain DeepSpeed script's checkpoint."""
+    for index, name in enumerate(CHAIN):
+        results[f"chain-{name}"] = chain_leg(ud, index, name)
+    results["plain-deepspeed"] = plain_deepspeed_checkpoint(ud)
 
 
 def main() -> None:
@@ -114,6 +226,8 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=None)  # DeepSpeed's launcher passes it
     parser.add_argument("--detected", action="store_true",
                         help="one case (SGD, no accumulation), backend and stage as the launcher and environment say")
+    parser.add_argument("--checkpoints", action="store_true",
+                        help="then the reshard chain and a plain DeepSpeed script's checkpoint")
     args = parser.parse_args()
     import unified_dist as ud
 
@@ -140,6 +254,10 @@ def main() -> None:
         for opt_name in OPTIMIZERS:
             for k in ACCUMULATIONS:
                 results[case_name("torch", 0, opt_name, k)] = train(ud, "torch", None, opt_name, k)
+    if args.checkpoints:  # each leg names its engine in code: the launch's choice (UNIFIED_DIST_*) is dropped first
+        for variable in ("UNIFIED_DIST_BACKEND", "UNIFIED_DIST_ZERO_STAGE"):
+            os.environ.pop(variable, None)
+        checkpoints(ud, results)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(results))
     print("deepspeed worker done", flush=True)

@@ -161,3 +161,21 @@ def test_the_engines_optimizer_reads_through_and_refuses_a_new_group():
         wrapped.add_param_group({"params": [torch.nn.Parameter(torch.zeros(1))]})
     assert "before ud.prepare" in str(info.value) and "\n" not in str(info.value)
     assert len(inner.param_groups) == 1 and repr(wrapped).startswith("EngineOptimizer(SGD")
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_only_per_rank_shards_that_would_miss_deepspeeds_partitions_are_refused(stage):
+    """ud.save/ud.load take the portable format under every stage; save_sharded (torch's DCP over the module) is
+    refused under ZeRO-3 (each rank holds a slice of every parameter), load_sharded under ZeRO 1-3 (it would miss
+    the float32 master weights), each in one line naming ud.save/ud.load."""
+    from types import SimpleNamespace
+
+    from unified_dist.backends.deepspeed_backend import DeepSpeedBackend
+
+    backend = SimpleNamespace(zero_stage=stage)
+    problems = {action: DeepSpeedBackend.checkpoint_problem(backend, action)
+                for action in ("save", "load", "save_sharded", "load_sharded")}
+    refused = {action for action, problem in problems.items() if problem is not None}
+    assert refused == {0: set(), 1: {"load_sharded"}, 2: {"load_sharded"}, 3: {"save_sharded", "load_sharded"}}[stage]
+    for action in refused:
+        assert "\n" not in problems[action] and f"ud.{action.split('_')[0]}(" in problems[action]
