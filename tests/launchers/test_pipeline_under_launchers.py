@@ -22,7 +22,8 @@ CASES = {2: ("pp_gpipe_sgd", "pp_1f1b_sgd", "pp_gpipe_adamw", "pp_1f1b_adamw", "
 CHECKS = ("update_equals_one_process_on_the_global_batch", "loss_is_the_batch_mean_on_every_stage",
           "every_stage_gets_the_same_batches", "stage_holds_its_units_by_full_name",
           "stage_is_split_as_the_layout_says", "optimizer_steps_only_the_stage",
-          "model_call_is_refused", "indivisible_batch_is_refused", "save_is_refused")
+          "model_call_is_refused", "indivisible_batch_is_refused", "save_is_refused",
+          "non_finite_loss_stops_every_stage")
 
 
 class Launches:

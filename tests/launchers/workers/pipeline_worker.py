@@ -182,6 +182,12 @@ def run_case(name: str) -> dict:
         max_diff = max(diffs.values())
         checks["update_equals_one_process_on_the_global_batch"] = (
             "ok" if max_diff <= BOUND and moved > 1e-3 else f"FAIL: max diff {max_diff:.3g}, moved {moved:.3g}")
+        # last (it spoils the gradients): a NaN input reaches only the last stage's loss, yet every rank stops
+        try:
+            ud.pipeline_step(model, torch.full_like(x, float("nan")), y, loss_fn)
+            checks["non_finite_loss_stops_every_stage"] = "FAIL: a NaN loss went on"
+        except ud.NonFiniteLoss as exc:
+            checks["non_finite_loss_stops_every_stage"] = "ok" if "not finite" in str(exc) else f"FAIL: {exc}"
         return {"case": name, "rank": rank, "stage": stage, "checks": checks, "max_diff": max_diff,
                 "loss_diff": loss_diff}
     finally:
