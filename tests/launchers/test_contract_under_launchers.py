@@ -170,6 +170,19 @@ def test_every_checkpoint_loaded_by_every_other_backend(runs, shared_dir):
     assert os.path.exists(shared_dir / "ckpt_torch.pt")
 
 
+@pytest.mark.horovod
+def test_horovod_started_again_where_it_would_abort_is_refused_in_one_line(runs, shared_dir):
+    """The accum suite's horovodrun launch (a fusion threshold from UNIFIED_DIST_BUCKET_MB, the CPU cycle) then
+    calls ``ud.init()`` again on each rank: a LaunchError of one line, where Horovod 0.28.1's second hvd.init()
+    aborted the process (SIGSEGV), and the launch exits 0."""
+    result, ranks = runs.get("horovodrun", "accum")
+    result.check()
+    for r in (0, 1):
+        seen = json.loads((shared_dir / f"horovod_again_rank{r}.json").read_text())
+        assert seen["error"] == "LaunchError", seen
+        assert seen["message"].startswith("Horovod cannot start again in this process") and "\n" not in seen["message"]
+
+
 def _cycle_launch(cycle_ms: str, out: Path) -> Dict[int, dict]:
     """tests/launchers/workers/cycle_worker.py under horovodrun with ``HOROVOD_CYCLE_TIME`` set by the user."""
     out.mkdir()

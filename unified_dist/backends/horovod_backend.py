@@ -13,6 +13,7 @@ import torch
 from ..detection import Detection
 from ..errors import (
     BackendNotInstalled,
+    LaunchError,
     PeerLost,
     ShapeMismatch,
     UnifiedDistError,
@@ -23,9 +24,26 @@ from ..errors import (
 from ..parallel import sync_batchnorm
 from . import horovod_rendezvous
 from .base import Backend, Config
-from .buckets import HOROVOD_VAR, horovod_env
+from .buckets import HOROVOD_CYCLE_VAR, HOROVOD_VAR, horovod_env
 
 _NEVER = 2**62
+_STARTS: List[dict] = []
+"""Each ``hvd.init()`` with peers this process's Horovod backends made: whether a cycle time and a fusion threshold
+were set (read by :func:`_refuse_a_start_that_aborts`)."""
+
+
+def _refuse_a_start_that_aborts(environ: Any) -> None:
+    """Horovod 0.28.1 aborts the process (SIGSEGV, or SIGABRT in gloo) in a second ``hvd.init()`` when an earlier
+    start had ``HOROVOD_CYCLE_TIME`` set and that start or this one a ``HOROVOD_FUSION_THRESHOLD``; with the cycle
+    alone, the threshold alone, or the threshold before the cycle, it starts again (horovodrun -np 2 --gloo, each
+    order run twice, 2026-11-29). The facade sets the cycle on CPU hosts, and ``bucket_mb`` the threshold:
+    refused in one line here rather than crashing."""
+    fusion_now = bool(environ.get(HOROVOD_VAR, "").strip())
+    if any(start["cycle"] and (start["fusion"] or fusion_now) for start in _STARTS):
+        raise LaunchError(
+            f"Horovod cannot start again in this process: after a Horovod with {HOROVOD_CYCLE_VAR} set, a second "
+            f"hvd.init() with {HOROVOD_VAR} (bucket_mb) set at either start aborts the process (Horovod 0.28.1); "
+            "run the next ud.init() in a new process, or leave bucket_mb unset")
 """A hook delay no run reaches: Horovod's hook counts it down and sends nothing (accumulating micro-steps)."""
 
 
@@ -124,7 +142,6 @@ class HorovodBackend(Backend):
         # what this backend sets for hvd.init() it takes back at shutdown (the process's next backend finds
         # the variables as the launch left them): the name -> the value before, None where unset
         self._set_before = {"HOROVOD_GLOO_TIMEOUT_SECONDS": os.environ.get("HOROVOD_GLOO_TIMEOUT_SECONDS")}
-        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
         self._owns_horovod = not self.hvd.is_initialized()  # a user's own hvd.init() stays running
         # read by hvd.init(); a Horovod the user started keeps the cycle it started with
         on_cpu = self.device_for(0).type == "cpu"
@@ -135,11 +152,19 @@ class HorovodBackend(Backend):
                 f"bucket_mb={config.bucket_mb:g} cannot reach the Horovod your code started with hvd.init(): "
                 f"it read its fusion buffer then; set {HOROVOD_VAR}={wanted[HOROVOD_VAR]} before hvd.init(), "
                 "or drop bucket_mb")
+        # with peers (the abort was seen with 2 processes), before any variable is set or anyone is joined
+        with_peers = self._owns_horovod and detection.world_size > 1
+        if with_peers:
+            _refuse_a_start_that_aborts({**os.environ, **wanted})
+        os.environ.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(seconds))
         self._set_before.update({name: os.environ.get(name) for name in wanted if name not in self._set_before})
         os.environ.update(wanted)
         self._exported: dict = {}
         if detection.master_addr is not None:  # another launcher's processes: Horovod meets them by itself
             self._exported = horovod_rendezvous.join(detection, config.timeout)
+        if with_peers:
+            _STARTS.append({"cycle": bool(os.environ.get(HOROVOD_CYCLE_VAR, "").strip()),
+                            "fusion": bool(os.environ.get(HOROVOD_VAR, "").strip())})
         self.hvd.init()
         self._distributed: List[Any] = []  # the DistributedOptimizers made, in order (their names differ)
         self._syncing = True  # whether the current micro-step's backward averages (set_sync_gradients)

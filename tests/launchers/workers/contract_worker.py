@@ -1534,6 +1534,23 @@ def main():
         run_suite(args.suite, args.out, adopt=args.adopt, every_backend=args.every_backend)
         for following in args.then:
             run_suite(following, args.out)
+        if os.environ.get("HOROVOD_RANK") and args.suite == "accum" and not args.then:
+            _start_horovod_again(args.out)
+
+
+def _start_horovod_again(out):
+    """After the accum suite under horovodrun (a fusion threshold set, and the cycle on CPU): ``ud.init()`` again
+    must be refused in one line (Horovod 0.28.1 aborted the process there), the process going on to exit 0."""
+    rank = int(os.environ["HOROVOD_RANK"])
+    try:
+        ud.init()
+    except Exception as exc:  # noqa: BLE001 (the test asserts the type and the message)
+        seen = {"error": type(exc).__name__, "message": str(exc)}
+    else:
+        seen = {"error": None, "world_size": ud.world_size()}
+        ud.shutdown()
+    with open(os.path.join(out, f"horovod_again_rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
 
 
 # ----------------------------------------------------------------- issue #46 item 5: a chosen backend joins or refuses

@@ -231,3 +231,38 @@ def test_the_variables_set_for_hvd_init_are_put_back_at_shutdown(monkeypatch):
     backend.shutdown()
     assert {name: os.environ.get(name) for name in names} == {
         "HOROVOD_CYCLE_TIME": None, "HOROVOD_FUSION_THRESHOLD": None, "HOROVOD_GLOO_TIMEOUT_SECONDS": "77"}
+
+
+def test_a_second_horovod_start_that_would_abort_is_refused_in_one_line(monkeypatch):
+    """Horovod 0.28.1 aborted the process (SIGSEGV or SIGABRT, horovodrun -np 2 --gloo, 2026-11-29) in a second
+    hvd.init() after one with HOROVOD_CYCLE_TIME set, when that start or the new one had HOROVOD_FUSION_THRESHOLD
+    (orders seen: cycle+threshold then nothing, cycle then threshold, cycle then both: abort; cycle then cycle,
+    threshold then cycle, nothing then both: fine). The facade sets the cycle on CPU and bucket_mb the threshold,
+    so ud.shutdown() then ud.init() again is refused there as a LaunchError before anything is set or joined."""
+    import types
+
+    import torch
+
+    from unified_dist.backends import horovod_backend
+    from unified_dist.backends.base import Config
+    from unified_dist.detection import Detection
+    from unified_dist.errors import LaunchError
+    inits = []
+    fake = types.SimpleNamespace(Compression=types.SimpleNamespace(none=None, fp16=None),
+                                 is_initialized=lambda: False, local_rank=lambda: 0, shutdown=lambda: None,
+                                 init=lambda: inits.append(1))
+    monkeypatch.setattr(horovod_backend, "_import_horovod", lambda: fake)
+    monkeypatch.setattr(horovod_backend, "_STARTS", [])  # this process's earlier starts: none
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("HOROVOD_CYCLE_TIME", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_GLOO_TIMEOUT_SECONDS"):
+        monkeypatch.delenv(name, raising=False)
+    two = Detection(backend="horovod", launcher="horovodrun", reason="test", world_size=2)
+    horovod_backend.HorovodBackend(two, Config()).shutdown()  # on CPU: the cycle, no threshold
+    horovod_backend.HorovodBackend(two, Config()).shutdown()  # cycle then cycle: starts again
+    with pytest.raises(LaunchError, match=r"^Horovod cannot start again in this process: .*bucket_mb unset$"):
+        horovod_backend.HorovodBackend(two, Config(bucket_mb=4.0))  # cycle then threshold: would abort
+    assert len(inits) == 2
+    assert "HOROVOD_FUSION_THRESHOLD" not in os.environ and "HOROVOD_GLOO_TIMEOUT_SECONDS" not in os.environ
+    one = Detection(backend="horovod", launcher="python", reason="test")  # no peers: not seen to abort
+    horovod_backend.HorovodBackend(one, Config(bucket_mb=4.0)).shutdown()
+    assert len(inits) == 3
