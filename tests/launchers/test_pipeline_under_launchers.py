@@ -22,28 +22,32 @@ CASES = {2: ("pp_gpipe_sgd", "pp_1f1b_sgd", "pp_gpipe_adamw", "pp_1f1b_adamw", "
 CHECKS = ("update_equals_one_process_on_the_global_batch", "loss_is_the_batch_mean_on_every_stage",
           "every_stage_gets_the_same_batches", "stage_holds_its_units_by_full_name",
           "stage_is_split_as_the_layout_says", "optimizer_steps_only_the_stage",
-          "model_call_is_refused", "indivisible_batch_is_refused", "save_is_refused",
+          "model_call_is_refused", "indivisible_batch_is_refused", "save_gathers_every_stage_by_name",
+          "load_gives_each_stage_its_part",
           "non_finite_loss_stops_every_stage")
 
 
 class Launches:
     """One torchrun launch per world size, by the first test that needs it."""
 
-    def __init__(self) -> None:
+    def __init__(self, root) -> None:
+        self.root = root
         self._done: Dict[int, Tuple[Result, List[dict]]] = {}
 
     def get(self, world: int) -> Tuple[Result, List[dict]]:
         if world not in self._done:
-            result = launch("torchrun", WORKER, ["--cases", ",".join(CASES[world])], nproc=world, timeout=TIMEOUT,
-                            env={"OMP_NUM_THREADS": "1"})
+            out = self.root / f"world{world}"
+            out.mkdir()
+            result = launch("torchrun", WORKER, ["--cases", ",".join(CASES[world]), "--out", str(out)], nproc=world,
+                            timeout=TIMEOUT, env={"OMP_NUM_THREADS": "1"})
             records = [json.loads(line) for line in result.output.splitlines() if line.startswith('{"case"')]
             self._done[world] = (result, records)
         return self._done[world]
 
 
 @pytest.fixture(scope="module")
-def launches() -> Launches:
-    return Launches()
+def launches(tmp_path_factory) -> Launches:
+    return Launches(tmp_path_factory.mktemp("pipeline"))
 
 
 def _records(launches: Launches, world: int, case: str) -> List[dict]:

@@ -54,6 +54,7 @@ class FsdpModels:
         keep only this rank's pipeline stage of it, in place, and return it inside a
         :class:`~unified_dist.parallel.pipeline.PipelinedModel`; remember which parameter became which."""
         sharding, stage = self.sharding, self.layout.pp_rank(rank)
+        whole_keys = list(model.state_dict()) if sharding.pp > 1 else []
         if sharding.pp > 1:
             plan = pipeline.stage_units(model, sharding.pp, sharding.pp_split)
             for param in pipeline.keep_stage(model, stage, plan):
@@ -67,7 +68,7 @@ class FsdpModels:
             self._new_of[id(old)] = (weakref.ref(old), new)
         if sharding.pp > 1:
             return pipeline.PipelinedModel(model, stage, sharding.pp, sharding.pp_schedule, sharding.microbatches,
-                                           device or torch.device("cpu"), mesh[PP_DIM].get_group())
+                                           device or torch.device("cpu"), mesh[PP_DIM].get_group(), whole_keys)
         return model
 
     def regions(self, model: torch.nn.Module) -> Optional[List[torch.nn.Module]]:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..detection import Detection
 from ..errors import UnifiedDistError
+from ..parallel.pipeline import PipelinedModel
 from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Config
 from .buckets import ddp_kwargs
 from .process_group import local_rank_from_hosts, withdraw_rendezvous
@@ -52,14 +53,26 @@ class TorchBackend(TorchGroupBackend):
         return dist.get_world_size()
 
     def checkpoint_problem(self, action: str) -> Optional[str]:
-        """Under pipeline parallelism each rank holds one stage, and the portable format (one file of the whole
-        model, written by the main process) would hold the first stage only: refused until it gathers them."""
+        """Under pipeline parallelism the per-rank formats (``save_sharded``/``load_sharded``) are refused: each
+        rank holds one stage, which torch's distributed checkpoint has not been shown to place."""
         pp = self.config.sharding.pp
-        if pp == 1:
+        if pp == 1 or action not in ("save_sharded", "load_sharded"):
             return None
-        return (f"ud.{action} of a model under pp={pp} is not supported yet (each rank holds one pipeline stage, and "
-                "the main process would write the first stage only); save each stage's "
-                "ud.unwrap(model).state_dict() (keyed by the whole model's names) from its own ranks")
+        return (f"ud.{action} of a model under pp={pp} is not supported yet (each rank holds one pipeline stage); "
+                "use ud.save and ud.load, which gather the stages into one file keyed by the model's names")
+
+    def model_state_dict(self, model: torch.nn.Module) -> dict:
+        """A pipelined model's whole state (every stage's, gathered to the main process's pipeline group)."""
+        if isinstance(model, PipelinedModel):
+            return model.whole_state_dict(gather=self.layout.data_parallel_rank(self.rank) == 0 and self.tp_rank == 0)
+        return super().model_state_dict(model)
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: dict, strict: bool) -> None:
+        """A pipelined model takes its stage's part of the whole model's ``state``."""
+        if isinstance(model, PipelinedModel):
+            model.load_whole_state_dict(state, strict=strict)
+            return
+        super().load_model_state_dict(model, state, strict)
 
     # ----------------------------------------------------------------- replica groups
     @property

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..errors import PipelineError
+from .sharding import full_tensor
 
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 """The schedules unified_dist runs, by the name ``pp_schedule`` takes, to their torch class."""
@@ -184,9 +185,10 @@ class PipelinedModel(torch.nn.Module):
     by the whole model's fully-qualified names (no ``module.`` prefix)."""
 
     def __init__(self, module: torch.nn.Module, stage: int, stages: int, schedule: str, microbatches: int,
-                 device: torch.device, pp_group: Any) -> None:
+                 device: torch.device, pp_group: Any, whole_keys: Sequence[str] = ()) -> None:
         super().__init__()
         self.module = module
+        self.whole_keys = frozenset(whole_keys)  # every stage's state-dict keys: the whole model's
         self.stage, self.stages, self.schedule_name, self.microbatches = stage, stages, schedule, microbatches
         self._device, self._group = device, pp_group
         self._schedule: Any = None
@@ -202,6 +204,30 @@ class PipelinedModel(torch.nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def whole_state_dict(self, gather: bool) -> dict:
+        """The whole model's state dict, keyed by its fully-qualified names, as full CPU tensors: this stage's
+        (a collective inside the stage, whose ranks must all call it), and with ``gather`` (on the ranks whose
+        pipeline group holds the main process) the other stages' too, sent to this group's first stage; the
+        ranks of the other stages, and those not gathering, get their own stage's."""
+        import torch.distributed as dist
+
+        own = {key: full_tensor(value.detach()).cpu() for key, value in self.module.state_dict().items()}
+        if not gather:
+            return own
+        parts: Optional[List[dict]] = [{} for _ in range(self.stages)] if self.stage == 0 else None
+        dist.gather_object(own, parts, group=self._group, group_dst=0)
+        if parts is None:
+            return own
+        return {key: value for part in parts for key, value in part.items()}  # stage order: the model's order
+
+    def load_whole_state_dict(self, state: dict, strict: bool = True) -> Any:
+        """Load this stage's part of the whole model's ``state`` (every rank passes the same): the keys other
+        stages own are skipped; with ``strict``, one this stage owns that ``state`` lacks, or one no stage owns,
+        is an error (``load_state_dict``'s)."""
+        own = set(self.module.state_dict())
+        return self.module.load_state_dict({key: value for key, value in state.items()
+                                            if key in own or key not in self.whole_keys}, strict=strict)
 
     @property
     def is_last(self) -> bool:

@@ -207,3 +207,20 @@ def test_a_pipeline_with_replica_groups_is_refused_at_init(monkeypatch):
         assert "\n" not in str(caught.value)
     finally:
         ud.shutdown()
+
+
+def test_the_per_rank_checkpoint_formats_are_refused_under_pp():
+    """ud.save_sharded/load_sharded of a pipelined model: one line naming ud.save/ud.load; ud.save and ud.load
+    themselves go on (they gather the stages: tests/launchers/test_pipeline_under_launchers.py)."""
+    from types import SimpleNamespace
+
+    from unified_dist.backends.base import Config
+    from unified_dist.backends.torch_ddp import TorchBackend
+    from unified_dist.parallel.sharding import Sharding
+
+    backend = SimpleNamespace(config=Config(sharding=Sharding(pp=2)))
+    for action in ("save_sharded", "load_sharded"):
+        problem = TorchBackend.checkpoint_problem(backend, action)
+        assert "not supported yet" in problem and "use ud.save and ud.load" in problem and "\n" not in problem
+    assert TorchBackend.checkpoint_problem(backend, "save") is None
+    assert TorchBackend.checkpoint_problem(backend, "load") is None
