@@ -15,6 +15,10 @@ from .buckets import ddp_kwargs
 from .process_group import note_group_joined_elsewhere, withdraw_rendezvous
 from .torch_group import TorchGroupBackend
 
+ACCELERATE_WRITES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+"""The variables Accelerate's ``PartialState`` sets on a CPU; the backend gives them back at shutdown as it found
+them (the process's next backend must find the launch's own)."""
+
 
 def _running_precision(config: Config) -> Config:
     """``config`` with the mixed precision of an ``Accelerator`` the user already created, if any.
@@ -97,6 +101,9 @@ class AccelerateBackend(TorchGroupBackend):
 
         # What this process had already started stays running at shutdown (see unified_dist.detection.live).
         self._owns_state = not PartialState._shared_state
+        # Accelerate's PartialState writes these on a CPU (MULTI_CPU), LOCAL_WORLD_SIZE as 1 where only the
+        # launcher's own names (HOROVOD_LOCAL_SIZE, ...) say the host's count: put back at shutdown as found
+        self._environ_before = {name: os.environ.get(name) for name in ACCELERATE_WRITES} if self._owns_state else {}
         # srun/mpirun: Accelerate reads torch's env:// variables. A torchrun restart needs a per-attempt
         # store; Accelerate then reuses the joined group.
         joined = self._join_group(detection, always=False, export=detection.master_addr is not None)
@@ -151,6 +158,11 @@ class AccelerateBackend(TorchGroupBackend):
         if self._owns_group:
             self.accelerator.end_training()  # destroys the process group
         withdraw_rendezvous(self._exported)
+        for name, value in self._environ_before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if self._owns_state:
             AcceleratorState._reset_state(reset_partial_state=True)
             GradientState._reset_state()

@@ -1582,6 +1582,7 @@ def _try_the_other_backends(own):
     for backend in BACKEND_CHOICES:
         if backend == own:
             continue
+        before = dict(os.environ)
         # one plain process binds torch's store on MASTER_PORT (29500 by default): another test's may hold it
         port = {"MASTER_PORT": str(free_port())} if own == "single" and "MASTER_PORT" not in os.environ else {}
         os.environ.update(port)
@@ -1592,6 +1593,10 @@ def _try_the_other_backends(own):
         else:
             MEASURED["backends"][backend] = _backend_cell()
             ud.shutdown()
+            # what the backend changed in the environment and left after shutdown: nothing
+            MEASURED["backends"][backend]["left"] = {
+                name: os.environ.get(name) for name in set(before) | set(os.environ)
+                if os.environ.get(name) != before.get(name) and name not in port}
         for key in port:
             del os.environ[key]
 
