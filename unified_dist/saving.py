@@ -161,10 +161,15 @@ def _full_on_main(rank: int) -> Any:
 
 def _refuse_models(backend: Any, obj: Any, action: str) -> None:
     """A one-line :class:`CheckpointError` when ``obj`` (a model, or a dict holding one) has weights the backend
-    cannot ``action`` in the portable format now (:meth:`~unified_dist.backends.base.Backend.checkpoint_problem`)."""
+    cannot ``action`` in the portable format now (:meth:`~unified_dist.backends.base.Backend.checkpoint_problem`),
+    or holds an optimizer whose state it cannot (``optimizer_checkpoint_problem``), before anything is written."""
     values = obj.values() if isinstance(obj, dict) else [obj]
     if any(isinstance(value, torch.nn.Module) for value in values):
         problem = backend.checkpoint_problem("save" if action == "get_state_dict" else action)
+        if problem:
+            raise CheckpointError(problem)
+    if action in ("save", "load") and any(isinstance(leaf, torch.optim.Optimizer) for _, leaf in nested.leaves(obj)):
+        problem = backend.optimizer_checkpoint_problem(action)
         if problem:
             raise CheckpointError(problem)
 

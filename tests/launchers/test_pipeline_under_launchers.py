@@ -23,7 +23,7 @@ CHECKS = ("update_equals_one_process_on_the_global_batch", "loss_is_the_batch_me
           "every_stage_gets_the_same_batches", "stage_holds_its_units_by_full_name",
           "stage_is_split_as_the_layout_says", "optimizer_steps_only_the_stage",
           "model_call_is_refused", "indivisible_batch_is_refused", "save_gathers_every_stage_by_name",
-          "load_gives_each_stage_its_part",
+          "load_gives_each_stage_its_part", "optimizer_state_save_and_load_are_refused",
           "non_finite_loss_stops_every_stage")
 
 

@@ -235,6 +235,11 @@ class Backend(ABC):
         line (``None``: it can)."""
         return None
 
+    def optimizer_checkpoint_problem(self, action: str) -> Optional[str]:
+        """Why an optimizer's state cannot be ``action``-ed (``"save"``/``"load"``) in the portable format right now,
+        in one line (``None``: it can)."""
+        return None
+
     @property
     def saves_collectively(self) -> bool:
         """Whether the portable state of a prepared model or optimizer is gathered from every rank, so that

@@ -61,6 +61,16 @@ class TorchBackend(TorchGroupBackend):
         return (f"ud.{action} of a model under pp={pp} is not supported yet (each rank holds one pipeline stage); "
                 "use ud.save and ud.load, which gather the stages into one file keyed by the model's names")
 
+    def optimizer_checkpoint_problem(self, action: str) -> Optional[str]:
+        """Under pipeline parallelism an optimizer holds its stage's state only, indexed by position within the
+        stage: written by the main process alone it would lose the other stages' and load into the wrong ones."""
+        pp = self.config.sharding.pp
+        if pp == 1:
+            return None
+        return (f"ud.{action} of an optimizer under pp={pp} is not supported yet (each stage's optimizer holds only "
+                "its own stage's state): ud.save the model alone, and torch.save(optimizer.state_dict()) on each "
+                "rank of the first data-parallel replica to keep the optimizer's")
+
     def model_state_dict(self, model: torch.nn.Module) -> dict:
         """A pipelined model's whole state (every stage's, gathered to the main process's pipeline group)."""
         if isinstance(model, PipelinedModel):

@@ -195,6 +195,21 @@ def run_case(name: str) -> dict:
         back = max(float((_full(v).detach() - saved[k]).abs().max())  # bitwise what the file holds
                    for k, v in ud.unwrap(model).state_dict().items())
         checks["load_gives_each_stage_its_part"] = "ok" if back == 0.0 else f"FAIL: {back:.3g}"
+        # an optimizer's state is each stage's own: saving or loading it is refused on every rank, nothing written
+        opt_path = os.path.join(OUT, f"{name}_optimizer.pt")
+        with_optimizer = os.path.join(OUT, f"{name}_with_optimizer_rank{rank}.pt")  # as a 1-process run writes one
+        torch.save({"model": saved, "optimizer": optimizer.state_dict()}, with_optimizer)
+        refused = []
+        for attempt in (lambda: ud.save({"model": model, "optimizer": optimizer}, opt_path),
+                        lambda: ud.load(with_optimizer, {"model": model, "optimizer": optimizer})):
+            try:
+                attempt()
+                refused.append("ran")
+            except ud.CheckpointError as exc:
+                refused.append("refused" if "of an optimizer under pp=" in str(exc) and "\n" not in str(exc)
+                               else str(exc))
+        checks["optimizer_state_save_and_load_are_refused"] = (
+            "ok" if refused == ["refused", "refused"] and not os.path.exists(opt_path) else f"FAIL: {refused}")
         # last (it spoils the gradients): a NaN input reaches only the last stage's loss, yet every rank stops
         try:
             ud.pipeline_step(model, torch.full_like(x, float("nan")), y, loss_fn)
