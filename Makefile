@@ -34,6 +34,8 @@ $(STAMP): requirements-ci.txt requirements-offline-data.txt setup.cfg tools/buil
 	$(PY) -m pip install --quiet --no-deps -r requirements-offline-data.txt
 	if [ "$${UNIFIED_DIST_WITHOUT_HOROVOD:-0}" = 1 ]; then echo 'skipping Horovod (UNIFIED_DIST_WITHOUT_HOROVOD=1)'; else tools/build_horovod.sh $(PY); fi
 	$(PY) -m pip install --quiet --no-deps -e .
+	# DeepSpeed's CPU collectives op, built once here into $(VENV)/torch_extensions, where the tests load it
+	$(PY) -c "from unified_dist.testing.launchers import prebuild_deepspeed_ops; prebuild_deepspeed_ops()"
 	$(PY) -c "import torch, accelerate, transformers, datasets, trl, peft, torchft, deepspeed, unified_dist; print('setup ok: torch', torch.__version__)"
 	touch $(STAMP)
 

@@ -7,7 +7,10 @@ import tempfile
 
 import pytest
 
-from unified_dist.testing.launchers import ROOT, LaunchWatch, unavailable
+from unified_dist.testing.launchers import ROOT, TORCH_EXTENSIONS_DIR, LaunchWatch, unavailable
+
+# DeepSpeed's JIT ops for this environment, built by make setup (in this process too: its in-process engines)
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
 
 pytest_plugins = ("pytester",)  # tests/unit/test_markers.py runs the guard below on a test file of its own
 

@@ -25,6 +25,23 @@ from unified_dist.registry import SPECS
 ROOT = Path(__file__).resolve().parents[2]
 """The checkout this package lies in (its tests/, tools/, examples/ and bench/ are what the tests run)."""
 BIN = Path(sys.executable).parent
+TORCH_EXTENSIONS_DIR = str(Path(sys.prefix) / "torch_extensions")
+"""Where DeepSpeed's JIT-built ops (its CPU shared-memory collectives, built at its first ``init_distributed``) lie
+for this environment's tests: ``make setup`` builds them there (:func:`prebuild_deepspeed_ops`). Torch's default,
+``~/.cache/torch_extensions``, is shared by every checkout of the machine: a launch killed mid-build left its lock
+there, and every later DeepSpeed launch waited on it until its timeout; a build made with another ``ninja`` first
+on ``PATH`` was rebuilt (2-4 min on 2 cores) inside a test's launch."""
+
+
+def prebuild_deepspeed_ops() -> None:
+    """Build DeepSpeed's shared-memory collectives op into :data:`TORCH_EXTENSIONS_DIR` as the tests' launches load
+    it (this environment's ``bin`` first on ``PATH``), so no test pays for the build (``make setup`` runs this)."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
+    os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"
+    from deepspeed.comm.torch import build_shm_op
+
+    if build_shm_op() is None:
+        print("DeepSpeed has no shared-memory op to build here (nothing done)")
 
 
 def bench_module(path: str):
@@ -83,6 +100,7 @@ def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2
 def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(LAUNCHER_VARIABLE_PREFIXES) and k not in TORCH_VARIABLES}
+    env.setdefault("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
                PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
