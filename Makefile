@@ -57,10 +57,10 @@ docs: setup
 demo: setup
 	$(PY) examples/bert_sentiment/train.py
 
-# The mutation check (bench/mutants.py): each mutant in bench/mutants.toml breaks one documented
+# The mutation check (tools/mutants/mutants.py): each mutant in tools/mutants/mutants.toml breaks one documented
 # promise on a copy of the code; its guarding tests must fail. Not in `make test` (it reruns launches).
 mutants: setup
-	$(PY) bench/mutants.py
+	$(PY) tools/mutants/mutants.py
 
 # The version matrix (tools/versions/versions.py, issue #52): a scratch venv per Python x torch outside the repository
 # (~/.cache/unified_dist/versions/), the contract under every launcher and the unit tests in each, rows in

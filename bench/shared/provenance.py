@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def commit() -> str:
     """``git rev-parse --short HEAD``, with ``-dirty`` when tracked files outside the results folders
-    (bench/<topic>/results/, bench/results/) differ
+    (bench/<topic>/results/, tools/mutants/results/) differ
     from it (results an earlier part of the same run wrote do not change what is measured); ``$BENCH_COMMIT``
     instead where the sender of a copy set it (a copy's ``.git`` may be stale)."""
     def git(*args):
@@ -22,7 +22,7 @@ def commit() -> str:
     try:
         head = git("rev-parse", "--short", "HEAD") or "unknown"
         return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".",
-                                       ":(exclude)bench/results",
+                                       ":(exclude)tools/mutants/results",
                                        ":(exclude,glob)bench/*/results/**") else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

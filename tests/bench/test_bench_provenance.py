@@ -49,8 +49,8 @@ BEFORE_STEAL = {"compression_parity_smoke", "exit_stress_before_fix", "network_t
 def test_every_results_file_records_commit_command_load_and_steal():
     """Each results file has the commit, the command and the load around it (the benchmark pages,
     docs/benchmarks/*.md, show them), and the steal share unless it is one of the older files named here."""
-    found = [*ROOT.glob("bench/*/results/*.json"), *ROOT.glob("bench/results/*.json"), ROOT / "tools" / "versions" /
-             "versions.json"]  # each benchmark's folder, the mutation runs, the version matrix
+    found = [*ROOT.glob("bench/*/results/*.json"), *ROOT.glob("tools/mutants/results/*.json"),
+             ROOT / "tools" / "versions" / "versions.json"]  # each benchmark's folder, the mutation runs, the versions
     files = sorted(p for p in found if not p.stem.endswith(("_partial", "_short")))  # git ignores these
     assert len({p.parent for p in files}) > 10
     for path in files:

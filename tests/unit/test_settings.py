@@ -15,7 +15,7 @@ from unified_dist.testing.launchers import ROOT
 
 SCANNED = ("unified_dist", "examples", "tools", "bench", "Makefile")
 """Where the variables are read: the library, its examples, tools and benchmarks, the Makefile (not the
-results folders, bench/<topic>/results/ and bench/results/, nor the version matrix's rows: recorded output,
+results folders, bench/<topic>/results/ and tools/mutants/results/, nor the version matrix's rows: recorded output,
 which may quote a misspelled name a test ran)."""
 RECORDED = ("tools/versions/versions.json",)
 LITERAL = re.compile(r"UNIFIED_DIST_[A-Z_]+")

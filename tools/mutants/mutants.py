@@ -1,11 +1,11 @@
 """The mutation check: break each documented promise on a copy of the code and see a test fail.
 
-    python bench/mutants.py                  # every mutant in bench/mutants.toml
-    python bench/mutants.py --only NAME ...  # some of them
-    python bench/mutants.py --list           # names, promises, guarding tests
+    python tools/mutants/mutants.py                  # every mutant in tools/mutants/mutants.toml
+    python tools/mutants/mutants.py --only NAME ...  # some of them
+    python tools/mutants/mutants.py --list           # names, promises, guarding tests
     make mutants                             # the same as the first line, from a fresh clone
 
-Each mutant in bench/mutants.toml names a promise the docs make, one edit of the library that
+Each mutant in tools/mutants/mutants.toml names a promise the docs make, one edit of the library that
 breaks it (``old`` must occur exactly once in ``file``: an edit that no longer applies is reported
 ``stale``, never silently skipped), and the tests that guard it. For each mutant this script copies
 the repository's files (``git ls-files``, so only what a fresh clone has) into a temporary
@@ -19,7 +19,7 @@ counted as caught, since a broken import is not a test that guards the promise),
 ``stale``. Before the mutants, the union of their guarding tests runs once on an unmodified copy
 (``--no-baseline`` skips it): a test that fails without a mutant cannot catch one.
 
-Writes bench/results/mutants.json (``--out``): commit, command, load, and per mutant its outcome,
+Writes tools/mutants/results/mutants.json (``--out``): commit, command, load, and per mutant its outcome,
 seconds and the failing test's first lines. Exits 1 unless every mutant was caught.
 """
 from __future__ import annotations
@@ -40,14 +40,16 @@ from typing import Dict, List
 try:
     import tomllib
 except ModuleNotFoundError:  # Python < 3.11 (the package supports 3.9; this tool needs 3.11)
-    raise SystemExit("bench/mutants.py needs Python 3.11 or newer (tomllib); make setup's venv has it") from None
+    raise SystemExit("tools/mutants/mutants.py needs Python 3.11 or newer (tomllib); make setup's venv has it") \
+        from None
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "shared"))
 
 import provenance  # noqa: E402  (bench/shared/provenance.py)
 
-REGISTRY = ROOT / "bench" / "mutants.toml"
+REGISTRY = Path(__file__).resolve().parent / "mutants.toml"
+RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = {"name", "promise", "file", "old", "new", "tests"}
 
 
@@ -139,10 +141,10 @@ def main(argv=None) -> int:
     parser.add_argument("--list", action="store_true", help="list the mutants and exit")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run of the guarding tests unmodified")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds for one mutant's tests (default 1200)")
-    parser.add_argument("--out", help="results file (default bench/results/mutants.json; with --only, "
+    parser.add_argument("--out", help="results file (default tools/mutants/results/mutants.json; with --only, "
                                       "mutants_partial.json, which git ignores)")
     args = parser.parse_args(argv)
-    args.out = args.out or str(ROOT / "bench" / "results" / ("mutants_partial.json" if args.only else "mutants.json"))
+    args.out = args.out or str(RESULTS / ("mutants_partial.json" if args.only else "mutants.json"))
     mutants = load()
     if args.only:
         unknown = sorted(set(args.only) - {m["name"] for m in mutants})

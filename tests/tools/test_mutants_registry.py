@@ -1,7 +1,7 @@
 """The mutation check's list stays usable: every mutant still applies to the code as it is, names
-tests that exist, and the recorded run (bench/results/mutants.json) caught every listed mutant.
+tests that exist, and the recorded run (tools/mutants/results/mutants.json) caught every listed mutant.
 
-The mutants themselves run in `make mutants` (bench/mutants.py), not here: each reruns launches."""
+The mutants themselves run in `make mutants` (tools/mutants/mutants.py), not here: each reruns launches."""
 from __future__ import annotations
 
 import json
@@ -12,12 +12,12 @@ import pytest
 
 from unified_dist.testing.launchers import ROOT
 
-sys.path.insert(0, str(ROOT / "bench"))
-import mutants  # noqa: E402  (bench/mutants.py)
+sys.path.insert(0, str(ROOT / "tools" / "mutants"))
+import mutants  # noqa: E402  (tools/mutants/mutants.py)
 
 MUTANTS = mutants.load()
-RESULTS = ROOT / "bench" / "results" / "mutants.json"
-ADDED = sorted((ROOT / "bench" / "results").glob("mutants_added*.json"))
+RESULTS = ROOT / "tools" / "mutants" / "results" / "mutants.json"
+ADDED = sorted((ROOT / "tools" / "mutants" / "results").glob("mutants_added*.json"))
 
 
 def test_the_list_has_at_least_twelve_named_promises():
@@ -58,10 +58,11 @@ def test_every_guarding_test_exists():
 
 
 def test_the_recorded_run_caught_every_listed_mutant():
-    """bench/results/mutants.json is the last full `make mutants`. A mutant added since is recorded by a run of
-    the new ones alone (`python bench/mutants.py --only NAMES --out bench/results/mutants_added<_what>.json`,
-    its guarding tests' baseline included; one file per batch of mutants), until the next full run takes them
-    in. A mutant recorded in several files counts by the last of them in name order."""
+    """tools/mutants/results/mutants.json is the last full `make mutants`. A mutant added since is recorded by a
+    run of the new ones alone (`python tools/mutants/mutants.py --only NAMES --out
+    tools/mutants/results/mutants_added<_what>.json`, its guarding tests' baseline included; one file per batch of
+    mutants), until the next full run takes them in. A mutant recorded in several files counts by the last of them
+    in name order."""
     outcomes = {}
     for path in [RESULTS, *ADDED]:
         record = json.loads(path.read_text())
