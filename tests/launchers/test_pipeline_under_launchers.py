@@ -20,7 +20,8 @@ TIMEOUT = 240  # each launch took 25-50 s on 2 cores
 CASES = {2: ("pp_gpipe_sgd", "pp_1f1b_sgd", "pp_gpipe_adamw", "pp_1f1b_adamw", "pp_split_1f1b_sgd"),
          4: ("pp_fsdp_sgd", "pp_fsdp_adamw", "pp_tp_adamw")}
 CHECKS = ("update_equals_one_process_on_the_global_batch", "loss_is_the_batch_mean_on_every_stage",
-          "every_stage_gets_the_same_batches", "stage_holds_its_units_by_full_name",
+          "every_stage_gets_the_same_batches", "gather_for_metrics_gives_each_row_once",
+          "stage_holds_its_units_by_full_name",
           "stage_is_split_as_the_layout_says", "optimizer_steps_only_the_stage",
           "model_call_is_refused", "indivisible_batch_is_refused", "save_gathers_every_stage_by_name",
           "load_gives_each_stage_its_part", "optimizer_state_save_and_load_are_refused",

@@ -124,10 +124,11 @@ def run_case(name: str) -> dict:
             want_split = []
         checks["stage_is_split_as_the_layout_says"] = "ok" if split == want_split else f"FAIL: {split}"
         held = sum(len(g["params"]) for g in optimizer.param_groups)
-        rows_seen, losses = [], []
+        rows_seen, losses, gathered = [], [], []
         for step, (index, x, y) in enumerate(loader):
             if step == STEPS:
                 break
+            gathered.append(ud.gather_for_metrics(index).tolist())  # every stage calls it; the last one's rows count
             losses.append(float(ud.pipeline_step(model, x, y, loss_fn)))
             optimizer.step()
             optimizer.zero_grad()
@@ -152,8 +153,11 @@ def run_case(name: str) -> dict:
         ref_optimizer = _optimizer(kind, reference.parameters())
         _, all_x, all_y = data.tensors
         ref_losses = []
+        global_rows = [[i for d in range(dp) for i in everyone[d * tp][step]] for step in range(STEPS)]
+        checks["gather_for_metrics_gives_each_row_once"] = (
+            "ok" if gathered == global_rows else f"FAIL: {gathered} != {global_rows}")
         for step in range(STEPS):
-            rows = [i for d in range(dp) for i in everyone[d * tp][step]]
+            rows = global_rows[step]
             mine = everyone[rank % per_stage][step]
             with torch.no_grad():
                 ref_losses.append(float(loss_fn(reference(all_x[mine]), all_y[mine])))
