@@ -158,15 +158,20 @@ def test_only_the_torch_backend_runs_a_pipeline(name, runs):
     assert backend_class(name).supports_pipeline is runs
 
 
-def test_a_pipeline_without_the_torch_backend_is_refused_at_init(monkeypatch):
+def _init_with_pp_is_refused_in_one_line(monkeypatch, match):
+    """``ud.init(pp=2)`` in this plain process (no launcher's variables) raises a one-line PipelineError."""
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(variable, raising=False)
     try:
-        with pytest.raises(PipelineError, match="runs on the torch backend only") as caught:
+        with pytest.raises(PipelineError, match=match) as caught:
             ud.init(pp=2)
         assert "\n" not in str(caught.value)
     finally:
         ud.shutdown()
+
+
+def test_a_pipeline_without_the_torch_backend_is_refused_at_init(monkeypatch):
+    _init_with_pp_is_refused_in_one_line(monkeypatch, "runs on the torch backend only")
 
 
 def test_pipeline_step_of_a_model_not_cut_into_stages_is_refused():
@@ -196,17 +201,10 @@ def test_a_pipeline_with_replica_groups_is_refused_at_init(monkeypatch):
     starts, so no lighthouse is asked."""
     from unified_dist.backends import replica_groups
 
-    for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv(replica_groups.LIGHTHOUSE_VAR, "http://localhost:1")
     monkeypatch.setenv(replica_groups.GROUP_VAR, "0")
     monkeypatch.setenv(replica_groups.GROUPS_VAR, "2")
-    try:
-        with pytest.raises(PipelineError, match="runs the torch backend with replica groups") as caught:
-            ud.init(pp=2)
-        assert "\n" not in str(caught.value)
-    finally:
-        ud.shutdown()
+    _init_with_pp_is_refused_in_one_line(monkeypatch, "runs the torch backend with replica groups")
 
 
 def test_the_per_rank_checkpoint_formats_are_refused_under_pp():
