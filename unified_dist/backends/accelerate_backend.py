@@ -12,7 +12,7 @@ from ..detection import Detection
 from ..errors import BackendNotInstalled, UnifiedDistError
 from .base import Config, stop_ddp_buffer_sync
 from .buckets import ddp_kwargs
-from .process_group import note_group_joined_elsewhere, withdraw_rendezvous
+from .process_group import note_group_joined_elsewhere, put_back_environ, withdraw_rendezvous
 from .torch_group import TorchGroupBackend
 
 ACCELERATE_WRITES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT")
@@ -158,11 +158,7 @@ class AccelerateBackend(TorchGroupBackend):
         if self._owns_group:
             self.accelerator.end_training()  # destroys the process group
         withdraw_rendezvous(self._exported)
-        for name, value in self._environ_before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        put_back_environ(self._environ_before)
         if self._owns_state:
             AcceleratorState._reset_state(reset_partial_state=True)
             GradientState._reset_state()

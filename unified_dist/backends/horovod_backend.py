@@ -25,6 +25,7 @@ from ..parallel import sync_batchnorm
 from . import horovod_rendezvous
 from .base import Backend, Config
 from .buckets import HOROVOD_CYCLE_VAR, HOROVOD_VAR, horovod_env
+from .process_group import put_back_environ
 
 _NEVER = 2**62
 _STARTS: List[dict] = []
@@ -189,11 +190,7 @@ class HorovodBackend(Backend):
         if self._owns_horovod:
             self.hvd.shutdown()
         horovod_rendezvous.withdraw(self._exported)
-        for name, value in self._set_before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        put_back_environ(self._set_before)
 
     @property
     def elastic(self) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import TYPE_CHECKING, Dict, Mapping
+from typing import TYPE_CHECKING, Dict, Mapping, Optional
 
 if TYPE_CHECKING:
     from ..detection import Detection
@@ -80,6 +80,16 @@ def withdraw_rendezvous(exported: Mapping[str, str]) -> None:
     for key, value in exported.items():
         if os.environ.get(key) == value:
             del os.environ[key]
+
+
+def put_back_environ(before: Mapping[str, Optional[str]]) -> None:
+    """Give each variable of ``before`` the value it names again (``None``: unset it): what a backend, or the
+    library it drives, wrote for its start goes back at its shutdown."""
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def host_names() -> list:
