@@ -400,10 +400,7 @@ class Session:
                 "groups would gather one group's share of the data only: evaluate with gradients off (torch.no_grad()) "
                 "or the model in eval mode (model.eval()) when the pass begins; then each group evaluates the whole "
                 "split over its own ranks")
-        # each row once: a tensor-parallel group's rank 0 gives its group's (shared) rows, and under pipeline
-        # parallelism only the last stage's ranks do (every stage reads the same batches; the last holds the outputs)
-        layout = self.backend.layout
-        if self.backend.tp_rank or layout.pp_rank(self.backend.rank) != layout.pp - 1:
+        if not self.backend.gives_metric_rows:  # each row once (tensor-parallel peers, pipeline stages)
             x = collectives.map_each(x, lambda t: t.reshape(1)[:0] if t.dim() == 0 else t[:0], "gather_for_metrics")
         gathered = collectives.all_gather(self.backend, x, what="gather_for_metrics")
         if self.loaders.current is None:

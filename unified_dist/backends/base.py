@@ -176,6 +176,14 @@ class Backend(ABC):
         """This rank's index among its tensor-parallel peers (0 without tensor parallelism)."""
         return self.layout.tp_rank(self.rank)
 
+    @property
+    def gives_metric_rows(self) -> bool:
+        """Whether this rank's rows count in ``gather_for_metrics``, so that each row counts once: a tensor-parallel
+        group's rank 0 (its peers hold the same rows), and under pipeline parallelism on the last stage only (every
+        stage reads the same batches; the last holds the outputs)."""
+        layout = self.layout
+        return self.tp_rank == 0 and layout.pp_rank(self.rank) == layout.pp - 1
+
     @staticmethod
     def device_for(local_rank: int) -> torch.device:
         """The device of the process with ``local_rank`` on its machine (GPU ``local_rank % count``, or CPU)."""

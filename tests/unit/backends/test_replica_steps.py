@@ -201,7 +201,7 @@ def session_with(model=None, per_group=2, rank_in_group=1, group=1, groups=2):
     """A session of rank ``rank_in_group`` of replica group ``group`` (``per_group`` ranks each)."""
     stack = LoaderStack()
     backend = SimpleNamespace(replicas=Replicas(group, groups), data_parallel_world_size=per_group * groups,
-                              data_parallel_rank=group * per_group + rank_in_group, tp_rank=0)
+                              data_parallel_rank=group * per_group + rank_in_group, gives_metric_rows=True)
     session = Session(backend, None, None, stack, healable=[model] if model is not None else [])
     stack.before_batch = session.begin_replica_step
     stack.pass_topology = session._replica_pass_topology
