@@ -41,7 +41,12 @@ another thread of the rank holds the runtime's lock deadlocks in ``PyOS_AfterFor
 gh-112275, not fixed in 3.11.7); with a rank's queue-feeder, tqdm and backend threads that happened in 3
 of about 30 launches under mpirun (gdb: the worker stuck in ``_PyThreadState_DeleteExcept``, its rank
 waiting for batches, the other rank in the next collective). The forkserver forks from a process
-without those threads; what the checks look at (how the workers share the stream) is the same."""
+without those threads; what the checks look at (how the workers share the stream) is the same.
+
+The forkserver imports this script (and so torch and unified_dist) once, before it forks a worker
+(:data:`PRELOAD`, set in :func:`run_all`): without it each of a rank's 6 workers imported them anew, 20-27 s
+of a 33-50 s launch (measured 2026-11-29, AMD EPYC, the ``workers`` group's seconds in a rank's results)."""
+PRELOAD = ["__main__", "torch", "unified_dist"]
 
 
 # ---------------------------------------------------------------------- data and model
@@ -657,6 +662,9 @@ SUITE = ("rows_and_training", "eval_gather", "csv", "workers", "tiny", "shuffle"
 
 
 def run_all(out, tag, csv_one, csv_two, resume_from, resume_split_from, only, json_eight=()):
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(PRELOAD)  # before the rank's first DataLoader worker starts it
     ud.init()
     checks = Checks(out, tag, csv_one, csv_two, resume_from, resume_split_from)
     checks.json_eight = list(json_eight)
