@@ -154,6 +154,22 @@ def sharding_mode() -> str:
     return current_backend().config.sharding.mode
 
 
+def pipeline_stages() -> int:
+    """The pipeline stages models are cut into (``init(pp=P)``: ``P``), 1 without a pipeline: where it is
+    above 1, train with :func:`pipeline_step` and evaluate with :func:`pipeline_forward`."""
+    return current_backend().config.sharding.pp
+
+
+def gradient_compression() -> Optional[str]:
+    """The format gradients travel in: ``"bf16"``, ``"fp16"`` or ``None`` (float32)."""
+    return current_backend().config.gradient_compression
+
+
+def gradient_accumulation_steps() -> int:
+    """Micro-batches per optimizer step, as given to :func:`init`."""
+    return current_backend().config.gradient_accumulation_steps
+
+
 def gradient_compression() -> Optional[str]:
     """The format gradients travel in: ``"bf16"``, ``"fp16"`` or ``None`` (float32)."""
     return current_backend().config.gradient_compression
@@ -207,6 +223,19 @@ def pipeline_step(model: torch.nn.Module, inputs: Any, targets: torch.Tensor, lo
     the batch, averaged over the data-parallel ranks, as one process on the whole global batch would get
     (``docs/pipeline.md``). Refused, in one line, for a model not cut into stages."""
     return session.current().pipeline_step(model, inputs, targets, loss_fn)
+
+
+def pipeline_forward(model: torch.nn.Module, inputs: Any) -> torch.Tensor:
+    """The pipelined forward for evaluation (``init(pp=P)``), what ``model(inputs)`` under ``torch.no_grad()``
+    is without a pipeline: no gradients, no optimizer state touched.
+
+    Every rank passes its batch, as to :func:`pipeline_step` (a tensor or a tuple of the first stage's
+    positional tensors, or a dict of tensors passed by keyword to every stage's forward). The model's
+    output (one tensor) comes back on the last stage's ranks, which alone compute it; the other stages'
+    ranks get an empty tensor of its dtype and trailing shape (0 rows), so that
+    ``ud.gather_for_metrics(...)`` called on every rank counts each example once (the last stage's rows).
+    Refused, in one line, for a model not cut into stages."""
+    return session.current().pipeline_forward(model, inputs)
 
 
 @contextlib.contextmanager

@@ -261,6 +261,13 @@ class Session:
             self._exchange(torch.isfinite(loss).all() if self.backend.config.check_finite else None)
         return loss
 
+    def pipeline_forward(self, model: Any, inputs: Any) -> torch.Tensor:
+        """``ud.pipeline_forward``'s work (see the facade)."""
+        if not isinstance(model, pipeline.PipelinedModel):
+            raise PipelineError(f"pipeline_forward needs a model that ud.prepare cut into pipeline stages (init(pp=2) "
+                                f"or more); got {type(model).__name__}: evaluate it with model(inputs)")
+        return model.forward_only(inputs)
+
     # ------------------------------------------------------------------ training
     def backward(self, loss: torch.Tensor) -> None:
         """``ud.backward``'s work (see the facade).

@@ -33,9 +33,10 @@ class Plan:
     eval_every: int
 
     @classmethod
-    def of(cls, args: argparse.Namespace, train_size: int, world_size: int) -> "Plan":
-        """Micro-batches per epoch, optimizer steps (per epoch, in all, warming up) and the eval interval."""
-        micro_per_epoch = math.ceil(train_size / (args.batch_size * world_size))
+    def of(cls, args: argparse.Namespace, train_size: int, world_size: int, whole_batches: bool = False) -> "Plan":
+        """Micro-batches per epoch, optimizer steps (per epoch, in all, warming up) and the eval interval;
+        ``whole_batches``: the loader drops a last batch it cannot fill (--pp: microbatches of equal size)."""
+        micro_per_epoch = (math.floor if whole_batches else math.ceil)(train_size / (args.batch_size * world_size))
         steps_per_epoch = math.ceil(micro_per_epoch / args.grad_accum)
         total_steps = steps_per_epoch * args.epochs
         if args.max_steps:
@@ -136,6 +137,13 @@ def add_optimisation_flags(g: argparse._ArgumentGroup) -> None:
                         "batch (the data-parallel processes are world size / T); default: what the launcher says "
                         "(unified-dist launch --tp, accelerate launch --parallelism_config_tp_size, "
                         "UNIFIED_DIST_TP), else 1")
+    g.add_argument("--pp", type=int, default=None, metavar="P",
+                   help="pipeline parallel: the model is cut into P stages (embeddings and the first layers, ..., the "
+                        "last layers and the classifier), one per group of world size / P processes, which read the "
+                        "same batches; training steps with ud.pipeline_step, evaluation with ud.pipeline_forward, and "
+                        "a last batch --batch-size does not fill is dropped (equal microbatches). No checkpoints yet "
+                        "(--resume, --save-every, --stop-after refused); default: what the launcher says "
+                        "(unified-dist launch --pp, UNIFIED_DIST_PP), else 1")
     g.add_argument("--tp-plan", type=tp_plan, default=None, metavar="bert|auto|JSON",
                    help="which layers --tp splits: bert (the plan in modeling.py for BERT-architecture models: "
                         "attention query/key/value and intermediate.dense colwise, attention.output.dense and "

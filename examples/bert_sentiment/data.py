@@ -400,9 +400,10 @@ def tokenised_splits(args: Any, tokenizer: Any, cache_dir: str) -> TokenisedSpli
                            len(splits.train), train_files)
 
 
-def make_loaders(args: Any, splits: TokenisedSplits, tokenizer: Any, global_batch: int):
+def make_loaders(args: Any, splits: TokenisedSplits, tokenizer: Any, global_batch: int, whole_batches: bool = False):
     """Train loader (length-grouped, shuffled, in order, or a stream) and longest-first evaluation
-    loaders, padded per batch.
+    loaders, padded per batch. ``whole_batches``: the training loader drops a last batch it cannot fill
+    (--pp: a pipeline cuts each batch into equal microbatches).
 
     They are plain DataLoaders over the whole split: ``ud.prepare`` shards them across processes.
     With ``--streaming`` the training loader reads :func:`stream_training_csv`'s stream, through
@@ -425,10 +426,11 @@ def make_loaders(args: Any, splits: TokenisedSplits, tokenizer: Any, global_batc
         train = torch.utils.data.DataLoader(stream, args.batch_size, collate_fn=collator)
     elif args.group_by_length:
         order = LengthGroupedOrder(token_lengths(splits.train), global_batch, args.seed)
-        train = torch.utils.data.DataLoader(splits.train, args.batch_size, sampler=order, collate_fn=collator)
+        train = torch.utils.data.DataLoader(splits.train, args.batch_size, sampler=order, collate_fn=collator,
+                                            drop_last=whole_batches)
     else:
         train = torch.utils.data.DataLoader(splits.train, args.batch_size, shuffle=not args.no_shuffle,
-                                            collate_fn=collator)
+                                            collate_fn=collator, drop_last=whole_batches)
     val, test = (torch.utils.data.DataLoader(longest_first(ds), batch_size=args.eval_batch_size, collate_fn=collator)
                  for ds in (splits.validation, splits.test))
     return train, val, test

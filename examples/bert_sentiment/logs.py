@@ -40,8 +40,8 @@ def print_launch(args: Any, threads: int, global_batch: int) -> None:
     ud.print(f"launcher {ud.launcher()} | backend {ud.backend_name()} | world size {world} | device {ud.device()} "
              f"| {threads} torch thread(s) per process | mixed precision {ud.mixed_precision()} "
              f"| sharding {ud.sharding_mode()}{layout}")
-    shared = f" (each batch shared by {world // data_parallel} tensor-parallel processes)" \
-        if data_parallel != world else ""
+    sharers = "tensor-parallel processes" if ud.pipeline_stages() == 1 else "processes: pipeline stages x tp"
+    shared = f" (each batch shared by {world // data_parallel} {sharers})" if data_parallel != world else ""
     ud.print(f"global batch = {args.batch_size} per process x {data_parallel} process(es){shared} x "
              f"{args.grad_accum} grad-accum = {global_batch} examples per optimizer step")
 

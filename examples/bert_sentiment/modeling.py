@@ -89,6 +89,43 @@ def model_error(name: str, exc: OSError) -> UserError:
                      "offline MiniLM")
 
 
+class BertInStages(torch.nn.Module):
+    """A BERT sequence classifier (``BertForSequenceClassification`` and alike: ``bert``, ``dropout``,
+    ``classifier``) in the form ``ud.init(pp=...)`` cuts into pipeline stages: the model's own modules under
+    their own names (so its state dict, checkpoints and final model are the plain model's), and a forward
+    that applies them one after the other. Its units (docs/pipeline.md): ``bert.embeddings``,
+    ``bert.encoder.layer.0`` ... ``bert.encoder.layer.N-1``, ``bert.pooler``, ``dropout``, ``classifier``;
+    the default split cuts the layers evenly. The first stage takes the batch's token ids, each later stage
+    the hidden states the stage before it sent; every stage takes the attention mask (and token types) by
+    keyword, the same batch on every stage. A unit another stage runs returns its first argument, so the
+    first stage's forward ends with the hidden states it sends and the last one's with the logits."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.bert, self.dropout, self.classifier = model.bert, model.dropout, model.classifier
+        self.config = model.config
+        self._plain = (model,)  # not a sub-module: its modules are this one's
+
+    def save_pretrained(self, folder: str, state_dict: Dict[str, torch.Tensor]) -> None:
+        """The plain model's ``save_pretrained`` with the whole model's ``state_dict`` (``ud.get_state_dict``
+        gathers every stage's): a folder ``from_pretrained`` loads, as without --pp."""
+        self._plain[0].save_pretrained(folder, state_dict=state_dict)
+
+    def forward(self, hidden: Optional[torch.Tensor] = None, *, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor, token_type_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        from transformers.masking_utils import create_bidirectional_mask
+
+        x = self.bert.embeddings(input_ids, token_type_ids) if hidden is None else hidden
+        mask = create_bidirectional_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask)
+        x = self.bert.encoder(x, attention_mask=mask).last_hidden_state  # the layers of this stage
+        return self.classifier(self.dropout(self.bert.pooler(x)))
+
+
+def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy over a (micro)batch, as ``BertForSequenceClassification`` computes its loss."""
+    return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
 def make_optimizer(args: Any, model: torch.nn.Module, warmup: int, total_steps: int):
     """AdamW (no weight decay on biases and LayerNorm weights) and a linear warm-up/decay schedule."""
     from transformers import get_linear_schedule_with_warmup

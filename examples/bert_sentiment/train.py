@@ -52,7 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     try:
         ud.init(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum,
-                sharding=args.sharding, dp_replicate=args.dp_replicate, tp=args.tp,
+                sharding=args.sharding, dp_replicate=args.dp_replicate, tp=args.tp, pp=args.pp,
                 tp_plan=modeling.tp_plan(args.tp_plan), compile=args.compile,
                 compile_mode=args.compile_mode)  # None: the launcher's (its flags, its variables)
     except ud.UnifiedDistError as exc:
@@ -105,17 +105,22 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     checkpoints = os.path.join(out, "checkpoints")
     resume_path = ud.latest_checkpoint(checkpoints) if args.resume in ("auto", "latest") else args.resume
     model_name = modeling.resolve_model(args.model)
+    refuse_what_a_pipeline_cannot_do_yet(args)
     global_batch = args.batch_size * ud.data_parallel_world_size() * args.grad_accum
     logs.print_launch(args, threads, global_batch)
     ud.seed_everything(args.seed)  # before the model (classifier head init) and the loaders (shuffle order)
 
     model, tokenizer = modeling.load_model_and_tokenizer(model_name, args.no_dropout)  # every rank at once
+    if ud.pipeline_stages() > 1:  # --pp: the same modules, in the form ud.prepare cuts into stages
+        model = modeling.BertInStages(model)
     cache = os.path.abspath(args.cache_dir or os.path.join(out, "cache"))
     with ud.main_process_first():  # rank 0 splits and tokenises first, the others reuse its cache
         splits = sentiment_data.tokenised_splits(args, tokenizer, cache)
     logs.print_model_and_data(args, model, splits)
-    train_loader, val_loader, test_loader = sentiment_data.make_loaders(args, splits, tokenizer, global_batch)
-    plan = Plan.of(args, len(splits.train), ud.data_parallel_world_size())
+    pipelined = ud.pipeline_stages() > 1
+    train_loader, val_loader, test_loader = sentiment_data.make_loaders(args, splits, tokenizer, global_batch,
+                                                                        whole_batches=pipelined)
+    plan = Plan.of(args, len(splits.train), ud.data_parallel_world_size(), whole_batches=pipelined)
     optimizer, scheduler = modeling.make_optimizer(args, model, plan.warmup, plan.total_steps)
     model, optimizer, train_loader, val_loader, test_loader, scheduler = ud.prepare(
         model, optimizer, train_loader, val_loader, test_loader, scheduler)
@@ -156,6 +161,7 @@ def train(r: Run) -> bool:
     args = r.args
     model, optimizer, scheduler, train_loader = (r.state[k] for k in ("model", "optimizer", "scheduler", "loader"))
     window = logs.LogWindow()
+    pipelined = ud.pipeline_stages() > 1
     r.epoch = train_loader.epoch + 1  # also where a resumed run has no step left to take
     for epoch in range(train_loader.epoch, args.epochs):  # a resumed run continues its epoch where it was
         if r.step >= r.plan.total_steps:
@@ -164,11 +170,18 @@ def train(r: Run) -> bool:
         model.train()
         for batch in train_loader:  # this rank's shard of each global batch, on ud.device()
             with ud.accumulate(model):
-                with ud.autocast():
-                    loss = model(**batch).loss
+                if pipelined:  # a schedule runs every stage's forward and backward together (README: --pp)
+                    labels = batch.pop("labels")
+                    with ud.autocast():
+                        loss = ud.pipeline_step(model, batch, labels, modeling.classification_loss)
+                    batch["labels"] = labels
+                else:
+                    with ud.autocast():
+                        loss = model(**batch).loss
                 # kept on the device for the log (averaged over the processes only when a line is written)
                 window.add(loss, batch["labels"].shape[0] * ud.data_parallel_world_size())
-                ud.backward(loss)  # every rank raises ud.NonFiniteLoss if any rank's loss is NaN or inf
+                if not pipelined:
+                    ud.backward(loss)  # every rank raises ud.NonFiniteLoss if any rank's loss is NaN or inf
                 ud.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 lr = optimizer.param_groups[0]["lr"]
                 optimizer.step()  # steps only when gradients were synchronised
@@ -226,8 +239,8 @@ def evaluate(model: torch.nn.Module, loader: Any, expected: int) -> Dict[str, fl
     with torch.no_grad():
         for batch in loader:
             targets = batch.pop("labels")
-            with ud.autocast():
-                logits = model(**batch).logits
+            with ud.autocast():  # --pp: the last stage's logits; the other stages' an empty tensor (README)
+                logits = ud.pipeline_forward(model, batch) if ud.pipeline_stages() > 1 else model(**batch).logits
             preds.append(ud.gather_for_metrics(logits.argmax(dim=-1)))  # each example once, whatever the ranks
             labels.append(ud.gather_for_metrics(targets))
     model.train()
@@ -241,8 +254,8 @@ def save_checkpoint(r: Run, background: bool = False) -> None:
     """``state`` with the step, epoch and provenance as ``checkpoints/checkpoint-<step>.pt`` (once per
     step), keeping the newest --keep-checkpoints. Every rank calls it: ``ud.RNG`` gathers their generators.
     ``background``: written in a thread once copied (the next save, ``ud.barrier``, a stop or the end waits for it)."""
-    if r.step == r.last_saved:
-        return
+    if r.step == r.last_saved or ud.pipeline_stages() > 1:  # --pp: none yet (README: ud.save does not gather a
+        return  # pipeline's optimizer state); the final model is still written
     ud.save_checkpoint({**r.state, "step": r.step, "epoch": r.epoch, "global_batch": r.global_batch,
                         "world_size": ud.world_size(), "args": vars(r.args)},
                        os.path.join(r.out, "checkpoints"), r.step, keep_last=r.args.keep_checkpoints or None,
@@ -287,6 +300,17 @@ def finish(r: Run) -> Dict[str, Any]:
              f"{results['test_examples']} examples) after {results['steps']} steps in {results['wall_time_s']:.0f} s; "
              f"model saved to {final_dir}")
     return results
+
+
+def refuse_what_a_pipeline_cannot_do_yet(args: argparse.Namespace) -> None:
+    """--pp (or the launcher's): checkpoints are not written (ud.save does not gather a pipeline's optimizer
+    state yet), so the flags that need one are refused, and so is --streaming (its last batch may be ragged)."""
+    pp = ud.pipeline_stages()
+    given = [flag for flag, value in (("--resume", args.resume), ("--save-every", args.save_every),
+                                      ("--stop-after", args.stop_after), ("--streaming", args.streaming)) if value]
+    if pp > 1 and given:
+        raise UserError(f"{', '.join(given)} with pipeline parallelism (pp={pp}) is not supported yet: a pipeline's "
+                        "checkpoint would lack the optimizer's state (docs/pipeline.md); drop it or run without --pp")
 
 
 def set_threads(requested: int) -> int:

@@ -390,6 +390,50 @@ def test_device_mesh_layouts_train_like_the_unsharded_reference(name: str, ring:
     assert worst <= adamw_rounding_bound(range(1, 6)), (name, worst)
 
 
+# Pipeline parallelism from the example's own flag: 2 stages under torchrun x 2 (embeddings and layer 0; layer 1,
+# pooler and classifier), both reading each batch of 16, cut into 2 microbatches of 8: the reference's arithmetic
+# (2 processes x 8), as one schedule. One launch, 5 uninterrupted steps.
+PIPELINE = ("torchrun", 2, ["--batch-size", "16", "--pp", "2"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring, tmp_path: Path) -> None:
+    """``--pp 2`` under torchrun x 2: the first line gives the layout, every evaluation counts each example once
+    (only the last stage has logits; ``ud.gather_for_metrics`` counts its rows), the losses and accuracies are the
+    reference's and the final model, gathered from both stages under the plain model's names, ends on its weights.
+
+    Tolerances: the step is the reference's mean over 2 x 8 examples, summed in another order (the schedule adds
+    the two microbatches' gradients, DDP averages two ranks'; the clipping norm combines the two stages' norms):
+    the losses get ``assert_losses_agree``'s bound for another order (1e-4 relative; seen 5e-8) and the weights
+    ``adamw_rounding_bound(1..5)`` = 1.0e-5 (derived there; seen 3.7e-9, 2026-11-29)."""
+    launcher, nproc, args = PIPELINE
+    out = tmp_path / "run"
+    result = launch(launcher, SCRIPT, [*ring.tiny, *args, "--output-dir", str(out)], nproc=nproc,
+                    timeout=TIMEOUT).check()
+    first = result.output[result.output.index("launcher "):].splitlines()[0]
+    assert first.startswith("launcher torchrun | backend torch | world size 2 |"), first
+    assert first.endswith("| mesh pp 2 x dp_replicate 1 x dp_shard 1 x tp 1"), first
+    assert "16 per process x 1 process(es)" in result.output and "= 16 examples per optimizer step" in result.output
+    rows = read_metrics(out)
+    assert _identity(rows) == {(launcher, "torch", nproc)}
+    assert [r["step"] for r in rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
+    evals = [r for r in rows if r["type"] == "eval"]
+    assert [(r["step"], r["split"]) for r in evals] == [(4, "validation"), (5, "validation"), (5, "test")]
+    assert all(r["eval_examples"] == LIMIT_EVAL for r in evals), evals  # once each: not once per stage
+    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())  # none under pp yet
+    reference = ring.reference()
+    losses = [r["loss"] for r in rows if r["type"] == "train"]
+    ref_losses = [r["loss"] for r in reference.rows if r["type"] == "train"]
+    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), (losses, ref_losses)
+    accuracies = [r["accuracy"] for r in evals]
+    ref_acc = [r["accuracy"] for r in reference.rows if r["type"] == "eval"]
+    assert accuracies == pytest.approx(ref_acc, abs=1.5 / LIMIT_EVAL)  # <= 1 example flips
+    worst = max_weight_difference(out, reference.out)  # also: the same names, the plain model's
+    print(f"pp: max |weight - reference| {worst:.2e}")
+    assert worst <= adamw_rounding_bound(range(1, 6)), worst
+
+
 def _final_weights(out: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -531,6 +575,24 @@ def test_non_finite_loss_stops_with_the_step(tmp_path: Path, tiny_bert: str) -> 
     line = _error_run(tmp_path, "--limit-train", "64", "--limit-eval", "16", "--max-length", "32", "--batch-size", "8",
                       "--lr", "1e6", "--max-steps", "8", "--no-progress", "--model", tiny_bert)
     assert "loss is not finite" in line and "at optimizer step" in line
+
+
+def test_what_a_pipeline_cannot_do_yet_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under --pp (or the launcher's pp) the example writes no checkpoint (ud.save refuses a pipeline's optimizer
+    state), so the flags that need one, and --streaming (a ragged last batch), are one UserError naming them."""
+    import unified_dist as ud
+
+    spec = importlib.util.spec_from_file_location("bert_sentiment_train", SCRIPT)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    monkeypatch.setattr(ud, "pipeline_stages", lambda: 2)
+    train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args([]))  # nothing asked that needs a checkpoint
+    with pytest.raises(train.UserError) as caught:
+        train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args(["--resume", "auto", "--save-every", "2"]))
+    assert "--resume, --save-every with pipeline parallelism (pp=2)" in str(caught.value)
+    assert "\n" not in str(caught.value)
+    monkeypatch.setattr(ud, "pipeline_stages", lambda: 1)
+    train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args(["--resume", "auto"]))
 
 
 # --------------------------------------------------------------------------- data helpers, in process

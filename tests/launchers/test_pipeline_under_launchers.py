@@ -25,7 +25,8 @@ CHECKS = ("update_equals_one_process_on_the_global_batch", "loss_is_the_batch_me
           "stage_is_split_as_the_layout_says", "optimizer_steps_only_the_stage",
           "model_call_is_refused", "indivisible_batch_is_refused", "save_gathers_every_stage_by_name",
           "load_gives_each_stage_its_part", "optimizer_state_save_and_load_are_refused",
-          "non_finite_loss_stops_every_stage")
+          "non_finite_loss_stops_every_stage", "a_batch_of_other_shapes_runs_its_own_schedule",
+          "clip_grad_norm_clips_to_the_whole_models_norm", "pipeline_forward_gives_the_outputs_on_the_last_stage_only")
 
 
 class Launches:

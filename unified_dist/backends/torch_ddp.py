@@ -10,7 +10,9 @@ import torch.distributed as dist
 
 from ..detection import Detection
 from ..errors import UnifiedDistError
+from ..parallel.mesh import PP_DIM
 from ..parallel.pipeline import PipelinedModel
+from ..parallel.sharding import clip_grad_norm
 from .base import DDP_BUFFER_KWARGS as BUFFER_KWARGS, Config
 from .buckets import ddp_kwargs
 from .process_group import local_rank_from_hosts, withdraw_rendezvous
@@ -70,6 +72,13 @@ class TorchBackend(TorchGroupBackend):
         return (f"ud.{action} of an optimizer under pp={pp} is not supported yet (each stage's optimizer holds only "
                 "its own stage's state): ud.save the model alone, and torch.save(optimizer.state_dict()) on each "
                 "rank of the first data-parallel replica to keep the optimizer's")
+
+    def clip_gradients(self, parameters: List[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+        """Under pipeline parallelism each stage holds its own parameters: the norm clipped to is the whole
+        model's, its stages' norms combined over the pipeline (every stage's ranks call it, as a step does)."""
+        if self.config.sharding.pp == 1:
+            return super().clip_gradients(parameters, max_norm, norm_type)
+        return clip_grad_norm(parameters, max_norm, norm_type, across=self.device_mesh[PP_DIM].get_group())
 
     def model_state_dict(self, model: torch.nn.Module) -> dict:
         """A pipelined model's whole state (every stage's, gathered to the main process's pipeline group)."""

@@ -32,7 +32,7 @@ What ``pp=P`` means (``ud.init(pp=...)``, ``UNIFIED_DIST_PP``, ``unified-dist la
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -76,35 +76,63 @@ def split_names(value: Any) -> Optional[Tuple[str, ...]]:
     return tuple(str(name).strip() for name in names)
 
 
+def _stack_name(model: torch.nn.Module) -> Optional[str]:
+    """The name of the model's largest ``nn.ModuleList`` at any depth but not inside another one (the first
+    of the largest, in registration order): its stack of layers; ``None`` when it has none."""
+    lists: List[Tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name and \
+                not any(name.startswith(outer + ".") for outer, _ in lists):
+            lists.append((name, module))
+    return max(lists, key=lambda item: len(item[1]))[0] if lists else None
+
+
+def _expanded_path(model: torch.nn.Module) -> List[str]:
+    """The modules between the root and its stack (``bert``, ``bert.encoder`` for ``bert.encoder.layer``),
+    which :func:`units` opens into their children."""
+    stack = _stack_name(model)
+    if stack is None or isinstance(model, CONTAINERS):
+        return []
+    parts = stack.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def units(model: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
     """The model's units in order, by fully-qualified name: its children in registration order,
     a ``ModuleList``/``ModuleDict``/``Sequential`` child expanded into its items (the root itself
-    when it is a ``Sequential``)."""
+    when it is a ``Sequential``), and the modules on the way to a stack of layers nested deeper
+    (``bert.encoder.layer``) opened into their children, so that the stack's layers are units
+    (``bert.embeddings``, ``bert.encoder.layer.0``, ..., ``bert.pooler``, ``classifier``)."""
     if isinstance(model, CONTAINERS):
         return [(name, child) for name, child in model.named_children()]
-    out = []
-    for name, child in model.named_children():
-        if isinstance(child, CONTAINERS):
-            out += [(f"{name}.{item}", grandchild) for item, grandchild in child.named_children()]
-        else:
-            out.append((name, child))
-    return out
+    path = set(_expanded_path(model))
+
+    def walk(module: torch.nn.Module, prefix: str) -> List[Tuple[str, torch.nn.Module]]:
+        out: List[Tuple[str, torch.nn.Module]] = []
+        for name, child in module.named_children():
+            if isinstance(child, CONTAINERS):
+                out += [(f"{prefix}{name}.{item}", grandchild) for item, grandchild in child.named_children()]
+            elif prefix + name in path:
+                out += walk(child, f"{prefix}{name}.")
+            else:
+                out.append((prefix + name, child))
+        return out
+    return walk(model, "")
 
 
 def default_split(model: torch.nn.Module, stages: int) -> List[str]:
     """The names of the units that begin stages ``1..stages-1``: the layers of the model's largest
-    ``ModuleList`` (or of a ``Sequential`` root) cut evenly, the first stages taking one layer more
-    when they do not divide."""
+    ``ModuleList`` (at any depth, see :func:`units`; or of a ``Sequential`` root) cut evenly, the first
+    stages taking one layer more when they do not divide."""
     if isinstance(model, CONTAINERS):
         prefix, layers = "", [name for name, _ in model.named_children()]
     else:
-        lists = [(name, child) for name, child in model.named_children() if isinstance(child, torch.nn.ModuleList)]
-        if not lists:
+        name = _stack_name(model)
+        if name is None:
             raise PipelineError(
                 f"pp={stages} cannot split {type(model).__name__}: it has no nn.ModuleList of layers (nor is it an "
                 "nn.Sequential); pass pp_split=[names of the units that begin each stage after the first]")
-        name, biggest = max(lists, key=lambda item: len(item[1]))
-        prefix, layers = f"{name}.", [item for item, _ in biggest.named_children()]
+        prefix, layers = f"{name}.", [item for item, _ in model.get_submodule(name).named_children()]
     if len(layers) < stages:
         raise PipelineError(
             f"pp={stages} cannot split {type(model).__name__}: its stack has {len(layers)} layers, fewer than the "
@@ -120,12 +148,15 @@ def default_split(model: torch.nn.Module, stages: int) -> List[str]:
 def stage_units(model: torch.nn.Module, stages: int, split: Optional[Sequence[str]] = None) -> List[List[str]]:
     """The unit names of each stage, in order (see the module docstring). Raises :class:`PipelineError`
     in one line for a model or split that cannot be cut into ``stages`` stages."""
-    held = [name for name, _ in model.named_parameters(recurse=False)] + \
-           [name for name, _ in model.named_buffers(recurse=False)]
-    if held:
-        raise PipelineError(
-            f"pp={stages} cannot split {type(model).__name__}: its root holds {', '.join(held)} directly, which no "
-            "single stage owns; move them into a sub-module")
+    for path in ["", *_expanded_path(model)]:
+        module = model.get_submodule(path)
+        held = [name for name, _ in module.named_parameters(recurse=False)] + \
+               [name for name, _ in module.named_buffers(recurse=False)]
+        if held:
+            where = f"its {path} holds" if path else "its root holds"
+            raise PipelineError(
+                f"pp={stages} cannot split {type(model).__name__}: {where} {', '.join(held)} directly, which no "
+                "single stage owns; move them into a sub-module")
     starts = list(split) if split else default_split(model, stages)
     names = [name for name, _ in units(model)]
     if len(starts) != stages - 1:
@@ -156,9 +187,18 @@ def _owner_of_each_parameter(model: torch.nn.Module, plan: List[List[str]]) -> D
     return owner
 
 
+class OtherStage(torch.nn.Identity):
+    """Stands for a unit another stage runs: returns its first argument unchanged, whatever else the
+    model's forward passes it (``layer(hidden, mask)`` of an encoder's loop)."""
+
+    def forward(self, input: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: A002 - nn.Identity's name
+        return input
+
+
 def keep_stage(model: torch.nn.Module, stage: int, plan: List[List[str]]) -> List[torch.nn.Parameter]:
     """Replace, in place, every unit of ``model`` that stage ``stage`` of ``plan`` (from
-    :func:`stage_units`) does not own by ``nn.Identity``; return the parameters dropped."""
+    :func:`stage_units`) does not own by :class:`OtherStage` (an ``nn.Identity``); return the parameters
+    dropped."""
     _owner_of_each_parameter(model, plan)
     kept = set(plan[stage])
     dropped: List[torch.nn.Parameter] = []
@@ -169,11 +209,11 @@ def keep_stage(model: torch.nn.Module, stage: int, plan: List[List[str]]) -> Lis
         parent, _, attr = name.rpartition(".")
         container = model.get_submodule(parent) if parent else model
         if isinstance(container, torch.nn.ModuleList | torch.nn.Sequential):
-            container[int(attr)] = torch.nn.Identity()
+            container[int(attr)] = OtherStage()
         elif isinstance(container, torch.nn.ModuleDict):
-            container[attr] = torch.nn.Identity()
+            container[attr] = OtherStage()
         else:
-            setattr(container, attr, torch.nn.Identity())
+            setattr(container, attr, OtherStage())
     return dropped
 
 
@@ -191,7 +231,8 @@ class PipelinedModel(torch.nn.Module):
         self.whole_keys = frozenset(whole_keys)  # every stage's state-dict keys: the whole model's
         self.stage, self.stages, self.schedule_name, self.microbatches = stage, stages, schedule, microbatches
         self._device, self._group = device, pp_group
-        self._schedule: Any = None
+        self._schedules: Dict[Tuple[Any, ...], Any] = {}  # training schedules by the shapes of their batch
+        self._eval_schedules: Dict[Tuple[Any, ...], Any] = {}  # forward-only ones
         self._loss_fn: Optional[Callable] = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -233,39 +274,109 @@ class PipelinedModel(torch.nn.Module):
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
 
-    def _schedule_for(self, loss_fn: Callable) -> Any:
-        if self._schedule is None or loss_fn is not self._loss_fn:
+    def _schedule_for(self, loss_fn: Callable, key: Tuple[Any, ...]) -> Any:
+        """The schedule for batches of the shapes ``key`` names (a schedule fixes the shapes it sends
+        between stages at its first step): one per shape, kept while ``loss_fn`` stays the same."""
+        if loss_fn is not self._loss_fn:
+            self._schedules.clear()
+            self._loss_fn = loss_fn
+        if key not in self._schedules:
             from torch.distributed import pipelining
 
             stage = pipelining.PipelineStage(self.module, self.stage, self.stages, self._device, group=self._group)
             cls = getattr(pipelining, SCHEDULES[self.schedule_name])
-            self._schedule = cls(stage, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=True)
-            self._loss_fn = loss_fn
-        return self._schedule
+            self._schedules[key] = cls(stage, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=True)
+        return self._schedules[key]
 
     def step(self, inputs: Any, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
-        """Forward and backward of ``inputs`` (a tensor, or a tuple of the model's positional tensors)
-        against ``targets`` in microbatches (dimension 0); the mean microbatch loss, detached, on every
-        stage. Every stage is given the same batch: the first reads ``inputs``, the last ``targets``."""
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        rows = args[0].shape[0] if args and isinstance(args[0], torch.Tensor) and args[0].dim() else None
+        """Forward and backward of ``inputs`` (see :func:`_positional_and_keywords`) against ``targets`` in
+        microbatches (dimension 0); the mean microbatch loss, detached, on every stage. Every stage is
+        given the same batch: the first reads ``inputs``, the last ``targets``, every one the keywords."""
+        args, kwargs, rows = _positional_and_keywords(inputs)
         if rows is None or rows % self.microbatches or targets.shape[0] != rows:
             raise PipelineError(
                 f"pipeline_step got a batch of {rows} rows (targets {tuple(targets.shape)[:1]}) that "
                 f"pp_microbatches={self.microbatches} does not divide into equal microbatches; use a batch size "
                 f"that is a multiple of {self.microbatches} (drop_last=True on the loader)")
-        schedule = self._schedule_for(loss_fn)
+        schedule = self._schedule_for(loss_fn, _shapes(args, kwargs))
         losses: List[torch.Tensor] = []
         if self.stage == 0 and self.is_last:
-            schedule.step(*args, target=targets, losses=losses)
+            schedule.step(*args, target=targets, losses=losses, **kwargs)
         elif self.stage == 0:
-            schedule.step(*args)
+            schedule.step(*args, **kwargs)
         elif self.is_last:
-            schedule.step(target=targets, losses=losses)
+            schedule.step(target=targets, losses=losses, **kwargs)
         else:
-            schedule.step()
+            schedule.step(**kwargs)
         mean = torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
         return _from_last_stage(mean, self.stages, self._group, self._device)
+
+    def forward_only(self, inputs: Any) -> torch.Tensor:
+        """The model's output for ``inputs`` (as :meth:`step` takes them), forward only, without gradients:
+        on the last stage's ranks the output (a tensor, its rows those of the batch); on the other stages'
+        an empty tensor of its dtype and trailing shape (0 rows), so that a metric gathered on every rank
+        counts each row once. Microbatches: ``pp_microbatches`` where they divide the batch, else one."""
+        args, kwargs, rows = _positional_and_keywords(inputs)
+        if rows is None:
+            raise PipelineError("pipeline_forward needs a batch: a tensor, a tuple of tensors or a dict of tensors "
+                                "whose first has a row dimension")
+        microbatches = self.microbatches if rows % self.microbatches == 0 else 1
+        key = (microbatches, *_shapes(args, kwargs))
+        schedule = self._eval_schedules.get(key)
+        if schedule is None:
+            from torch.distributed import pipelining
+
+            stage = pipelining.PipelineStage(self.module, self.stage, self.stages, self._device, group=self._group)
+            schedule = self._eval_schedules[key] = pipelining.ScheduleGPipe(stage, n_microbatches=microbatches)
+        with torch.no_grad():
+            output = schedule.step(*args, **kwargs) if self.stage == 0 else schedule.step(**kwargs)
+        if self.is_last and not isinstance(output, torch.Tensor):
+            raise PipelineError(f"pipeline_forward needs a model whose output is one tensor; the last stage returned "
+                                f"{type(output).__name__}")
+        return _empty_of_last_stage(output if self.is_last else None, self.stages, self._group, self._device)
+
+
+def _positional_and_keywords(inputs: Any) -> Tuple[Tuple[Any, ...], Dict[str, Any], Optional[int]]:
+    """``inputs`` of :meth:`PipelinedModel.step`: a tensor or a tuple of tensors (the first stage's positional
+    arguments), or a mapping of tensors (a dict, transformers' ``BatchEncoding``: keyword arguments of every
+    stage's forward, each stage being given the same batch); with the rows of its first tensor (``None`` when
+    it has none)."""
+    if isinstance(inputs, Mapping):
+        args, kwargs = (), dict(inputs)
+    else:
+        args, kwargs = (inputs if isinstance(inputs, tuple) else (inputs,)), {}
+    first = next(iter([*args, *kwargs.values()]), None)
+    rows = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
+    return args, kwargs, rows
+
+
+def _shapes(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+    return tuple((name, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (name, repr(v))
+                 for name, v in [*enumerate(args), *sorted(kwargs.items())])
+
+
+def _empty_of_last_stage(output: Optional[torch.Tensor], stages: int, group: Any,
+                         device: torch.device) -> torch.Tensor:
+    """``output`` on the last stage; on the others an empty tensor of its dtype and trailing shape (one
+    broadcast of ``[dtype, ndim, shape...]`` over the pipeline ``group``)."""
+    import torch.distributed as dist
+
+    box = torch.zeros(MAX_DIMS + 2, dtype=torch.int64, device=device)
+    if output is not None:
+        if output.dim() > MAX_DIMS or output.dtype not in OUTPUT_DTYPES:
+            raise PipelineError(f"pipeline_forward's output of {output.dim()} dimensions ({output.dtype}) cannot be "
+                                f"described to the other stages (at most {MAX_DIMS}, a dtype of {OUTPUT_DTYPES})")
+        box[0], box[1] = OUTPUT_DTYPES.index(output.dtype), output.dim()
+        box[2:2 + output.dim()] = torch.tensor(output.shape, dtype=torch.int64)
+    dist.broadcast(box, group=group, group_src=stages - 1)
+    if output is not None:
+        return output
+    shape = [int(n) for n in box[2:2 + int(box[1])].tolist()]
+    return torch.empty([0, *shape[1:]], dtype=OUTPUT_DTYPES[int(box[0])], device=device)
+
+
+MAX_DIMS = 6
+OUTPUT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 
 
 LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)

@@ -247,16 +247,19 @@ def _shard_incoming_optimizer_state(optimizer: torch.optim.Optimizer, state_dict
     return {**state_dict, "state": state}
 
 
-def clip_grad_norm(parameters: Sequence[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
+def clip_grad_norm(parameters: Sequence[torch.Tensor], max_norm: float, norm_type: float,
+                   across: Any = None) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` over gradients that may be DTensors on different meshes (FSDP
     × TP: tensor-parallel layers on the 2-D mesh, the rest on the data-parallel one), where torch's
     own would try to stack norms of different meshes. Returns the total norm, a plain tensor:
     each group of gradients on one mesh and placement gives its norm (a collective inside that
-    group), combined as the ``norm_type``-norm of the group norms."""
+    group), combined as the ``norm_type``-norm of the group norms. ``across``: a process group whose
+    ranks hold other parameters of the same model (pipeline stages): the norm is the whole model's,
+    combined over it (a collective: every rank of it calls this)."""
     from torch.distributed.tensor import DTensor
 
     with_grad = [p for p in parameters if p.grad is not None]
-    if not any(isinstance(p.grad, DTensor) for p in with_grad):
+    if across is None and not any(isinstance(p.grad, DTensor) for p in with_grad):
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
     groups: dict = {}
     for p in with_grad:
@@ -264,10 +267,28 @@ def clip_grad_norm(parameters: Sequence[torch.Tensor], max_norm: float, norm_typ
         groups.setdefault(key, []).append(p)
     norms = [full_tensor(torch.nn.utils.get_total_norm([p.grad for p in group], norm_type))
              for group in groups.values()]
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type)
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), norm_type) if norms \
+        else torch.zeros((), device=parameters[0].device if parameters else None)
+    if across is not None:
+        total = _norm_across(total.float() if total.dtype in (torch.float16, torch.bfloat16) else total,
+                             norm_type, across)
     for group in groups.values():  # one mesh per call: torch's foreach kernels take one at a time
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
+
+
+def _norm_across(norm: torch.Tensor, norm_type: float, group: Any) -> torch.Tensor:
+    """The ``norm_type``-norm of the ranks' norms in ``group``: the max for ``inf``, else ``(sum n**p)**(1/p)``."""
+    import torch.distributed as dist
+
+    p = float(norm_type)
+    if p == float("inf"):
+        norm = norm.clone()
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm ** p
+    dist.all_reduce(powered, group=group)
+    return powered ** (1.0 / p)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -214,6 +214,36 @@ def run_case(name: str) -> dict:
                                else str(exc))
         checks["optimizer_state_save_and_load_are_refused"] = (
             "ok" if refused == ["refused", "refused"] and not os.path.exists(opt_path) else f"FAIL: {refused}")
+        # a batch of other shapes (6 rows: a schedule of its own), the clip over every stage's gradients, and the
+        # forward for evaluation (5 rows: one microbatch); the reference is ``whole``, which holds what each stage
+        # now holds (the file just loaded). Every rank passes the same rows, so the global batch's mean gradient
+        # is that of these rows whatever the data-parallel ranks.
+        generator = torch.Generator().manual_seed(7)
+        x6, y6 = torch.randn(6, 6, dtype=DTYPE, generator=generator), torch.randint(0, 3, (6,), generator=generator)
+        optimizer.zero_grad()
+        loss6 = float(ud.pipeline_step(model, x6, y6, loss_fn))
+        norm = float(ud.clip_grad_norm_(model.parameters(), 1e-3))
+        ref_loss6 = loss_fn(whole(x6), y6)
+        ref_loss6.backward()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(whole.parameters(), 1e-3))
+        gap6 = abs(loss6 - float(ref_loss6))
+        checks["a_batch_of_other_shapes_runs_its_own_schedule"] = "ok" if gap6 <= BOUND else f"FAIL: {gap6:.3g}"
+        grad_gap = max(float((_full(p.grad) - whole.get_parameter(n).grad).abs().max())
+                       for n, p in ud.unwrap(model).named_parameters())
+        checks["clip_grad_norm_clips_to_the_whole_models_norm"] = (
+            "ok" if abs(norm - ref_norm) <= BOUND and grad_gap <= BOUND and ref_norm > 1e-3
+            else f"FAIL: norm {norm} != {ref_norm} or grads {grad_gap:.3g}")
+        optimizer.zero_grad()
+        with torch.no_grad():
+            out = ud.pipeline_forward(model, x6[:5])
+            want = whole(x6[:5])
+        if stage == 1:
+            gap = float((out - want).abs().max()) if out.shape == want.shape else float("inf")
+            ok = gap <= BOUND and not out.requires_grad
+        else:  # the other stage: no rows, the output's dtype and trailing shape
+            ok, gap = out.shape == (0, 3) and out.dtype == DTYPE, None
+        checks["pipeline_forward_gives_the_outputs_on_the_last_stage_only"] = (
+            "ok" if ok else f"FAIL: {tuple(out.shape)} {out.dtype} {gap}")
         # last (it spoils the gradients): a NaN input reaches only the last stage's loss, yet every rank stops
         try:
             ud.pipeline_step(model, torch.full_like(x, float("nan")), y, loss_fn)

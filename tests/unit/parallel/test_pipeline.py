@@ -29,6 +29,38 @@ class Stack(torch.nn.Module):
         return self.head(self.norm(x))
 
 
+class Pair(torch.nn.Module):  # no stack of layers anywhere
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+
+
+class Encoder(torch.nn.Module):  # a stack nested as transformers' encoders nest theirs: body.encoder.layer
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x, mask):
+        for layer in self.layer:
+            x = layer(x) * mask if isinstance(layer, torch.nn.Linear) else layer(x, mask)  # a unit given two
+        return x
+
+
+class Body(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embeddings, self.encoder, self.pooler = torch.nn.Linear(3, 4), Encoder(), torch.nn.Linear(4, 4)
+
+
+class Nested(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = Body(), torch.nn.Linear(4, 2)
+
+    def forward(self, x, mask):
+        return self.head(self.body.pooler(self.body.encoder(self.body.embeddings(x), mask)))
+
+
 # ---------------------------------------------------------------------- the layout
 def test_stages_are_the_outermost_dimension_and_every_stage_sees_the_same_data():
     """pp 2 x dp_shard 2 x tp 2 on 8 ranks: stage r // 4, data-parallel rank r // 2 % 2, tp rank r % 2."""
@@ -84,9 +116,45 @@ def test_a_stage_keeps_its_units_by_their_full_names_and_the_others_become_ident
     assert model(x).shape == (5, 2)
 
 
+def test_a_stack_nested_deeper_is_found_and_the_modules_on_the_way_are_opened():
+    """transformers' shape (bert.encoder.layer): the modules between the root and the stack are opened into
+    their children, so that the stack's layers are units and the default split cuts them evenly."""
+    model = Nested()
+    assert [name for name, _ in pipeline.units(model)] == [
+        "body.embeddings", "body.encoder.layer.0", "body.encoder.layer.1", "body.encoder.layer.2",
+        "body.encoder.layer.3", "body.pooler", "head"]
+    assert pipeline.default_split(model, 2) == ["body.encoder.layer.2"]
+    assert pipeline.stage_units(model, 2, ["body.pooler"])[1] == ["body.pooler", "head"]
+
+
+def test_a_unit_another_stage_runs_passes_its_first_argument_through_whatever_else_it_is_given():
+    """The loop of a nested stack calls each layer with more than the hidden states (an attention mask):
+    on the stage that does not own a layer, the layer's call returns the hidden states unchanged."""
+    model, whole = Nested(), Nested()
+    whole.load_state_dict(model.state_dict())
+    pipeline.keep_stage(model, 1, pipeline.stage_units(model, 2))
+    assert isinstance(model.body.encoder.layer[0], torch.nn.Identity) and isinstance(model.body.embeddings,
+                                                                                       torch.nn.Identity)
+    x, mask = torch.randn(5, 3), torch.tensor([[1.0], [1.0], [0.0], [1.0], [1.0]])
+    with torch.no_grad():
+        hidden = whole.body.embeddings(x)
+        for layer in whole.body.encoder.layer[:2]:
+            hidden = layer(hidden) * mask
+        assert torch.equal(model(hidden, mask), whole(x, mask))  # stage 1 from what stage 0 sends
+
+
+def test_a_module_on_the_way_to_the_stack_holding_a_parameter_is_refused():
+    model = Nested()
+    model.body.scale = torch.nn.Parameter(torch.ones(()))
+    with pytest.raises(PipelineError, match="its body holds scale directly") as caught:
+        pipeline.stage_units(model, 2)
+    assert "\n" not in str(caught.value)
+
+
 @pytest.mark.parametrize("build,split,words", [
     (lambda: torch.nn.Transformer(d_model=4, nhead=1, num_encoder_layers=1, num_decoder_layers=1,
-                                  dim_feedforward=4), None, "has no nn.ModuleList of layers"),
+                                  dim_feedforward=4), None, "its stack has 1 layers, fewer than the stages"),
+    (lambda: Pair(), None, "has no nn.ModuleList of layers"),
     (lambda: torch.nn.Linear(2, 2), None, "its root holds weight, bias directly"),
     (lambda: Stack(layers=1), None, "its stack has 1 layers, fewer than the stages"),
     (lambda: Stack(), ["layers.9"], "not units of Stack; its units are embed, layers.0"),
