@@ -300,6 +300,10 @@ def add_arguments(parser, backend_required: bool = True) -> None:
                               "others train on")
     replica.add_argument("--max-group-restarts", type=int, default=3, metavar="M",
                          help="starts of a failed replica group after its first, per group (default 3)")
+    replica.add_argument("--replica-join-timeout", type=float, metavar="SECONDS",
+                         help="how long the groups' quorum waits for a group that is alive but has not asked for "
+                              "it (hung, or still loading after a restart) before the others step without it "
+                              "(default 5; below 60)")
     replica.add_argument("--replica-log-dir", metavar="DIR",
                          help="where --replica-groups writes the lighthouse's log and each group's exit records "
                               "(default: a new folder in the temporary directory, named when the job starts)")
@@ -374,12 +378,13 @@ def _run_replica_groups(args, plan: Plan, command: Command, groups: int) -> int:
                          "hosts start one group per command against one lighthouse (docs/fault-tolerance.md)")
     if args.max_group_restarts < 0:
         raise UsageError(f"--max-group-restarts must be at least 0, got {args.max_group_restarts}")
+    join_ms = replicas.join_timeout_ms(args.replica_join_timeout)
     import torch
 
     gpus = torch.cuda.device_count()
     replicas.check_gpus(groups, plan.nproc, gpus)  # groups that would share GPUs: refused, also in a dry run
     if args.dry_run:
-        print(replicas.describe(command, groups))
+        print(replicas.describe(command, groups, join_ms))
         return 0
     return replicas.run(replicas.with_runner(command, plan), groups, args.max_group_restarts, plan.nproc, gpus,
-                        args.replica_log_dir)
+                        args.replica_log_dir, join_ms)

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
-from ..backends.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR, RESTARTS_VAR
+from ..backends.replica_groups import GROUP_VAR, GROUPS_VAR, LIGHTHOUSE_VAR, QUORUM_TIMEOUT, RESTARTS_VAR
 from ..errors import UnifiedDistError
 from ..training.preemption import REQUEUE_EXIT_CODE
 from .commands import Command, Plan, environment
@@ -61,7 +61,11 @@ HEARTBEAT_TIMEOUT_MS = 2000
 default is 5000): the pause the survivors see when a group dies."""
 JOIN_TIMEOUT_MS = 5000
 """How long the lighthouse waits for a group that still sends heartbeats but has not asked for the step's
-quorum (hung, or in a long step of its own) before the others go on without it (torchft's default 60000)."""
+quorum (hung, or in a long step of its own) before the others go on without it (torchft's default 60000);
+``unified-dist launch --replica-join-timeout SECONDS`` sets it, below :data:`MAX_JOIN_TIMEOUT_S`."""
+MAX_JOIN_TIMEOUT_S = QUORUM_TIMEOUT.total_seconds()
+"""A join timeout must be shorter than the least a group's quorum waits
+(:data:`unified_dist.backends.replica_groups.QUORUM_TIMEOUT`): else the groups that are on time give up first."""
 QUORUM_RETRIES_VAR = "TORCHFT_QUORUM_RETRIES"
 QUORUM_RETRIES = 10
 """How many times torchft asks the lighthouse again for a quorum that failed (its default: 0, and a group whose
@@ -194,17 +198,29 @@ def ending_of(returncode: int, records: List[Dict[str, Any]], nproc: int) -> End
 
 
 # ---------------------------------------------------------------------- the lighthouse
-def lighthouse_flags(port: str) -> List[str]:
+def join_timeout_ms(seconds: Optional[float]) -> int:
+    """``--replica-join-timeout``'s seconds as the lighthouse's milliseconds (``None``: :data:`JOIN_TIMEOUT_MS`);
+    a value the groups' quorum would not outwait is a :class:`UsageError`."""
+    if seconds is None:
+        return JOIN_TIMEOUT_MS
+    if not 0 < seconds < MAX_JOIN_TIMEOUT_S:
+        raise UsageError(f"--replica-join-timeout {seconds:g}: give seconds above 0 and below {MAX_JOIN_TIMEOUT_S:g} "
+                         "(the least a group's quorum waits: the groups on time would give up before the late one)")
+    return max(1, round(seconds * 1000))
+
+
+def lighthouse_flags(port: str, join_ms: int = JOIN_TIMEOUT_MS) -> List[str]:
     """The lighthouse's flags on ``port``: a quorum needs one group; a silent group is dropped after
-    :data:`HEARTBEAT_TIMEOUT_MS`, a late one after :data:`JOIN_TIMEOUT_MS`."""
+    :data:`HEARTBEAT_TIMEOUT_MS`, a late one after ``join_ms`` (:data:`JOIN_TIMEOUT_MS`)."""
     return ["--min_replicas", "1", "--bind", f"[::]:{port}", "--quorum_tick_ms", "100",
-            "--join_timeout_ms", str(JOIN_TIMEOUT_MS), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
+            "--join_timeout_ms", str(join_ms), "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
 
 
-def lighthouse_command(port: int) -> List[str]:
+def lighthouse_command(port: int, join_ms: int = JOIN_TIMEOUT_MS) -> List[str]:
     """torchft's lighthouse on ``port`` (0: one the OS picks) in a process of its own, with
     ``torchft_lighthouse``'s flags: it prints :data:`READY` and the port once bound."""
-    return [sys.executable, "-m", "unified_dist.cli.replica_child", "lighthouse", *lighthouse_flags(str(port))]
+    return [sys.executable, "-m", "unified_dist.cli.replica_child", "lighthouse",
+            *lighthouse_flags(str(port), join_ms)]
 
 
 TOO_SLOW = "it did not listen within"
@@ -219,6 +235,7 @@ class Lighthouse:
     """The lighthouse process the launcher started, and its log (every start appends to it)."""
 
     log: Path
+    join_ms: int = JOIN_TIMEOUT_MS
     port: int = 0
     process: Optional[subprocess.Popen] = None
     restarts: int = 0
@@ -246,8 +263,9 @@ class Lighthouse:
     def _start_once(self, deadline: float) -> None:
         offset = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "a") as out:
-            self.process = subprocess.Popen(lighthouse_command(self.port), stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True, preexec_fn=end_with_launcher(os.getpid()))
+            self.process = subprocess.Popen(lighthouse_command(self.port, self.join_ms), stdout=out,
+                                            stderr=subprocess.STDOUT, start_new_session=True,
+                                            preexec_fn=end_with_launcher(os.getpid()))
         while time.monotonic() < deadline:
             with open(self.log) as log:
                 log.seek(offset)
@@ -344,11 +362,11 @@ def check_gpus(groups: int, nproc: int, count: int, environ: Mapping[str, str] =
     return gpus
 
 
-def describe(command: Command, groups: int) -> str:
+def describe(command: Command, groups: int, join_ms: int = JOIN_TIMEOUT_MS) -> str:
     """What ``--dry-run`` prints: the lighthouse, then one line per group, as a user would type them by hand
     (the launcher runs the same lighthouse through torchft's Python server, to learn its port, and each group's
     processes through :data:`RUNNER`, to learn how they ended)."""
-    lines = [shlex.join(["torchft_lighthouse", *lighthouse_flags("PORT")])]
+    lines = [shlex.join(["torchft_lighthouse", *lighthouse_flags("PORT", join_ms)])]
     for index in range(groups):
         lines.append(f"{LIGHTHOUSE_VAR}=http://localhost:PORT {GROUP_VAR}={index} {GROUPS_VAR}={groups} "
                      + command.line())
@@ -356,18 +374,18 @@ def describe(command: Command, groups: int) -> str:
 
 
 def run(command: Command, groups: int, max_restarts: int, nproc: int = 1, gpu_count: int = 0,
-        log_dir: Optional[str] = None) -> int:
+        log_dir: Optional[str] = None, join_ms: int = JOIN_TIMEOUT_MS) -> int:
     """Start the lighthouse and ``groups`` groups running ``command`` (``nproc`` processes each, on this host's
     ``gpu_count`` GPUs); supervise them (at most ``max_restarts`` restarts of each group); return the job's exit
     status (the module doc). The lighthouse's log and the groups' records go to ``log_dir`` (default: a new
-    folder in the temporary directory)."""
+    folder in the temporary directory); ``join_ms``: the lighthouse's join timeout (:data:`JOIN_TIMEOUT_MS`)."""
     gpus = check_gpus(groups, nproc, gpu_count)
     if importlib.util.find_spec("torchft") is None:
         raise UsageError("--replica-groups needs torchft, which is not installed here: "
                          "pip install 'unified_dist[fault-tolerance]'")
     folder = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="unified-dist-replica-groups-"))
     folder.mkdir(parents=True, exist_ok=True)
-    lighthouse = Lighthouse(folder / "lighthouse.log")
+    lighthouse = Lighthouse(folder / "lighthouse.log", join_ms)
     members: List[Group] = []
     stopping = {"signal": 0}
 

@@ -103,6 +103,30 @@ def test_dry_run_shows_the_lighthouse_and_one_command_per_group():
     assert "REPLICA_GROUP_ID=1 NUM_REPLICA_GROUPS=2 torchrun --standalone" in lines.splitlines()[2]
 
 
+def test_the_join_timeout_reaches_the_lighthouse_and_is_bounded(tmp_path, monkeypatch, capsys):
+    """--replica-join-timeout S is the lighthouse's --join_timeout_ms (dry run and the launched lighthouse), 5 s
+    by default; 60 s or more (a group's quorum gives up after QUORUM_TIMEOUT = 60 s) and 0 are one-line errors."""
+    from unified_dist.cli.main import main
+
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+
+    def dry(*flags):
+        code = main(["launch", "--nproc", "1", "--replica-groups", "2", "--dry-run", *flags, "train.py"])
+        return code, capsys.readouterr()
+
+    (code, default), (code_set, set_) = dry(), dry("--replica-join-timeout", "12.5")
+    assert code == code_set == 0, default.err + set_.err
+    assert "--join_timeout_ms 5000 " in default.out.splitlines()[0]
+    assert "--join_timeout_ms 12500 " in set_.out.splitlines()[0]
+    assert replicas.lighthouse_command(0, 12500)[-3:-2] == ["12500"]  # what the launcher starts
+    assert replicas.Lighthouse(tmp_path / "log", 12500).join_ms == 12500
+    for bad in ("60", "0"):
+        code, refused = dry("--replica-join-timeout", bad)
+        assert code == 2 and refused.err.count("\n") == 1, refused.err
+        assert f"--replica-join-timeout {bad}: give seconds above 0 and below 60" in refused.err
+
+
 def supervise(members, max_restarts):
     for member in members:
         member.start()
