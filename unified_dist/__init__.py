@@ -35,7 +35,8 @@ _FROM: Dict[str, str] = {
                      "launcher", "local_rank", "log", "log_hparams", "main_process_first", "mixed_precision",
                      "pipeline_forward", "pipeline_stages", "pipeline_step", "prepare", "print", "rank",
                      "requeue", "restore_rng_states", "rng_states", "seed_everything", "sharding_mode",
-                     "should_stop", "shutdown", "sync_gradients", "tracker", "unwrap", "world_size"], ".facade"),
+                     "should_stop", "shutdown", "sync_gradients", "tracker", "unwrap", "world_size",
+                     "zero_stage"], ".facade"),
     **dict.fromkeys(["get_state_dict", "latest_checkpoint", "load", "load_sharded", "reserve_async_save", "save",
                      "save_checkpoint", "save_sharded"], ".saving"),
 }
@@ -120,6 +121,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
         tracker,
         unwrap,
         world_size,
+        zero_stage,
     )
     from .saving import (  # noqa: F401
         get_state_dict,

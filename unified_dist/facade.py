@@ -170,14 +170,10 @@ def gradient_accumulation_steps() -> int:
     return current_backend().config.gradient_accumulation_steps
 
 
-def gradient_compression() -> Optional[str]:
-    """The format gradients travel in: ``"bf16"``, ``"fp16"`` or ``None`` (float32)."""
-    return current_backend().config.gradient_compression
-
-
-def gradient_accumulation_steps() -> int:
-    """Micro-batches per optimizer step, as given to :func:`init`."""
-    return current_backend().config.gradient_accumulation_steps
+def zero_stage() -> Optional[int]:
+    """The ZeRO stage the ``deepspeed`` backend shards with (0-3: see :func:`init`'s ``zero_stage``, which the
+    launcher or a DeepSpeed config may also give), ``None`` on every other backend."""
+    return current_backend().zero_stage
 
 
 # ---------------------------------------------------------------------- preparation

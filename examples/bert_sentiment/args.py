@@ -127,6 +127,11 @@ def add_optimisation_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--sharding", choices=("no", "fsdp"), default=None,
                    help="fsdp: shard parameters, gradients and optimizer state over the processes (FSDP2); "
                         "default: what the launcher says (accelerate launch --use_fsdp), else no")
+    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, metavar="N",
+                   help="train through DeepSpeed's engine at ZeRO stage N (0: DDP-like, 1: optimizer state "
+                        "sharded, 2: also gradients, 3: also parameters; docs/deepspeed.md); default: what the "
+                        "launcher says (accelerate launch --use_deepspeed --zero_stage N, DeepSpeed's own "
+                        "launcher), else the torch backend")
     g.add_argument("--dp-replicate", type=replicas, default=None, metavar="R|nodes",
                    help="HSDP (with --sharding fsdp): R replicas of the model, each sharded over world size / R "
                         "processes (nodes: one replica per machine); default: what the launcher says "

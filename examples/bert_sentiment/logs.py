@@ -37,9 +37,10 @@ def print_launch(args: Any, threads: int, global_batch: int) -> None:
     mesh = ud.device_mesh()  # the layout, with --sharding fsdp, --dp-replicate or --tp (or the launcher's)
     layout = "" if mesh is None else " | mesh " + " x ".join(
         f"{name} {size}" for name, size in zip(mesh.mesh_dim_names, mesh.shape))
+    stage = ud.zero_stage()  # DeepSpeed's engine (--zero-stage, or the launcher's): its stage says how it shards
+    sharding = f"sharding {ud.sharding_mode()}{layout}" if stage is None else f"ZeRO stage {stage}"
     ud.print(f"launcher {ud.launcher()} | backend {ud.backend_name()} | world size {world} | device {ud.device()} "
-             f"| {threads} torch thread(s) per process | mixed precision {ud.mixed_precision()} "
-             f"| sharding {ud.sharding_mode()}{layout}")
+             f"| {threads} torch thread(s) per process | mixed precision {ud.mixed_precision()} | {sharding}")
     sharers = "tensor-parallel processes" if ud.pipeline_stages() == 1 else "processes: pipeline stages x tp"
     shared = f" (each batch shared by {world // data_parallel} {sharers})" if data_parallel != world else ""
     ud.print(f"global batch = {args.batch_size} per process x {data_parallel} process(es){shared} x "
@@ -59,9 +60,17 @@ def print_parameters_held(model: torch.nn.Module) -> None:
     """Every process: how many of the model's weights it holds, all of them, or with --sharding fsdp its
     shard (about 1/world size, with --dp-replicate R about R/world size; with --tp, the planned layers'
     1/T; a sharded parameter is a DTensor whose local part is this process's)."""
-    held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
-    print(f"rank {ud.rank()} holds {held} of the model's {sum(p.numel() for p in model.parameters())} "
-          "parameter elements", flush=True)
+    held = sum(_held(p) for p in model.parameters())
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    print(f"rank {ud.rank()} holds {held} of the model's {total} parameter elements", flush=True)
+
+
+def _held(p: torch.Tensor) -> int:
+    """The elements of ``p`` this process holds: a DTensor's local part; under ZeRO-3, DeepSpeed's partition
+    (``ds_tensor``; the parameter itself is then an empty placeholder, its full size ``ds_numel``)."""
+    if hasattr(p, "ds_tensor"):
+        return min(p.ds_tensor.numel(), p.ds_numel)  # the partition is padded to a size the ranks divide
+    return (p.to_local() if hasattr(p, "to_local") else p).numel()
 
 
 def print_compiled(model: torch.nn.Module) -> None:

@@ -54,7 +54,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         ud.init(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum,
                 sharding=args.sharding, dp_replicate=args.dp_replicate, tp=args.tp, pp=args.pp,
                 tp_plan=modeling.tp_plan(args.tp_plan), compile=args.compile,
-                compile_mode=args.compile_mode)  # None: the launcher's (its flags, its variables)
+                compile_mode=args.compile_mode,  # None: the launcher's (its flags, its variables)
+                # --zero-stage N: DeepSpeed's engine at that stage; without it, what the launcher says (accelerate
+                # launch --use_deepspeed --zero_stage N, DeepSpeed's own launcher, UNIFIED_DIST_BACKEND=deepspeed)
+                **({} if args.zero_stage is None else dict(backend="deepspeed", zero_stage=args.zero_stage)))
     except ud.UnifiedDistError as exc:
         print(f"train.py: error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -112,6 +112,8 @@ class Backend(ABC):
     """Whether ``pp > 1`` can run on this stack (torch's own backend only: :mod:`unified_dist.parallel.pipeline`)."""
     reads_deepspeed_settings: bool = False
     """Whether this stack honours ``zero_stage`` and ``deepspeed_config`` (the others refuse them at ``init``)."""
+    zero_stage: Optional[int] = None
+    """The ZeRO stage this stack shards with (the deepspeed backend: 0-3), ``None`` on stacks without ZeRO."""
 
     def __init__(self, detection: Detection, config: Config) -> None:
         self.detection = detection
