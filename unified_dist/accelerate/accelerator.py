@@ -17,12 +17,14 @@ import atexit
 import contextlib
 import datetime
 import inspect
+import os
 import weakref
 from typing import Any, Optional
 
 import accelerate
 import torch
 
+from ..detection.stacks import accelerate_asks_for_deepspeed
 from ..errors import UnifiedDistError
 from . import world
 
@@ -56,11 +58,20 @@ class Accelerator(accelerate.Accelerator):
         given = dict(bound.arguments)
         given.pop("self")
         size = world.join(_timeout(given.get("kwargs_handlers")))
+        deepspeed = _asks_for_deepspeed(given)
         if size > 1 and not torch.cuda.is_available():
-            given["cpu"] = True  # without it Accelerate runs each of the processes alone (DistributedType.NO)
+            if deepspeed:  # Accelerate's DeepSpeed path, told the backend it finds on GPUs only
+                given["kwargs_handlers"] = _over_gloo(given.get("kwargs_handlers"))
+            else:
+                given["cpu"] = True  # without it Accelerate runs each of the processes alone (DistributedType.NO)
         self._ud_log_with = given.pop("log_with")
         self._ud_trackers_started = False
         super().__init__(**given)
+        if deepspeed and self.distributed_type != accelerate.DistributedType.DEEPSPEED:
+            raise DeepSpeedLeftOutError(
+                f"Accelerator: a DeepSpeed plugin (or --use_deepspeed) was given, but Accelerate set up "
+                f"{self.distributed_type} and would train without DeepSpeed: drop cpu=True / --use_cpu (the "
+                "processes run DeepSpeed's CPU engine over gloo here), or drop the DeepSpeed plugin")
         leave_at_exit()
         _LIVE.add(self)
 
@@ -147,7 +158,12 @@ class PartialState(accelerate.PartialState):
         if not accelerate.PartialState._shared_state:  # the first state of this process
             size = world.join(kwargs.get("timeout"))
             if size > 1 and not torch.cuda.is_available():
-                cpu = True
+                # ACCELERATE_USE_DEEPSPEED: accelerate launch --use_deepspeed, or (for this state only) transformers'
+                # TrainingArguments(deepspeed=...); Accelerate's DeepSpeed path, told the backend (see _over_gloo)
+                if not cpu and accelerate_asks_for_deepspeed(os.environ):
+                    kwargs.setdefault("backend", "gloo")
+                else:
+                    cpu = True
             leave_at_exit()
         super().__init__(cpu, **kwargs)
 
@@ -176,6 +192,34 @@ def _leave(destroy: bool) -> None:
     release_reducers([model for accelerator in list(_LIVE) for model in getattr(accelerator, "_models", ())])
     if destroy:
         destroy_at_exit(True)
+
+
+class DeepSpeedLeftOutError(UnifiedDistError):
+    """A DeepSpeed plugin was given to an ``Accelerator`` that Accelerate set up without DeepSpeed
+    (``cpu=True``): refused rather than trained as plain DDP."""
+
+
+def _asks_for_deepspeed(given: dict) -> bool:
+    """Whether an ``Accelerator`` built with the arguments ``given`` runs DeepSpeed where Accelerate can: a
+    plugin given, or ``ACCELERATE_USE_DEEPSPEED=true`` (``accelerate launch --use_deepspeed``; Accelerate then
+    builds ``DeepSpeedPlugin()`` from the launcher's variables)."""
+    return (given.get("deepspeed_plugin") is not None or given.get("deepspeed_plugins") is not None
+            or accelerate_asks_for_deepspeed(os.environ))
+
+
+def _over_gloo(handlers: Any) -> list:
+    """``handlers`` with the process group's backend set to gloo (the user's ``InitProcessGroupKwargs`` kept
+    otherwise, or a new one). On a machine without CUDA Accelerate's DeepSpeed path starts DeepSpeed's
+    communication with no backend, then counts a world of one; told gloo (what DeepSpeed's CPU accelerator
+    uses without oneCCL) it counts the launcher's processes and runs DeepSpeed's engine on the CPU."""
+    import dataclasses
+
+    handlers = list(handlers or ())
+    for i, handler in enumerate(handlers):
+        if isinstance(handler, accelerate.utils.InitProcessGroupKwargs):
+            handlers[i] = dataclasses.replace(handler, backend="gloo")
+            return handlers
+    return [*handlers, accelerate.utils.InitProcessGroupKwargs(backend="gloo")]
 
 
 def _timeout(handlers: Any) -> Optional[datetime.timedelta]:

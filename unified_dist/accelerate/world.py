@@ -44,7 +44,7 @@ def launcher_world(environ=os.environ):
     from ..detection import detect
     from ..detection.stacks import accelerate_asks_for_deepspeed
 
-    # under --use_deepspeed Accelerate itself runs DeepSpeed on GPUs (the world is the same): see _refuse_cpu_deepspeed
+    # under --use_deepspeed Accelerate itself runs DeepSpeed (on CPUs over gloo: see accelerator._over_gloo)
     found = detect(environ, "deepspeed" if accelerate_asks_for_deepspeed(environ) else "accelerate")
     if found.problems:
         raise LaunchError(found.problems[0])
@@ -85,7 +85,6 @@ def join(timeout: Optional[datetime.timedelta] = None) -> int:
         return dist.get_world_size()
     found = launcher_world()
     _refuse_a_lonely_state(found.world_size)  # before anything is exported
-    _refuse_cpu_deepspeed(found.world_size)
     size = export_world(found)
     if size <= 1:
         return 1
@@ -93,21 +92,6 @@ def join(timeout: Optional[datetime.timedelta] = None) -> int:
     if not join_default_group(timeout or datetime.timedelta(minutes=30), always=False):
         note_group_joined_elsewhere()
     return size
-
-
-def _refuse_cpu_deepspeed(world_size: int, environ=os.environ) -> None:
-    """``accelerate launch --use_deepspeed`` on a machine without CUDA: the processes train together only with
-    ``cpu=True``, and then Accelerate leaves DeepSpeed out (its ``PartialState`` starts DeepSpeed ``if not cpu``)
-    and trains plain DDP without a word. Refused in one line; on GPUs Accelerate runs DeepSpeed itself."""
-    import torch
-
-    from ..detection.stacks import accelerate_asks_for_deepspeed
-
-    if world_size > 1 and not torch.cuda.is_available() and accelerate_asks_for_deepspeed(environ):
-        raise LaunchError(
-            "accelerate launch --use_deepspeed on a machine without CUDA: Accelerate runs DeepSpeed only on GPUs and "
-            "would train these processes with plain DDP; train through the facade instead (import unified_dist as "
-            "ud: its deepspeed backend runs DeepSpeed's engine on CPUs), or launch without --use_deepspeed")
 
 
 def _refuse_a_lonely_state(world_size: int) -> None:

@@ -112,23 +112,45 @@ def test_other_backends_refuse_the_deepspeed_settings(monkeypatch):
         ud.shutdown()
 
 
-def test_the_accelerate_api_refuses_use_deepspeed_where_accelerate_would_train_plain_ddp():
-    """``python -m unified_dist.accelerate`` / ``unified_dist.accelerate.Accelerator`` under ``accelerate launch
-    --use_deepspeed``: on a machine without CUDA the processes train together only with ``cpu=True``, where
-    Accelerate leaves DeepSpeed out: one line. With CUDA Accelerate runs DeepSpeed itself: nothing to refuse."""
-    import torch
+def test_the_accelerate_api_tells_accelerates_deepspeed_path_gloo_and_keeps_the_users_handler():
+    """``unified_dist.accelerate.Accelerator`` with a DeepSpeed plugin (or under ``accelerate launch
+    --use_deepspeed``) on several CPU processes: Accelerate's DeepSpeed path gets the backend gloo, through the
+    user's own ``InitProcessGroupKwargs`` (its other fields kept) or a new one; nothing else asks for DeepSpeed.
+    The launches: tests/launchers/test_accelerate_deepspeed.py."""
+    import datetime
 
-    from unified_dist.accelerate import world
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    from unified_dist.accelerate import accelerator, world
 
     assert world.launcher_world(ACCELERATE_DS).world_size == 2  # the world is read as before
-    if torch.cuda.is_available():
-        world._refuse_cpu_deepspeed(2, ACCELERATE_DS)
-        return
-    with pytest.raises(LaunchError, match="--use_deepspeed on a machine without CUDA") as err:
-        world._refuse_cpu_deepspeed(2, ACCELERATE_DS)
-    assert "\n" not in str(err.value)
-    world._refuse_cpu_deepspeed(1, ACCELERATE_DS)  # one process: Accelerate's own path, nothing forced
-    world._refuse_cpu_deepspeed(2, TORCHRUN)
+    mine = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=7))
+    told = accelerator._over_gloo([mine])
+    assert [h.to_kwargs() for h in told] == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=7)}]
+    assert [h.to_kwargs()["backend"] for h in accelerator._over_gloo(None)] == ["gloo"]
+    assert accelerator._asks_for_deepspeed({"deepspeed_plugin": DeepSpeedPlugin(zero_stage=2)})
+    assert accelerator._asks_for_deepspeed({"deepspeed_plugins": {"a": DeepSpeedPlugin(zero_stage=2)}})
+    assert not accelerator._asks_for_deepspeed({"deepspeed_plugin": None})
+
+
+def test_the_accelerate_api_refuses_a_deepspeed_plugin_that_accelerate_would_leave_out(monkeypatch):
+    """``Accelerator(cpu=True, deepspeed_plugin=...)``: Accelerate sets up plain CPU training and ignores the
+    plugin; refused in one line, never trained without DeepSpeed."""
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DeepSpeedPlugin
+
+    from unified_dist.accelerate import Accelerator
+    from unified_dist.accelerate.accelerator import DeepSpeedLeftOutError
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")  # restored after: Accelerate writes "true"
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with pytest.raises(DeepSpeedLeftOutError, match="drop cpu=True") as err:
+            Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
+        assert "\n" not in str(err.value)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
 
 
 def test_launch_command_starts_deepspeeds_launcher_on_one_node_and_torchrun_on_several():
