@@ -46,7 +46,10 @@ class Accelerator(accelerate.Accelerator):
       ``MASTER_ADDR expected``);
     - ``log_with`` trackers are :mod:`unified_dist.trackers`' (``get_tracker(name)`` gives an object with
       ``.name`` and ``.tracker``, the library's own run object);
-    - :meth:`join_uneven_inputs` joins over CPU processes too (Accelerate: GPUs only).
+    - :meth:`join_uneven_inputs` joins over CPU processes too (Accelerate: GPUs only);
+    - a DeepSpeed plugin (or ``accelerate launch --use_deepspeed``) on several processes without CUDA runs
+      Accelerate's DeepSpeed path over gloo (Accelerate: a world of one there, or no DeepSpeed with ``cpu=True``),
+      and one that Accelerate would still leave out (``cpu=True``) is refused (:class:`DeepSpeedLeftOutError`).
     """
 
     _ud_joining_on_cpu = False
@@ -70,8 +73,8 @@ class Accelerator(accelerate.Accelerator):
         if deepspeed and self.distributed_type != accelerate.DistributedType.DEEPSPEED:
             raise DeepSpeedLeftOutError(
                 f"Accelerator: a DeepSpeed plugin (or --use_deepspeed) was given, but Accelerate set up "
-                f"{self.distributed_type} and would train without DeepSpeed: drop cpu=True / --use_cpu (the "
-                "processes run DeepSpeed's CPU engine over gloo here), or drop the DeepSpeed plugin")
+                f"{self.distributed_type} and would train without DeepSpeed: drop cpu=True (the processes run "
+                "DeepSpeed's CPU engine over gloo here), or drop the DeepSpeed plugin")
         leave_at_exit()
         _LIVE.add(self)
 
