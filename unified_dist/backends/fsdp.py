@@ -68,8 +68,20 @@ class FsdpModels:
             self._new_of[id(old)] = (weakref.ref(old), new)
         if sharding.pp > 1:
             return pipeline.PipelinedModel(model, stage, sharding.pp, sharding.pp_schedule, sharding.microbatches,
-                                           device or torch.device("cpu"), mesh[PP_DIM].get_group(), whole_keys)
+                                           device or torch.device("cpu"), mesh[PP_DIM].get_group(), whole_keys,
+                                           stage_group=self._stage_group(stage))
         return model
+
+    def _stage_group(self, stage: int) -> Any:
+        """The process group of pipeline stage ``stage``'s ranks (``None`` where the stage has one rank); every
+        rank creates every stage's, as ``torch.distributed.new_group`` needs."""
+        import torch.distributed as dist
+
+        layout = self.layout
+        if layout.world // layout.pp == 1:
+            return None
+        groups = [dist.new_group([r for r in range(layout.world) if layout.pp_rank(r) == s]) for s in range(layout.pp)]
+        return groups[stage]
 
     def regions(self, model: torch.nn.Module) -> Optional[List[torch.nn.Module]]:
         """The blocks of a model :meth:`prepare` split, to compile one by one (``None``: not split here)."""

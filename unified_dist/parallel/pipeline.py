@@ -225,12 +225,13 @@ class PipelinedModel(torch.nn.Module):
     by the whole model's fully-qualified names (no ``module.`` prefix)."""
 
     def __init__(self, module: torch.nn.Module, stage: int, stages: int, schedule: str, microbatches: int,
-                 device: torch.device, pp_group: Any, whole_keys: Sequence[str] = ()) -> None:
+                 device: torch.device, pp_group: Any, whole_keys: Sequence[str] = (), stage_group: Any = None) -> None:
         super().__init__()
         self.module = module
         self.whole_keys = frozenset(whole_keys)  # every stage's state-dict keys: the whole model's
         self.stage, self.stages, self.schedule_name, self.microbatches = stage, stages, schedule, microbatches
         self._device, self._group = device, pp_group
+        self._stage_group = stage_group  # this stage's ranks (None: one): they agree on when to build a schedule
         self._schedules: Dict[Tuple[Any, ...], Any] = {}  # training schedules by the shapes of their batch
         self._eval_schedules: Dict[Tuple[Any, ...], Any] = {}  # forward-only ones
         self._loss_fn: Optional[Callable] = None
@@ -288,6 +289,22 @@ class PipelinedModel(torch.nn.Module):
             self._schedules[key] = cls(stage, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=True)
         return self._schedules[key]
 
+    def _agreed(self, key: Tuple[Any, ...]) -> Tuple[Any, ...]:
+        """``key`` and the keys of this stage's other ranks (one small all-gather among them): building a
+        schedule runs a forward (its shape inference), which FSDP2's collectives make a collective of the
+        stage's ranks, whose batches may differ in shape (each data-parallel rank pads its own)."""
+        if self._stage_group is None:
+            return key
+        import hashlib
+
+        import torch.distributed as dist
+
+        digest = hashlib.blake2b(repr(key).encode(), digest_size=7).digest()
+        mine = torch.tensor([int.from_bytes(digest, "big")], dtype=torch.int64, device=self._device)
+        every = [torch.zeros_like(mine) for _ in range(dist.get_world_size(self._stage_group))]
+        dist.all_gather(every, mine, group=self._stage_group)
+        return (key, tuple(int(t) for t in every))
+
     def step(self, inputs: Any, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of ``inputs`` (see :func:`_positional_and_keywords`) against ``targets`` in
         microbatches (dimension 0); the mean microbatch loss, detached, on every stage. Every stage is
@@ -298,7 +315,7 @@ class PipelinedModel(torch.nn.Module):
                 f"pipeline_step got a batch of {rows} rows (targets {tuple(targets.shape)[:1]}) that "
                 f"pp_microbatches={self.microbatches} does not divide into equal microbatches; use a batch size "
                 f"that is a multiple of {self.microbatches} (drop_last=True on the loader)")
-        schedule = self._schedule_for(loss_fn, _shapes(args, kwargs))
+        schedule = self._schedule_for(loss_fn, self._agreed(_shapes(args, kwargs)))
         losses: List[torch.Tensor] = []
         if self.stage == 0 and self.is_last:
             schedule.step(*args, target=targets, losses=losses, **kwargs)
@@ -321,7 +338,7 @@ class PipelinedModel(torch.nn.Module):
             raise PipelineError("pipeline_forward needs a batch: a tensor, a tuple of tensors or a dict of tensors "
                                 "whose first has a row dimension")
         microbatches = self.microbatches if rows % self.microbatches == 0 else 1
-        key = (microbatches, *_shapes(args, kwargs))
+        key = self._agreed((microbatches, *_shapes(args, kwargs)))
         schedule = self._eval_schedules.get(key)
         if schedule is None:
             from torch.distributed import pipelining

@@ -216,17 +216,21 @@ def run_case(name: str) -> dict:
             "ok" if refused == ["refused", "refused"] and not os.path.exists(opt_path) else f"FAIL: {refused}")
         # a batch of other shapes (6 rows: a schedule of its own), the clip over every stage's gradients, and the
         # forward for evaluation (5 rows: one microbatch); the reference is ``whole``, which holds what each stage
-        # now holds (the file just loaded). Every rank passes the same rows, so the global batch's mean gradient
-        # is that of these rows whatever the data-parallel ranks.
+        # now holds (the file just loaded). The last data-parallel rank passes 6 rows of x6, the others (FSDP's
+        # 2 data-parallel ranks) its first 4, the shape of the training batches: the stage's ranks must still
+        # build the new schedule together. The step's gradient: the mean over the data-parallel ranks of their
+        # batches' mean-loss gradients (FSDP2 averages them), which the reference forms the same way.
         generator = torch.Generator().manual_seed(7)
         x6, y6 = torch.randn(6, 6, dtype=DTYPE, generator=generator), torch.randint(0, 3, (6,), generator=generator)
+        rows_of = [6 if d == dp - 1 else PER_RANK for d in range(dp)]
+        mine6 = rows_of[rank % per_stage // tp]
         optimizer.zero_grad()
-        loss6 = float(ud.pipeline_step(model, x6, y6, loss_fn))
+        loss6 = float(ud.pipeline_step(model, x6[:mine6], y6[:mine6], loss_fn))
         norm = float(ud.clip_grad_norm_(model.parameters(), 1e-3))
-        ref_loss6 = loss_fn(whole(x6), y6)
-        ref_loss6.backward()
+        ref_losses6 = [loss_fn(whole(x6[:n]), y6[:n]) for n in rows_of]
+        (sum(ref_losses6) / dp).backward()
         ref_norm = float(torch.nn.utils.clip_grad_norm_(whole.parameters(), 1e-3))
-        gap6 = abs(loss6 - float(ref_loss6))
+        gap6 = abs(loss6 - float(ref_losses6[rank % per_stage // tp]))
         checks["a_batch_of_other_shapes_runs_its_own_schedule"] = "ok" if gap6 <= BOUND else f"FAIL: {gap6:.3g}"
         grad_gap = max(float((_full(p.grad) - whole.get_parameter(n).grad).abs().max())
                        for n, p in ud.unwrap(model).named_parameters())
