@@ -63,7 +63,7 @@ def plot_curves(metrics_path: str, png_path: str) -> str:
                  f"world size {first.get('world_size', '?')}")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
-    tmp = png_path + ".tmp.png"
+    tmp = f"{png_path}.tmp{os.getpid()}.png"  # replaced whole: each replica group's main process writes it
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
     os.replace(tmp, png_path)

@@ -26,6 +26,7 @@ import time
 _T0 = time.time()  # wall time of the whole run, imports included
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -278,6 +279,23 @@ def resume(r: Run, path: str) -> None:
                 if old_batch not in (None, r.global_batch) else ""))
 
 
+def save_final_model(r: Run, final_dir: str, weights: Dict[str, Any]) -> None:
+    """The final model and tokenizer in ``final_dir``, each file replaced whole: under ``unified-dist launch
+    --replica-groups`` every group's main process writes the same files at about the same time."""
+    tmp = f"{final_dir}.tmp{os.getpid()}"
+    ud.unwrap(r.state["model"]).save_pretrained(tmp, state_dict=weights)
+    r.tokenizer.save_pretrained(tmp)
+    os.makedirs(final_dir, exist_ok=True)
+    written = os.listdir(tmp)
+    for name in written:
+        os.replace(os.path.join(tmp, name), os.path.join(final_dir, name))
+    os.rmdir(tmp)
+    for name in set(os.listdir(final_dir)) - set(written):  # an earlier run's weights (other shards), as
+        if name.startswith(("model", "pytorch_model")):  # save_pretrained itself removes them
+            with contextlib.suppress(FileNotFoundError):  # another group's main process removed it first
+                os.remove(os.path.join(final_dir, name))
+
+
 def finish(r: Run) -> Dict[str, Any]:
     """Last validation and the test split, last checkpoint, final model, results.json and summary line."""
     validate(r, final=True)
@@ -286,8 +304,7 @@ def finish(r: Run) -> Dict[str, Any]:
     final_dir = os.path.join(r.out, "final_model")
     weights = ud.get_state_dict(r.state["model"])  # on every rank: a sharded model's weights are gathered
     if ud.is_main():
-        ud.unwrap(r.state["model"]).save_pretrained(final_dir, state_dict=weights)
-        r.tokenizer.save_pretrained(final_dir)
+        save_final_model(r, final_dir, weights)
     test, validation = r.last_eval["test"], r.last_eval["validation"]
     results = {"test_accuracy": test["accuracy"], "test_macro_f1": test["macro_f1"],
                "test_examples": test["eval_examples"], "validation_accuracy": validation["accuracy"],
@@ -295,9 +312,11 @@ def finish(r: Run) -> Dict[str, Any]:
                "steps": r.step, "epoch": r.epoch, "global_batch": r.global_batch,
                "threads_per_process": r.threads, "wall_time_s": round(time.time() - _T0, 1),
                "resumed_from": r.resumed_from, **r.log.common, "args": vars(r.args)}
-    if ud.is_main():
-        with open(os.path.join(r.out, "results.json"), "w") as handle:
+    if ud.is_main():  # one main process per replica group: each replaces the file whole
+        tmp = os.path.join(r.out, f"results.json.tmp{os.getpid()}")
+        with open(tmp, "w") as handle:
             json.dump(results, handle, indent=2)
+        os.replace(tmp, os.path.join(r.out, "results.json"))
     ud.barrier()
     ud.print(f"final test accuracy {results['test_accuracy']:.4f} (macro-F1 {results['test_macro_f1']:.4f}, "
              f"{results['test_examples']} examples) after {results['steps']} steps in {results['wall_time_s']:.0f} s; "
