@@ -1,0 +1,89 @@
+"""Pipeline parallelism's cost on this machine (issue 61, item 7): the step time of GPipe and 1F1B
+against the unpipelined step, and the bubble fraction, measured and in theory.
+
+    python bench/pipeline/pipeline_bench.py [--steps 7] [--out bench/pipeline/results/pipeline.json]
+
+One launch of bench/pipeline/pipeline_worker.py under ``torchrun --standalone --nproc_per_node 2``
+(``OMP_NUM_THREADS=1``): 2 stages, microbatches 2, 4 and 8, both schedules, and the unpipelined step
+(one process, the whole model and batch) in the same processes, so the ratios compare times taken
+side by side; absolute times are for this machine only. Per configuration:
+
+- ``step_s``: the median over ``--steps`` steps of the slowest rank's step;
+- ``ratio_to_unpipelined``: that over the unpipelined step's median (2 stages on 2 cores: 0.5 would be
+  a perfect pipeline, no bubble, no messages);
+- ``bubble_measured``: ``1 - mean busy / step``, where a rank's busy time is its stage's forward and
+  backward of the step's microbatches run alone (the rest of the step it waits for the other stage or
+  for a message); ``bubble_theory``: ``(P - 1) / (M + P - 1)``, the idle share of a balanced pipeline
+  of P stages and M microbatches with free messages (GPipe's and 1F1B's alike: 1F1B holds fewer
+  activations, not fewer bubbles);
+- ``parameter_bytes_per_rank``: what each stage holds, against the whole model's bytes.
+
+Results carry their provenance (commit, command, load, steal; bench/shared/provenance.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "shared"))
+
+import provenance  # noqa: E402
+from run import TMP, launch  # noqa: E402  (bench/shared/run.py)
+
+WORKER = "bench/pipeline/pipeline_worker.py"
+STAGES = 2
+
+
+def summarise(raw: dict) -> dict:
+    """The results file's body from the worker's record: medians, ratios and bubbles per configuration."""
+    plain = statistics.median(raw["unpipelined_step_s"])
+    whole = raw["model"]["parameters"] * 4  # float32
+    rows = []
+    for row in raw["pipelined"]:
+        step = statistics.median(row["step_s"])
+        busy = statistics.mean(row["busy_s_per_rank"])
+        m = row["microbatches"]
+        rows.append({**row, "step_s_median": step, "ratio_to_unpipelined": step / plain,
+                     "bubble_measured": 1 - busy / step, "bubble_theory": (STAGES - 1) / (m + STAGES - 1),
+                     "parameter_share_per_rank": [b / whole for b in row["parameter_bytes_per_rank"]]})
+    return {"stages": STAGES, "model": raw["model"], "unpipelined_step_s": raw["unpipelined_step_s"],
+            "unpipelined_step_s_median": plain, "configs": rows}
+
+
+def report(record: dict) -> list:
+    """The results as Markdown lines (a table per configuration)."""
+    lines = [f"unpipelined step (1 process, whole model and batch): {record['unpipelined_step_s_median']:.3f} s",
+             "", "| schedule | microbatches | step (s) | / unpipelined | bubble measured | bubble theory |"
+             " parameters per rank |", "|---|---|---|---|---|---|---|"]
+    for row in record["configs"]:
+        share = ", ".join(f"{s:.0%}" for s in row["parameter_share_per_rank"])
+        lines.append(f"| {row['schedule']} | {row['microbatches']} | {row['step_s_median']:.3f} | "
+                     f"{row['ratio_to_unpipelined']:.2f} | {row['bubble_measured']:.0%} | {row['bubble_theory']:.0%} |"
+                     f" {share} |")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "pipeline" / "results" / "pipeline.json"))
+    args = parser.parse_args()
+    record = provenance.start()
+    TMP.mkdir(parents=True, exist_ok=True)
+    raw_path = TMP / "pipeline_raw.json"
+    launch("torch", 2, WORKER, ["--out", str(raw_path), "--steps", str(args.steps)], result=raw_path)
+    record.update(summarise(json.loads(raw_path.read_text())))
+    record["launch"] = f"torchrun --standalone --nproc_per_node 2 {WORKER} --steps {args.steps}"
+    provenance.finish(record)
+    record.pop("cpu_ticks_before", None)
+    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print("\n".join(report(record)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
