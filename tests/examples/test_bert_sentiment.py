@@ -406,7 +406,7 @@ def test_zero_stage_3_trains_like_the_unsharded_reference(ring: Ring) -> None:
     own point, and computes the clipping norm from its partitions: the same sums in another order, so the losses
     get ``assert_losses_agree``'s bound for another order (1e-4 relative) and the weights
     ``adamw_rounding_bound(1..5)`` = 1.0e-5 (derived there: every one of the 5 steps may round otherwise); seen
-    5.6e-9 (2026-11-29, Intel Xeon, load 9)."""
+    5.6e-9 (2026-11-29, AMD EPYC, load 9)."""
     if importlib.util.find_spec("deepspeed") is None:
         unavailable("--zero-stage needs deepspeed (make setup)")
     run = ring.layout("zero3")
