@@ -28,6 +28,7 @@ def lines(root: Path = ROOT) -> list:
     trainer, example = '["Trainer, fp32 (1 process, 2 threads)"]', '["example, fp32 (python, 1 process, 2 threads)"]'
     sc, net = "bench/step/results/scaling.json", "bench/network/results/network_accum4_repeat.json"
     ml = "bench/memory_layouts/results/memory_layouts.json"
+    ds = "bench/deepspeed/results/deepspeed.json"
 
     mib = 2 ** 20
     total = {layout: value(ml, f"rows[model=bert,processes=4,layout={layout}].bytes.total", root) / mib
@@ -56,7 +57,9 @@ def lines(root: Path = ROOT) -> list:
         f"of compiling per launch.",
         f"- **Memory per rank** (parameters, gradients, AdamW state; BERT, 4 ranks): DDP {total['ddp']:.1f} MiB, "
         f"FSDP {total['fsdp']:.1f}, HSDP 2x2 {total['hsdp']:.1f}, FSDP x TP {total['fsdp_tp']:.1f}; activation "
-        f"checkpointing keeps {ac:.3f} × the bytes saved for backward.",
+        f"checkpointing keeps {ac:.3f} × the bytes saved for backward; DeepSpeed ZeRO-3 (2 ranks, parameters and "
+        f"AdamW state) {v(ds, 'summary.zero3.total_vs_zero0', '.3f')} × ZeRO-0's, "
+        f"ZeRO-2 {v(ds, 'summary.zero2.total_vs_zero0', '.3f')} × (docs/deepspeed.md).",
     ]
 
 

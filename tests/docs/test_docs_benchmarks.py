@@ -184,6 +184,10 @@ def test_the_summary_lines_hold_the_json_values():
         in lines[2] and f"{acc['time_ratio_vs_reference']:.2f} × wall" in lines[2]
     assert f"{hot['eager_vs_compiled']['compiled_over_eager']:.3f} under torchrun" in lines[3]
     assert f"DDP {mem['ddp'] / 2 ** 20:.1f} MiB, FSDP {mem['fsdp'] / 2 ** 20:.1f}," in lines[4]
+    ds = {r["layout"]: max(b["total"] for b in r["bytes_per_rank"])
+          for r in _json("bench/deepspeed/results/deepspeed.json")["memory"]}
+    zero = {stage: f"{ds[stage] / ds['zero0']:.3f}" for stage in ("zero2", "zero3")}
+    assert f"AdamW state) {zero['zero3']} × ZeRO-0's, ZeRO-2 {zero['zero2']}" in lines[4]
 
 
 def test_the_site_config_runs_the_hook_and_lists_every_page():
