@@ -56,12 +56,13 @@ def print_model_and_data(args: Any, model: torch.nn.Module, splits: Any) -> None
              f"validation {len(splits.validation)}, test {len(splits.test)} (labels 0=negative, 1=positive)")
 
 
-def print_parameters_held(model: torch.nn.Module) -> None:
+def print_parameters_held(model: torch.nn.Module, whole: Optional[int] = None) -> None:
     """Every process: how many of the model's weights it holds, all of them, or with --sharding fsdp its
     shard (about 1/world size, with --dp-replicate R about R/world size; with --tp, the planned layers'
-    1/T; a sharded parameter is a DTensor whose local part is this process's)."""
+    1/T; a sharded parameter is a DTensor whose local part is this process's); with --pp its stage's.
+    ``whole``: the whole model's count where ``model`` holds a part of it only (a pipeline stage)."""
     held = sum(_held(p) for p in model.parameters())
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    total = whole or sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     print(f"rank {ud.rank()} holds {held} of the model's {total} parameter elements", flush=True)
 
 

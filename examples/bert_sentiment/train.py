@@ -126,6 +126,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                                                                         whole_batches=pipelined)
     plan = Plan.of(args, len(splits.train), ud.data_parallel_world_size(), whole_batches=pipelined)
     optimizer, scheduler = modeling.make_optimizer(args, model, plan.warmup, plan.total_steps)
+    elements = sum(p.numel() for p in model.parameters())  # the whole model's; with --pp a rank keeps its stage's
     model, optimizer, train_loader, val_loader, test_loader, scheduler = ud.prepare(
         model, optimizer, train_loader, val_loader, test_loader, scheduler)
     if args.streaming:  # the loader cannot know the stream's length (len() raises TypeError): the plan
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                  f"{len(splits.train)} rows per epoch")
     else:
         assert len(train_loader) == plan.micro_per_epoch, (len(train_loader), plan.micro_per_epoch)
-    logs.print_parameters_held(model)  # with --sharding fsdp each process holds only its shard of the weights
+    logs.print_parameters_held(model, elements)  # --sharding fsdp: each process holds its shard; --pp: its stage
     logs.print_compiled(model)  # with --compile (or the launcher's): what ud.prepare compiled, in place
 
     # what a checkpoint holds (besides its step, epoch and provenance), and what ud.load restores in place

@@ -460,6 +460,10 @@ def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring, tmp_path
     assert first.startswith("launcher torchrun | backend torch | world size 2 |"), first
     assert first.endswith("| mesh pp 2 x dp_replicate 1 x dp_shard 1 x tp 1"), first
     assert "16 per process x 1 process(es)" in result.output and "= 16 examples per optimizer step" in result.output
+    held = {int(rank): (int(mine), int(total)) for rank, mine, total in
+            re.findall(r"rank (\d+) holds (\d+) of the model's (\d+) parameter elements", result.output)}
+    assert sorted(held) == [0, 1] and all(total == tests_bert.elements() for _, total in held.values()), held
+    assert held[0][0] + held[1][0] == tests_bert.elements() and min(held[0][0], held[1][0]) > 0, held  # a stage each
     rows = read_metrics(out)
     assert _identity(rows) == {(launcher, "torch", nproc)}
     assert [r["step"] for r in rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
