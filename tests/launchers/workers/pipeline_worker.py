@@ -214,15 +214,16 @@ def run_case(name: str) -> dict:
                                else str(exc))
         checks["optimizer_state_save_and_load_are_refused"] = (
             "ok" if refused == ["refused", "refused"] and not os.path.exists(opt_path) else f"FAIL: {refused}")
-        # a batch of other shapes (6 rows: a schedule of its own), the clip over every stage's gradients, and the
-        # forward for evaluation (5 rows: one microbatch); the reference is ``whole``, which holds what each stage
-        # now holds (the file just loaded). The last data-parallel rank passes 6 rows of x6, the others (FSDP's
-        # 2 data-parallel ranks) its first 4, the shape of the training batches: the stage's ranks must still
-        # build the new schedule together. The step's gradient: the mean over the data-parallel ranks of their
-        # batches' mean-loss gradients (FSDP2 averages them), which the reference forms the same way.
+        # a batch of other shapes (8 rows, which 2 and 4 microbatches divide: a schedule of its own), the clip
+        # over every stage's gradients, and the forward for evaluation (5 rows: one microbatch); the reference is
+        # ``whole``, which holds what each stage now holds (the file just loaded). The last data-parallel rank
+        # passes the 8 rows of x6, the others (FSDP's 2 data-parallel ranks) its first 4, the shape of the
+        # training batches: the stage's ranks must still build the new schedule together. The step's gradient:
+        # the mean over the data-parallel ranks of their batches' mean-loss gradients (FSDP2 averages them),
+        # which the reference forms the same way.
         generator = torch.Generator().manual_seed(7)
-        x6, y6 = torch.randn(6, 6, dtype=DTYPE, generator=generator), torch.randint(0, 3, (6,), generator=generator)
-        rows_of = [6 if d == dp - 1 else PER_RANK for d in range(dp)]
+        x6, y6 = torch.randn(8, 6, dtype=DTYPE, generator=generator), torch.randint(0, 3, (8,), generator=generator)
+        rows_of = [8 if d == dp - 1 else PER_RANK for d in range(dp)]
         mine6 = rows_of[rank % per_stage // tp]
         optimizer.zero_grad()
         loss6 = float(ud.pipeline_step(model, x6[:mine6], y6[:mine6], loss_fn))
