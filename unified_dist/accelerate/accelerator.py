@@ -161,12 +161,7 @@ class PartialState(accelerate.PartialState):
         if not accelerate.PartialState._shared_state:  # the first state of this process
             size = world.join(kwargs.get("timeout"))
             if size > 1 and not torch.cuda.is_available():
-                # ACCELERATE_USE_DEEPSPEED: accelerate launch --use_deepspeed, or (for this state only) transformers'
-                # TrainingArguments(deepspeed=...); Accelerate's DeepSpeed path, told the backend (see _over_gloo)
-                if not cpu and accelerate_asks_for_deepspeed(os.environ):
-                    kwargs.setdefault("backend", "gloo")
-                else:
-                    cpu = True
+                cpu = True  # a DeepSpeed plugin comes with the Accelerator, which takes its state to DeepSpeed's
             leave_at_exit()
         super().__init__(cpu, **kwargs)
 
