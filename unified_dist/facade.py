@@ -212,7 +212,8 @@ def pipeline_step(model: torch.nn.Module, inputs: Any, targets: torch.Tensor, lo
     is without a pipeline; the optimizer steps as usual afterwards.
 
     ``model`` is the one ``ud.prepare`` returned (a stage of the model); every rank passes its batch
-    (``inputs``: a tensor or a tuple of the model's positional tensors; ``targets``), cut on dimension 0 into
+    (``inputs``: a tensor or a tuple of the first stage's positional tensors, or a mapping of tensors given by
+    keyword to every stage's forward, such as an attention mask; ``targets``), cut on dimension 0 into
     ``pp_microbatches`` equal microbatches (a batch they do not divide is refused). ``loss_fn(output, target)``
     must average over its microbatch. Returns the mean of the microbatch losses, detached, the same on every
     stage (the last stage computes it and sends it to the others). Gradients are those of the mean loss over

@@ -8,11 +8,14 @@ What ``pp=P`` means (``ud.init(pp=...)``, ``UNIFIED_DIST_PP``, ``unified-dist la
   HSDP replicas, ``tp``), and rank ``r`` of every stage is given the same batches by a prepared loader.
 - ``ud.prepare(model)`` keeps only this rank's stage of ``model``, in place: the *units* of the model
   (its children in registration order, each ``nn.ModuleList``/``nn.ModuleDict``/``nn.Sequential``
-  child expanded into its items) are cut into ``P`` runs, and every unit another stage owns is
-  replaced by ``nn.Identity``. Parameters keep their fully-qualified names (``layers.3.w``), so state
+  child expanded into its items, and the modules on the way to a stack nested deeper, such as
+  transformers' ``bert.encoder.layer``, opened into their children) are cut into ``P`` runs, and every
+  unit another stage owns is replaced by :class:`OtherStage` (an ``nn.Identity`` that returns its first
+  argument whatever else it is given). Parameters keep their fully-qualified names (``layers.3.w``), so state
   dicts are keyed as in the whole model. The split points are ``pp_split`` (the names of the units
   that begin stages 1..P-1, e.g. ``["layers.2"]``), by default the layers of the model's largest
-  ``ModuleList`` cut evenly (units before them join the first stage, units after them the last).
+  ``ModuleList`` at any depth cut evenly (units before them join the first stage, units after them the
+  last).
   The model's own ``forward`` then runs on each stage, so it must apply its units one after the
   other, each to the previous one's output (embeddings, blocks, head): an ``Identity`` stands for a
   unit another stage ran. A model with parameters or buffers on its root, too few layers, an unknown
@@ -22,8 +25,11 @@ What ``pp=P`` means (``ud.init(pp=...)``, ``UNIFIED_DIST_PP``, ``unified-dist la
   the mean of ``loss_fn(output, target)`` over the microbatches, detached, on every stage (the last
   stage computes it; one scalar broadcast over the pipeline). ``loss_fn`` must average over its
   microbatch: the schedule divides the gradients by the number of microbatches, so the step applies
-  the gradient of the mean loss over the batch, as one process would. ``model(batch)`` of a pipelined
-  model is refused (a stage alone would compute something else).
+  the gradient of the mean loss over the batch, as one process would. ``inputs`` may be a mapping,
+  given by keyword to every stage (an attention mask). Each batch shape gets a schedule of its own (a
+  schedule fixes the shapes it sends), built by a stage's ranks together. ``ud.pipeline_forward`` runs
+  the forward passes alone, for evaluation (the output on the last stage, an empty tensor elsewhere).
+  ``model(batch)`` of a pipelined model is refused (a stage alone would compute something else).
 - Schedules by name (``pp_schedule``): ``gpipe`` (every forward, then every backward) and ``1f1b``
   (one forward, one backward; fewer activations held). Interleaved and zero-bubble schedules
   (several stages per rank) are refused: they have hung on gloo, and unified_dist builds one stage
