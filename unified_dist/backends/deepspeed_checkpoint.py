@@ -116,11 +116,24 @@ def _flat_partitions(engine: Any) -> List[Tuple[int, torch.Tensor]]:
     return [(i, flat) for i, group in enumerate(zero.optimizer.param_groups) for flat in group["params"]]
 
 
+def _link_state_views(engine: Any) -> None:
+    """Stages 1-2: point each parameter's view of the optimizer state (what DeepSpeed's ``safe_*_optimizer_state``
+    read and write) at the entries the optimizer holds now. DeepSpeed 0.19.8 links them once, right after its
+    first group's first step, when the later groups have no state yet: with several param groups (the example's
+    decay and no-decay groups) those kept no view, and reading one failed ("exp_avg not found in optimizer state
+    fragment"). Linked again before each use, every group has its own. Stage 3 has no such views (nothing done)."""
+    zero = engine.optimizer
+    if hasattr(zero, "_hp_optimizer_states_linked") and hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+
+
 def optimizer_state(engine: Any, optimizer: torch.optim.Optimizer, groups: List[List[torch.nn.Parameter]]) -> dict:
     """The user's ``optimizer`` (stepped by ``engine`` over its flat partitions) as torch's ``state_dict()`` of it
     over ``groups``, the parameters it was built with. A collective."""
     from deepspeed.utils import safe_get_full_optimizer_state
 
+    _link_state_views(engine)
     keys: Dict[int, List[str]] = {}
     scalars: Dict[int, Dict[str, Any]] = {}
     for index, flat in _flat_partitions(engine):
@@ -184,9 +197,7 @@ def load_optimizer_state(engine: Any, optimizer: torch.optim.Optimizer, groups: 
                 held[key].copy_(value)
             else:
                 held[key] = value.clone() if isinstance(value, torch.Tensor) else value
-    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:  # stages 1-2: DeepSpeed points each parameter's view at the entries made above
-        link()
+    _link_state_views(engine)  # stages 1-2: each parameter's view of the entries made above, in every group
     for index in sorted(by_group):
         for p, entry in by_group[index]:
             for key, value in entry.items():
