@@ -96,9 +96,10 @@ def test_the_paired_ratios_are_those_of_the_step_times(recorded):
         assert [r[key] for r in step["repeats"]] == pytest.approx(ratios, rel=1e-12)
         assert step[key]["median"] == pytest.approx(statistics.median(ratios), rel=1e-12)
         assert (step[key]["min"], step[key]["max"]) == pytest.approx((min(ratios), max(ratios)), rel=1e-12)
-        assert min(ratios) < 1 < max(ratios), (key, ratios)  # the docs: the range straddles 1 on this loaded machine
+    # the docs: ZeRO-2 below 1 in every repeat, ZeRO-3 on both sides of 1, a step of 2-3.5 s
+    assert step["zero2_vs_fsdp"]["max"] < 1 and step["zero3_vs_fsdp"]["min"] < 1 < step["zero3_vs_fsdp"]["max"]
     times = [t for r in step["repeats"] for t in r["step_s"].values()]
-    assert 4 < min(times) and max(times) < 11, times  # the docs: "a step took 5-10 s"
+    assert 2 < min(times) and max(times) < 3.5, times
 
 
 def test_the_runner_pairs_within_each_repeat_and_takes_the_slowest_rank(bench):
