@@ -39,7 +39,7 @@ from unified_dist.backends.buckets import horovod_env  # noqa: E402
 from unified_dist.backends.ports import free_port  # noqa: E402
 from unified_dist.cli import launch as ud_launch  # noqa: E402
 from unified_dist.registry import LAUNCHED  # noqa: E402
-from unified_dist.testing.launchers import run  # noqa: E402
+from unified_dist.testing.launchers import BIN, TORCH_EXTENSIONS_DIR, run  # noqa: E402
 
 BACKENDS = LAUNCHED
 NO_FINITE_CHECK = "facade_without_finite_check"
@@ -47,9 +47,13 @@ NO_FINITE_CHECK = "facade_without_finite_check"
 
 def launch_command(backend: str, nproc: int, script: str, args: list) -> tuple:
     """``(argv, env)`` that start ``script`` under ``backend``'s launcher on a free port (``python``
-    for ``single``), one thread per process, this checkout's unified_dist first on the path."""
+    for ``single``), one thread per process, this checkout's unified_dist first on the path, and the
+    environment's bin/ first on PATH with the tests' ``TORCH_EXTENSIONS_DIR``: DeepSpeed's compiled op,
+    which ``make setup`` builds once there, is built again (minutes) under another ``ninja``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    env.setdefault("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
     if backend == "single":
         return [sys.executable, script, *args], env
     if backend == "horovod":  # the cycle the facade would set, given to native Horovod too: same settings on both sides
