@@ -269,7 +269,7 @@ def test_the_launcher_takes_sigusr1_sigterm_and_sigint_as_a_stop_and_restores_th
     seen = {}
 
     class Lighthouse:  # a stand-in: the real one is tested below
-        def __init__(self, log):
+        def __init__(self, log, join_ms):
             self.log, self.address, self.process = log, "http://x", type("P", (), {"pid": 0})()
 
         def start(self):
