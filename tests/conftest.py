@@ -98,6 +98,19 @@ def _no_session_left_open():
         pytest.fail("this test left a unified_dist session open: call ud.shutdown() in its teardown", pytrace=False)
 
 
+@pytest.fixture(autouse=True)
+def _environment_put_back():
+    """Every test leaves ``os.environ`` as it found it. Libraries export variables while they run (MLflow's
+    ``set_tracking_uri``, W&B's service); ``monkeypatch.delenv`` of an absent variable records nothing to undo.
+    Left behind, a variable reaches every later launch on this pytest worker through ``child_env``: CI's run of
+    0edf103 had a unit test's ``TRACKIO_DIR`` send the multi-node contract's trackio run to another folder."""
+    before = dict(os.environ)
+    yield
+    if dict(os.environ) != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 class ModuleDirs:
     """Folders for one test module's shared launches (``mktemp`` as on ``tmp_path_factory``)."""
 

@@ -4,6 +4,7 @@ logged, hyper-parameters included. Under the launchers (torchrun x2, horovodrun 
 worker's trackers_write_from_the_main_process_only checks that only the main process writes."""
 import importlib.util
 import json
+import os
 import struct
 import sys
 
@@ -81,6 +82,7 @@ def test_mlflow_store_reads_back_what_was_logged(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     trackers.start("mlflow", project_dir=str(tmp_path), project_name="exp1", config=CONFIG)
     run_id = trackers.get("mlflow").tracker.info.run_id
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # MLflow exports it; a later start would take it for the user's
     _log_all()
     trackers.finish()
     back = tracker_files.read_mlflow(str(tmp_path), "exp1")
@@ -90,6 +92,13 @@ def test_mlflow_store_reads_back_what_was_logged(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
     assert MlflowClient("file:" + str(tmp_path / "mlruns")).get_run(run_id).info.status == "FINISHED"
+    # a second start in the same process with another project_dir writes there, not into the first store
+    trackers.start("mlflow", project_dir=str(tmp_path / "second"), project_name="exp2", config={"lr": 0.5})
+    trackers.log({"loss": 1.0}, step=0)
+    trackers.finish()
+    assert tracker_files.read_mlflow(str(tmp_path / "second"), "exp2") == {
+        "runs": 1, "metrics": {"loss": [(0, 1.0)]}, "hparams": {"lr": "0.5"}}
+    assert tracker_files.read_mlflow(str(tmp_path), "exp2")["runs"] == 0
 
 
 def test_wandb_offline_run_reads_back_what_was_logged(tmp_path, monkeypatch):
@@ -134,6 +143,7 @@ def test_trackio_local_store_reads_back_what_was_logged(tmp_path, monkeypatch):
     trackers.start("trackio", project_dir=str(tmp_path), project_name="quiet", config={"lr": 0.5})
     trackers.finish()  # a run without logs keeps its hyper-parameters too
     assert tracker_files.read_trackio(str(tmp_path / "trackio"), "quiet")["hparams"] == {"lr": 0.5}
+    assert "TRACKIO_DIR" not in os.environ  # ours only while a run is open: no later process takes it for the user's
 
 
 @pytest.mark.parametrize("name,module,line", [("tensorboard", "tensorboard", "pip install tensorboard"),

@@ -13,7 +13,8 @@ from .base import Tracker
 class MLflowTracker(Tracker):
     """An MLflow run (``tracker``: the ``mlflow.ActiveRun``) in experiment ``project_name``, in a local
     file store ``project_dir/mlruns`` unless ``MLFLOW_TRACKING_URI`` names another: numbers as metrics,
-    strings as tags, hyper-parameters as parameters."""
+    strings as tags, hyper-parameters as parameters. The process's environment is left as it was (no
+    ``MLFLOW_TRACKING_URI`` of ours for a later start or a child process to mistake for the user's)."""
 
     name, module, install = "mlflow", "mlflow", "pip install mlflow-skinny"
 
@@ -23,6 +24,9 @@ class MLflowTracker(Tracker):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             os.makedirs(self.directory, exist_ok=True)
             self.mlflow.set_tracking_uri("file:" + os.path.abspath(os.path.join(self.directory, "mlruns")))
+            # set_tracking_uri also exports MLFLOW_TRACKING_URI: left there, it would read as the user's
+            # store to this process's next start (another project_dir) and to every process started later
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
         self.mlflow.set_experiment(self.project or "unified_dist")
         return self.mlflow.start_run(**kwargs)
 

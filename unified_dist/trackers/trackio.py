@@ -14,12 +14,14 @@ class TrackioTracker(Tracker):
     ``project_dir/trackio`` (a SQLite file per project) unless ``TRACKIO_DIR`` says otherwise.
 
     trackio reads ``TRACKIO_DIR`` once per process, when it is first imported: a later start with another
-    ``project_dir`` is refused in one line rather than written into the first one's store."""
+    ``project_dir`` is refused in one line rather than written into the first one's store. ``TRACKIO_DIR``
+    is ours only while the main process's run is open (from before the import to the close): no other rank,
+    later start or child process mistakes it for the user's."""
 
     name, module, install = "trackio", "trackio", "pip install trackio"
     config_at_open = True
     chosen_dir: Optional[str] = None
-    """The store this module gave ``TRACKIO_DIR`` (``None``: the user's, or none yet)."""
+    """The store this module gives ``TRACKIO_DIR`` while a run is open (``None``: the user's, or none yet)."""
 
     @classmethod
     def prepare(cls, directory: str) -> None:
@@ -30,10 +32,11 @@ class TrackioTracker(Tracker):
             raise TrackerError(
                 f"trackio already stores this process's runs in {imported.TRACKIO_DIR} (it reads TRACKIO_DIR once, "
                 f"at import), not {target}: give every run of the process the same project_dir")
-        if users is None:
-            os.environ["TRACKIO_DIR"] = TrackioTracker.chosen_dir = target
+        TrackioTracker.chosen_dir = None if users else target
 
     def open(self, config, kwargs):
+        if self.chosen_dir is not None:
+            os.environ["TRACKIO_DIR"] = self.chosen_dir
         import trackio
 
         return trackio.init(project=self.project or "unified_dist", config=config, **kwargs)
@@ -63,4 +66,8 @@ class TrackioTracker(Tracker):
             import trackio
 
             trackio.log({}, step=0)
-        tracker.finish()
+        try:
+            tracker.finish()
+        finally:
+            if self.chosen_dir is not None and os.environ.get("TRACKIO_DIR") == self.chosen_dir:
+                del os.environ["TRACKIO_DIR"]
