@@ -22,6 +22,13 @@ How the world is simulated, and why each piece is needed:
   script is stopped once ``ud.prepare``'s optimizer returns (it broadcasts the buffers after the update).
 - DDP's reducer cannot run on fake tensors: a DDP model stays unwrapped, and DDP's all-reduce per step
   is given as the gradients' bytes (what DDP's buckets reduce), marked ``derived``.
+- The deepspeed backend: DeepSpeed's engine flattens and partitions real storages, and is not run. The script
+  runs on :class:`PlannedDeepSpeed` (the torch backend, its model unwrapped as under DDP, with the ZeRO stage
+  DeepSpeed would take and its refusals); after the first step the rank's bytes are those
+  :func:`~unified_dist.parallel.accounting.zero_rank_bytes` derives for the stage from the model's parameters and
+  the optimizer's groups and state (its doc says what is counted and what is not). DeepSpeed's collectives are
+  not counted (the table is empty), and what the plan does not model (mixed precision, offload, a DeepSpeed
+  config file's optimizer) is a ``PlanError``.
 
 An exception the script raises (a layout that does not divide the world, a TP plan that does not fit
 the heads) is the error the real job would meet: it is written as it is, type and one-line message.
@@ -39,8 +46,55 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..backends.deepspeed_backend import ACCELERATE_DEFAULT_STAGE, _said, read_config_file, refusal
+from ..backends.torch_ddp import TorchBackend
 from ..compat import enable_fake_collectives
-from ..parallel.accounting import CollectiveCounter, SavedBytes, group_labels, rank_bytes
+from ..errors import UnifiedDistError
+from ..parallel.accounting import CollectiveCounter, SavedBytes, group_labels, rank_bytes, zero_rank_bytes
+
+
+class PlanLimit(UnifiedDistError):
+    """What the simulation cannot plan (reported as a ``PlanError``, the plan's limit, not the job's error)."""
+
+
+def zero_plan_limit(file: Dict[str, Any], mixed_precision: Optional[str]) -> Optional[str]:
+    """Why a plan cannot model a deepspeed job whose DeepSpeed config is ``file`` (a dict, ``{}`` without one) and
+    whose ``mixed_precision`` setting is given, in one line; ``None``: float32 without offload, which it models.
+    Pure."""
+    zero = file.get("zero_optimization", {})
+    unmodelled = [key for key in ("offload_optimizer", "offload_param") if _said(zero.get(key))] + \
+        [key for key in ("optimizer", "scheduler") if _said(file.get(key))] + \
+        [key for key in ("bf16", "fp16") if file.get(key, {}).get("enabled") not in (None, False, "auto")]
+    if mixed_precision not in (None, "no"):
+        unmodelled.insert(0, f"mixed_precision={mixed_precision!r}")
+    if not unmodelled:
+        return None
+    return (f"plan models DeepSpeed's float32 training without offload; {', '.join(unmodelled)} is not modelled "
+            "(plan the float32 job, or measure one real step)")
+
+
+class PlannedDeepSpeed(TorchBackend):
+    """The deepspeed backend as a plan runs it: the torch backend (no DeepSpeed engine), with the ZeRO stage and the
+    refusals of :class:`~unified_dist.backends.deepspeed_backend.DeepSpeedBackend`; what the plan does not model
+    raises :class:`PlanLimit`."""
+
+    name = "deepspeed"
+    reads_deepspeed_settings = True
+
+    def __init__(self, detection, config) -> None:
+        problem = refusal(config)
+        if problem:
+            raise UnifiedDistError(problem)
+        file = read_config_file(config.deepspeed_config)
+        limit = zero_plan_limit(file, config.mixed_precision)
+        if limit:
+            raise PlanLimit(limit)
+        stage = config.zero_stage
+        if stage is None:
+            said = file.get("zero_optimization", {}).get("stage")
+            stage = said if _said(said) else (ACCELERATE_DEFAULT_STAGE if detection.launcher == "accelerate" else 0)
+        self.zero_stage = int(stage)
+        super().__init__(detection, config)
 
 
 class _Planned(BaseException):
@@ -113,9 +167,10 @@ class Simulation:
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
         from .. import session
-        from ..backends.torch_ddp import TorchBackend
 
         session.init = _outside_fake(session.init)
+        backend_class = session.backend_class
+        session.backend_class = lambda name: PlannedDeepSpeed if name == "deepspeed" else backend_class(name)
         DeviceMesh.__init__ = _outside_fake(DeviceMesh.__init__)
         torch.nn.Module.to = _stay_if_there(torch.nn.Module.to)
         TorchBackend._wrap_ddp = lambda backend, model: self._no_ddp(model)
@@ -188,7 +243,8 @@ class Simulation:
 
     def _stop(self) -> None:
         self.counter.__exit__(None, None, None)
-        self.result["collectives"] = _relabel(self.counter.table(), self._labels)
+        zero = self.result.get("zero_stage") is not None  # DeepSpeed's own collectives: not simulated
+        self.result["collectives"] = [] if zero else _relabel(self.counter.table(), self._labels)
         raise _Planned()
 
     def _wrap_prepared_step(self) -> None:
@@ -215,15 +271,36 @@ class Simulation:
         models = [backend.unwrap(m) for m in self.models]
         held = rank_bytes(models, optimizer)
         self._labels = group_labels(backend.device_mesh)
+        zero = isinstance(backend, PlannedDeepSpeed)
+        if zero:
+            held = zero_rank_bytes(*_unsharded(models, optimizer), backend.zero_stage, backend.world_size)
+            self.ddp = False
         if self.ddp:
             self._labels["derived"] = "world (DDP buckets)"
             self.counter.add("all_reduce", "derived", held["grads"], calls=None)
         layout, config = backend.layout, backend.config
-        return {"bytes": held, "saved_for_backward": self.saved,
+        return {"bytes": held, "saved_for_backward": self.saved, "backend": backend.name,
+                "zero_stage": backend.zero_stage if zero else None,
                 "model_parameters": sum(p.numel() for m in models for p in m.parameters()),
                 "layout": {"dp_replicate": layout.replicate, "dp_shard": layout.shard, "tp": layout.tp},
                 "ddp": self.ddp, "activation_checkpointing": bool(config.sharding.activation_checkpointing),
                 "mixed_precision": config.mixed_precision}
+
+
+def _unsharded(models: List[torch.nn.Module], optimizer: torch.optim.Optimizer) -> tuple:
+    """The arguments of :func:`~unified_dist.parallel.accounting.zero_rank_bytes` for ``models`` (whole, as the torch
+    backend left them) and ``optimizer``: each module parameter's ``(numel, element_size)`` once, and per group each
+    trainable parameter's with its state's ``(numel, element_size, shaped_like_the_parameter)``."""
+    seen, module_params = set(), []
+    for p in (p for m in models for p in m.parameters()):
+        if id(p) not in seen:
+            seen.add(id(p))
+            module_params.append((p.numel(), p.element_size()))
+    groups = [[(p.numel(), p.element_size(),
+                [(v.numel(), v.element_size(), v.shape == p.shape) for v in optimizer.state.get(p, {}).values()
+                 if isinstance(v, torch.Tensor)])
+               for p in group["params"] if p.requires_grad] for group in optimizer.param_groups]
+    return module_params, groups
 
 
 def _join_fake_world() -> None:
@@ -271,6 +348,8 @@ def _error(exc: Exception) -> Dict[str, str]:
     )
 
     message = " ".join(str(exc).split())
+    if isinstance(exc, PlanLimit):
+        return {"type": "PlanError", "message": message}
     if isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException, UnsupportedFakeTensorException)):
         return {"type": "PlanError", "message": f"the script cannot be simulated: {type(exc).__name__}: {message} "
                 "(an operation whose result depends on tensor values, which a plan does not compute)"}

@@ -12,6 +12,15 @@ the same as one JSON object. The script's own output goes to stderr.
 
 The torch backend (what torchrun, srun and mpirun run) is simulated; the flags that only say how to
 reach other machines (``--master-addr``, ``--hosts``, ...) change nothing in a plan.
+
+``--backend deepspeed --zero-stage S`` (or a script's own ``ud.init(backend="deepspeed", zero_stage=S)``) plans
+DeepSpeed's ZeRO stage S without running DeepSpeed: the script runs as under the torch backend, unsharded, and
+the rank's bytes are derived from its model's parameters and its optimizer's groups and state after the first
+step as DeepSpeed 0.19.8 partitions them (:func:`unified_dist.parallel.accounting.zero_rank_bytes`: parameters,
+the float32 master copy of the rank's part, the gradients its update reads, the optimizer state, with
+DeepSpeed's padding). Float32 training only: mixed precision, offload and a DeepSpeed config file's optimizer
+are not modelled (the plan says so, status 1); DeepSpeed's collectives are not listed. What the deepspeed
+backend refuses (``--sharding fsdp``, ``--tp``, ``--dp-replicate``, ``--pp``, ...) the plan refuses in one line.
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from .. import settings
+from ..errors import UnifiedDistError
 from . import launch
 from .errors import UsageError
 
@@ -45,16 +55,18 @@ def add_arguments(parser) -> None:
 
 def plan_of(args) -> launch.Plan:
     """The launch plan the arguments describe (usage errors raised as ``unified-dist launch`` would)."""
-    if args.backend not in (None, "torch"):
-        raise UsageError(f"plan simulates the torch backend (torchrun, srun, mpirun); got --backend {args.backend}: "
-                         "leave --backend out or give --backend torch")
+    if args.backend not in (None, "torch", "deepspeed"):
+        raise UsageError(f"plan simulates the torch backend (torchrun, srun, mpirun) and plans DeepSpeed's ZeRO "
+                         f"stages; got --backend {args.backend}: leave --backend out or give torch or deepspeed")
     if args.dry_run or args.horovod_api or args.accelerate_api or args.replica_groups is not None:
         raise UsageError("plan never starts the job: drop --dry-run, --horovod-api, --accelerate-api and "
                          "--replica-groups (plan one replica group: its --nproc)")
-    plan = launch.Plan(backend="torch", script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
-                       nnodes=args.nnodes, settings={name: getattr(args, name) for name in settings.FLAGS
-                                                     if getattr(args, name) is not None})
+    plan = launch.Plan(backend=args.backend or "torch", script=args.script, script_args=tuple(args.script_args),
+                       nproc=args.nproc, nnodes=args.nnodes,
+                       settings={name: getattr(args, name) for name in settings.FLAGS
+                                 if getattr(args, name) is not None})
     launch.check_plan(plan)
+    deepspeed_refusal(plan)
     world = plan.nproc * plan.nnodes
     if not 0 <= args.rank < world:
         raise UsageError(f"--rank must be in 0..{world - 1} for a world of {world} ranks, got {args.rank}")
@@ -63,12 +75,35 @@ def plan_of(args) -> launch.Plan:
     return plan
 
 
+def deepspeed_refusal(plan: launch.Plan) -> None:
+    """Raise :class:`UsageError` for DeepSpeed flags without ``--backend deepspeed``, and, with it, for what the
+    deepspeed backend refuses (its own one-line reason) or runs without a pipeline (``--pp``)."""
+    from ..backends.deepspeed_backend import refusal
+    from ..session import config_from
+
+    if plan.backend != "deepspeed":
+        given = [name for name in ("zero_stage", "deepspeed_config") if plan.setting(name) is not None]
+        if given:
+            raise UsageError(f"{settings.flag_name(given[0])} is the deepspeed backend's: add --backend deepspeed")
+        return
+    try:
+        config = config_from(dict(plan.settings), {}, cuda=False)
+    except UnifiedDistError as exc:
+        raise UsageError(f"--backend deepspeed: {exc}") from None
+    problem = (f"pp={config.sharding.pp} runs on the torch backend only; DeepSpeed's engine has no pipeline here"
+               if config.sharding.pp > 1 else refusal(config))  # ud.init's order: the pipeline's refusal first
+    if problem:
+        raise UsageError(f"--backend deepspeed: {problem}")
+
+
 def environment(plan: launch.Plan, rank: int, base=os.environ) -> Dict[str, str]:
     """The simulated rank's variables: torchrun's for ``rank`` of ``nnodes x nproc``, the
     ``UNIFIED_DIST_*`` variable of each setting flag, no visible GPU, and this package first on ``PYTHONPATH``."""
     env = {k: v for k, v in base.items() if not k.startswith(FOREIGN_PREFIXES)}
     package_root = str(Path(__file__).resolve().parents[2])
     env.update(settings.flag_environment(plan.settings))
+    if plan.backend != "torch":
+        env[settings.BACKEND_ENV] = plan.backend
     # the simulated rank computes on the CPU: its shards, activations and messages have the same sizes
     # there, and fake parameters cannot move to a GPU
     env.update(CUDA_VISIBLE_DEVICES="", RANK=str(rank), WORLD_SIZE=str(plan.nproc * plan.nnodes),
@@ -105,17 +140,22 @@ def size(n: float) -> str:
 
 def render(report: Dict[str, Any]) -> List[str]:
     """The plan as lines for a person."""
+    backend = report.get("backend") or report.get("settings", {}).get("backend") or "torch"
     head = (f"plan: rank {report['rank']} of {report['world']} ({report['nnodes']} node(s) x {report['nproc']}), "
-            "torch backend")
+            f"{backend} backend")
     if report["error"]:
         return [head, f"error: {report['error']['type']}: {report['error']['message']}"]
     layout, held, saved = report["layout"], report["bytes"], report["saved_for_backward"]
-    lines = [head, f"layout: dp_replicate={layout['dp_replicate']} x dp_shard={layout['dp_shard']} x "
-                   f"tp={layout['tp']}{' (DDP)' if report['ddp'] else ''}; "
-                   f"model: {report['model_parameters']:,} parameters",
-             "bytes this rank holds after the first optimizer step:"]
-    lines += [f"  {name:<16}{size(held[key]):>12}" for name, key in
-              (("parameters", "params"), ("gradients", "grads"), ("optimizer state", "optimizer"), ("total", "total"))]
+    zero = report.get("zero_stage")
+    what = (f"DeepSpeed ZeRO stage {zero} over {report['world']} ranks" if zero is not None else
+            f"dp_replicate={layout['dp_replicate']} x dp_shard={layout['dp_shard']} x "
+            f"tp={layout['tp']}{' (DDP)' if report['ddp'] else ''}")
+    lines = [head, f"layout: {what}; model: {report['model_parameters']:,} parameters",
+             "bytes this rank holds after the first optimizer step:" if zero is None else
+             "bytes this rank holds at its first optimizer step (derived, not run: DeepSpeed 0.19.8, float32):"]
+    rows = (("parameters", "params"), ("master copies", "master"), ("gradients", "grads"),
+            ("optimizer state", "optimizer"), ("total", "total"))
+    lines += [f"  {name:<16}{size(held[key]):>12}" for name, key in rows if key in held]
     ac = "on" if report["activation_checkpointing"] else "off"
     lines.append(f"saved for backward by the first micro-batch (activation checkpointing {ac}): "
                  + (size(saved["bytes"]) if saved else "not seen (no forward of a prepared model)"))
@@ -123,7 +163,10 @@ def render(report: Dict[str, Any]) -> List[str]:
         other = report["saved_for_backward_other"]
         lines.append(f"  with activation checkpointing {'off' if ac == 'on' else 'on'}: "
                      + (size(other["bytes"]) if other else "the job would fail (plan it to see why)"))
-    lines.append("collectives of the first optimizer step (kind, process group, calls, bytes):")
+    if zero is not None:
+        lines.append("collectives: not planned under the deepspeed backend (DeepSpeed's own buckets)")
+    else:
+        lines.append("collectives of the first optimizer step (kind, process group, calls, bytes):")
     for row in report["collectives"]:
         calls = "derived" if row.get("derived") else f"{row['calls']} calls"
         lines.append(f"  {row['kind']:<15}{row['group']:<22}{calls:>12}{size(row['bytes']):>12}")

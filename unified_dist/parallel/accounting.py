@@ -10,10 +10,12 @@ fake and meta storages have no data pointer.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import SettingError
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -56,6 +58,57 @@ def rank_bytes(models: Sequence[torch.nn.Module], optimizer: Optional[torch.opti
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
+
+def zero_rank_bytes(module_params: Sequence[Tuple[int, int]], groups: Sequence[Sequence[Tuple[int, int, list]]],
+                    stage: int, world: int) -> Dict[str, int]:
+    """The bytes one rank of ``world`` holds under DeepSpeed 0.19.8's ZeRO ``stage`` (0-3), float32 training, no
+    offload, from the unsharded model: ``module_params`` is ``(numel, element_size)`` of each module parameter,
+    ``groups`` the optimizer's parameter groups, each a list of ``(numel, element_size, state)`` per trainable
+    parameter, ``state`` the ``(numel, element_size, shaped_like_the_parameter)`` of each tensor an unsharded
+    optimizer keeps for it (AdamW: exp_avg and exp_avg_sq, shaped like it; step, a scalar). Pure. What DeepSpeed
+    does, and so what is counted:
+
+    - stage 0: the user's optimizer steps the module's parameters: everything whole, as under DDP;
+    - stages 1-2: each group's trainable parameters are flattened and padded to a multiple of ``2 x world``
+      elements (``nccl_start_alignment_factor``); each rank owns ``padded / world`` of them, and keeps a float32
+      copy of its part (``master``), the float32 gradient of its part that the update reads (``grads``) and the
+      optimizer's state over it: a state tensor shaped like its parameter becomes one of the part's size, any
+      other (AdamW's ``step``) one per group. The module's parameters stay whole (``params``);
+    - stage 3: each parameter is partitioned on its own, ``ceil(numel / world)`` elements per rank (padded), the
+      module's parameters included; a group's parts form one flat tensor that the optimizer steps in place (no
+      copy: ``master`` 0), with its gradient and state as above.
+
+    Not counted: stage 1's whole gradients between backward and their reduction at the accumulation boundary,
+    the reduce and all-gather buckets, the padding of stages 1-2's flat parameter buffer (the parameters are
+    counted as the module sees them), stage 3's gathered parameters during forward and backward, and one ``step``
+    per sub-group where a group's part exceeds DeepSpeed's ``sub_group_size`` (1e9 elements)."""
+    if stage not in (0, 1, 2, 3) or world < 1:
+        raise SettingError(f"ZeRO stage must be 0-3 and the world at least 1 rank, got stage {stage}, world {world}")
+    if stage == 0:
+        params = sum(n * size for n, size in module_params)
+        trainable = [p for group in groups for p in group]
+        out = {"params": params, "master": 0, "grads": sum(n * size for n, size, _ in trainable),
+               "optimizer": sum(n * size for _, _, state in trainable for n, size, _ in state)}
+    else:
+        def part(numel: int) -> int:  # stage 3: one parameter's elements on this rank
+            return -(-numel // world)
+
+        out = {"params": sum((part(n) if stage == 3 else n) * size for n, size in module_params),
+               "master": 0, "grads": 0, "optimizer": 0}
+        for group in groups:
+            if not group:
+                continue
+            if stage == 3:
+                flat = sum(part(n) for n, _, _ in group)
+            else:
+                align = 2 * world
+                flat = -(-sum(n for n, _, _ in group) // align) * align // world
+                out["master"] += 4 * flat
+            out["grads"] += 4 * flat
+            state = next((state for _, _, state in group if state), [])  # the flat part's: as any one parameter's
+            out["optimizer"] += sum(flat * size if like else n * size for n, size, like in state)
+    out["total"] = out["params"] + out["master"] + out["grads"] + out["optimizer"]
+    return out
 
 def _plain_tensors(t: torch.Tensor) -> list:
     """The plain tensors holding ``t``'s data on this rank: a DTensor's local shard, the inner
@@ -241,4 +294,4 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 __all__ = ["CollectiveCounter", "KINDS", "SavedBytes", "group_labels", "local_tensor", "rank_bytes", "storage_key",
-           "tensor_bytes"]
+           "tensor_bytes", "zero_rank_bytes"]

@@ -101,10 +101,10 @@ def padded_bytes(shards: int, blocks: bool) -> int:
 
 @pytest.fixture
 def plan(cli_in_process, tmp_path):
-    def run(script: str, *flags: str, world=(1, 4), rank: int = 0):
+    def run(script: str, *flags: str, world=(1, 4), rank: int = 0, script_args=()):
         (tmp_path / "train.py").write_text(script)
         done = cli_in_process("plan", "--nnodes", str(world[0]), "--nproc", str(world[1]), "--rank", str(rank),
-                              "--json", *flags, "train.py", cwd=tmp_path)
+                              "--json", *flags, "train.py", *script_args, cwd=tmp_path)
         assert done.stdout, done.stderr
         return done.returncode, json.loads(done.stdout), done.stderr
     return run
@@ -179,3 +179,142 @@ def test_plan_says_when_the_simulation_not_the_job_fails(plan):
     code, report, _ = plan(script)
     assert code == 1 and report["error"]["type"] == "PlanError"
     assert report["error"]["message"].startswith("the script cannot be simulated: DynamicOutputShapeException")
+
+
+# ------------------------------------------------------------------------------------------ DeepSpeed ZeRO
+ZERO = """
+import argparse
+import json
+import os
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+import unified_dist as ud
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--stages", default="")  # ZeRO stages run one session after another (default: the settings')
+parser.add_argument("--out", default="")  # measure what DeepSpeed holds, write OUT/rank<R>.json
+args = parser.parse_args()
+read = []  # per call of the torch optimizer's step (DeepSpeed steps one group at a time): the gradients it reads
+
+
+def nbytes(tensors):  # each tensor once (by its data pointer, size and dtype): numel x element size
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if not (t.numel() and key in seen):
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+if args.out:
+    register_optimizer_step_pre_hook(lambda opt, a, k: read.append(
+        nbytes([p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None])))
+held = {}
+for stage in [int(s) for s in args.stages.split(",")] if args.stages else [None]:
+    ud.init(backend="deepspeed", zero_stage=stage)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 7))
+    optimizer = torch.optim.AdamW([{"params": [model[0].weight, model[2].weight], "weight_decay": 0.01},
+                                   {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0}], lr=0.01)
+    model, optimizer = ud.prepare(model, optimizer)
+    ud.backward(model(torch.randn(4, 5)).square().mean())
+    read.clear()
+    optimizer.step()
+    if args.out:  # DeepSpeed's own objects: the engine, its ZeRO optimizer, the user's AdamW inside it
+        params = [getattr(p, "ds_tensor", p) for p in ud.unwrap(model).parameters()]  # ZeRO-3: the rank's part
+        inner = getattr(model.optimizer, "optimizer", model.optimizer)
+        stepped = [p for g in inner.param_groups for p in g["params"]]
+        state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        held[stage] = {"params": nbytes(params), "master": nbytes(params + stepped) - nbytes(params),
+                       "grads": sum(read), "optimizer": nbytes(state)}
+    optimizer.zero_grad()
+    ud.shutdown()
+if args.out:
+    with open(os.path.join(args.out, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(held, f)
+"""
+"""A tiny model with two AdamW groups (weights, biases) whose sizes need DeepSpeed's padding: the weights' 15 + 21
+elements and the biases' 3 + 7 are flattened per group and padded to a multiple of 2 x world = 4 (36 and 12), each
+rank owning 18 + 6 elements at stages 1-2; at stage 3 each parameter is split alone, ceil(n / 2): 8 + 2 + 11 + 4.
+So the plan must model the padding to the byte: without it, stage 1-2's part would be 23 elements, not 24, and
+stage 3's 23, not 25. The tolerance is 0 bytes."""
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def zero_held(tmp_path_factory):
+    """What real DeepSpeed 0.19.8 holds on each of 2 ranks at each ZeRO stage: one torchrun x 2 launch of
+    :data:`ZERO`, the stages one session after another (about 60 s on 2 cores; torchrun --standalone picks its own
+    port), measured with DeepSpeed's own objects, never with the plan's code."""
+    import importlib.util
+
+    from unified_dist.testing.launchers import child_env, command, run, unavailable
+
+    if importlib.util.find_spec("deepspeed") is None:
+        unavailable("deepspeed is not installed (make setup installs it)")
+    root = tmp_path_factory.mktemp("zero")
+    (root / "train.py").write_text(ZERO)
+    stages = ",".join(map(str, ZERO_STAGES))
+    done = run(command("torchrun", str(root / "train.py"), ["--stages", stages, "--out", str(root)]), 240, child_env())
+    assert done.returncode == 0, done.output[-3000:]
+    return {rank: json.loads((root / f"rank{rank}.json").read_text()) for rank in range(2)}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_plan_of_a_zero_stage_holds_what_deepspeed_holds(plan, zero_held, stage):
+    """``--backend deepspeed --zero-stage S`` at world 2 plans, byte for byte, what real DeepSpeed holds on that
+    rank at its first step: parameters (ZeRO-3: its part), the float32 master copy of its part (stages 1-2), the
+    gradients its update reads and the optimizer state. Stage 3 is set by the script's own ``ud.init`` (no flag)."""
+    rank = stage % 2
+    flags = () if stage == 3 else ("--backend", "deepspeed", "--zero-stage", str(stage))
+    code, report, err = plan(ZERO, *flags, world=(1, 2), rank=rank, script_args=("--stages", "3") if stage == 3 else ())
+    assert code == 0 and report["error"] is None, (report, err)
+    assert (report["backend"], report["zero_stage"], report["collectives"]) == ("deepspeed", stage, [])
+    expected = zero_held[rank][str(stage)]
+    assert report["bytes"] == {**expected, "total": sum(expected.values())}
+
+
+ZERO_REFUSED = {  # flags -> the one line plan prints (status 2), before anything runs
+    "fsdp": (("--backend", "deepspeed", "--zero-stage", "2", "--sharding", "fsdp"),
+             "--backend deepspeed: sharding='fsdp' is torch's FSDP2/TP layout; the deepspeed backend shards with ZeRO"),
+    "tp": (("--backend", "deepspeed", "--zero-stage", "3", "--tp", "2"), "--backend deepspeed: tp=2 is torch's"),
+    "pp": (("--backend", "deepspeed", "--zero-stage", "1", "--pp", "2"),
+           "--backend deepspeed: pp=2 runs on the torch backend only"),
+    "dp-replicate": (("--backend", "deepspeed", "--zero-stage", "2", "--dp-replicate", "2"),
+                     "--backend deepspeed: dp_replicate=2 applies to the blocks FSDP2 shards"),
+    "no-backend": (("--zero-stage", "2"), "--zero-stage is the deepspeed backend's: add --backend deepspeed"),
+}
+
+
+@pytest.mark.parametrize("name", ZERO_REFUSED)
+def test_plan_refuses_a_zero_stage_beside_torch_layouts(cli_in_process, tmp_path, name):
+    flags, message = ZERO_REFUSED[name]
+    (tmp_path / "train.py").write_text(ZERO)
+    done = cli_in_process("plan", "--nproc", "2", *flags, "train.py", cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_plan_says_what_it_does_not_model_of_deepspeed(plan):
+    """bf16 under DeepSpeed (bit16 weights, float32 master copies) is not modelled: a PlanError, not a plan."""
+    code, report, _ = plan(ZERO, "--backend", "deepspeed", "--zero-stage", "2", "--mixed-precision", "bf16",
+                           world=(1, 2))
+    assert code == 1 and report["error"]["type"] == "PlanError"
+    assert report["error"]["message"].startswith("plan models DeepSpeed's float32 training without offload")
+
+
+@pytest.mark.parametrize("file, what", [
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "offload_param"),
+    ({"optimizer": {"type": "AdamW"}}, "optimizer"), ({"scheduler": {"type": "WarmupLR"}}, "scheduler"),
+    ({"bf16": {"enabled": True}}, "bf16"), ({"fp16": {"enabled": True}}, "fp16"),
+])
+def test_plan_names_each_deepspeed_config_it_does_not_model(file, what):
+    from unified_dist.checks.plan_worker import zero_plan_limit
+
+    assert f"; {what} is not modelled" in zero_plan_limit(file, "no")
+    assert zero_plan_limit({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}, "no") is None
