@@ -37,8 +37,11 @@ The contract:
   that issued the operation raise too, instead of pairing it with that member's next operation (Horovod
   pairs them: a silent shift by one operation); where every member refused, nothing runs and each raises
   its own error.
-- A transfer that fails on one member after the rows agreed leaves the others waiting for its share:
-  that member raises, and refuses every later operation of the set in one line (``Controller.broken``).
+- A transfer that fails on one member after the rows agreed would leave the others waiting for its share
+  until the collective timeout: that member raises, tells the others what failed and closes its side of the
+  negotiation group (:mod:`._alarm`), so each of them raises too, at once, naming that member and its request;
+  every later operation of the set is then refused on every member in one line (``Controller.broken``), as
+  Horovod shuts down after such an error (the half-sent shares cannot be taken back).
 - A tick in which nothing can run is a deadlock under Horovod's semantics too (no member can change what
   it is blocked on): every member raises one line naming each member's operation and queued names.
 
@@ -54,6 +57,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ._alarm import forget_frames
 from ._names import _OP_NAMES, HorovodInternalError
 
 ALLREDUCE, ALLGATHER, BROADCAST, ALLTOALL, REDUCESCATTER, BARRIER, WAIT, JOIN, STEP, REFUSED = range(1, 11)
@@ -224,14 +228,15 @@ class Controller:
     ``group``; ``answer_step(rows, active)`` its share of a ``DistributedOptimizer`` step's gradient
     reductions; ``ranks`` are the set's global ranks; ``index`` is this member's position in them.
 
-    Once a transfer failed on this member after the ranks agreed to run it (or a tick failed), the
-    members are out of step: every later operation is refused, in one line naming the first failure."""
+    Once a transfer failed on a member after the ranks agreed to run it (or a tick failed), the members
+    are out of step: that member sounds ``alarm`` (:class:`._alarm.Alarm`: the others raise at once, naming
+    it), and every later operation is refused, in one line naming the first failure."""
 
     def __init__(self, group: Any, ranks: Sequence[int], index: int, device: torch.device,
                  answer: Callable[[List[int]], None],
-                 answer_step: Optional[Callable[[Rows, List[int]], None]] = None) -> None:
+                 answer_step: Optional[Callable[[Rows, List[int]], None]] = None, alarm: Any = None) -> None:
         self.group, self.ranks, self.index, self.device, self.answer = group, list(ranks), index, device, answer
-        self.answer_step = answer_step
+        self.answer_step, self.alarm = answer_step, alarm
         self.queue: Dict[int, Request] = {}
         self.ticks = 0
         self.joined: Tuple[int, int] = (-1, -1)
@@ -241,20 +246,45 @@ class Controller:
     def exchange(self, row: List[int], doing: Callable[[], str]) -> Rows:
         """All members' rows (one all-gather); a failure (a member gone, the timeout) is one line saying
         what this member was ``doing()`` (only formatted then)."""
+        self._refuse_if_broken()  # its group may be closed: never let an exchange fall back to the default group
         try:
             rows = gather_rows(row, self.group, len(self.ranks), self.device)
         except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            self.broken = (f"rank {self.ranks[self.index]} was {doing()} when the other ranks stopped answering "
-                           f"({first})")
-            raise _error(f"{self.broken}; every rank must issue the same Horovod operations") from exc
+            raise self.lost(exc, doing) from exc
         self.ticks += 1
         return rows
+
+    def lost(self, exc: BaseException, doing: Callable[[], str]) -> Exception:
+        """The error to raise where this member's communication on the set failed (``exc``) while it was
+        ``doing()``: the failure another member told (:meth:`_issue`), or else the others stopped answering
+        (gone, or the timeout). The set is out of step from now on; this member closes its side too, so a
+        member still blocked on it hears at once."""
+        heard = self.alarm.heard() if self.alarm is not None else None
+        me = self.ranks[self.index]
+        if heard:
+            self.broken = heard
+            said = (f"{heard}; rank {me} was {doing()}: its share cannot complete, every rank raises, and every "
+                    "later operation on this process set is refused; restart the job")
+        else:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.broken = f"rank {me} was {doing()} when the other ranks stopped answering ({first})"
+            said = f"{self.broken}; every rank must issue the same Horovod operations"
+        self._close()
+        return _error(said)
+
+    def _close(self) -> None:
+        self.group = None
+        if self.alarm is not None:
+            self.alarm.close()
 
     def gather_objects(self, obj: Any) -> List[Any]:
         """Every member's ``obj`` (pickled; only on the rare paths: a deadlock's message, long queues)."""
         out: List[Any] = [None] * len(self.ranks)
-        dist.all_gather_object(out, obj, group=self.group)
+        self._refuse_if_broken()
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as exc:
+            raise self.lost(exc, lambda: "comparing queued names") from exc
         return out
 
     def _queued_keys(self) -> List[int]:
@@ -266,15 +296,23 @@ class Controller:
                          "every later operation on it is refused; restart the job")
 
     def _issue(self, part: Part, rows: Rows, active: List[int], what: str) -> Tuple[Any, Callable[[], Any]]:
-        """Start ``part``'s transfer, which the other members are starting too: if it fails here they
-        wait for this member's share, so the set is out of step from now on (refused, one line)."""
+        """Start ``part``'s transfer, which the other members are starting too. If it fails here, their
+        shares cannot complete: this member sounds the alarm (they raise at once, naming this member and
+        ``what``) and the set is out of step from now on (refused, one line)."""
         try:
             return part.issue(rows, active)
         except Exception as exc:
+            heard = self.alarm.heard() if self.alarm is not None else None
+            if heard:  # its exchange failed because another member failed first
+                raise self.lost(exc, lambda: f"starting {what}") from exc
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             self.broken = f"{what} failed on rank {self.ranks[self.index]}: {type(exc).__name__}: {first}"
-            raise _error(f"{self.broken}; the other ranks' share of it cannot complete, and every later "
-                         "operation on this process set is refused; restart the job") from exc
+            forget_frames(exc)  # its frames may hold the group, which must go for its connections to close
+            if self.alarm is not None:
+                self.alarm.sound(self.broken)
+            self.group = None
+            raise _error(f"{self.broken}; the other ranks raise too, and every later operation on this process "
+                         "set is refused; restart the job") from exc
 
     # ------------------------------------------------------------------ the loop
     def run_unnamed(self, part: Part) -> Tuple[Any, Callable[[], Any]]:
@@ -319,16 +357,21 @@ class Controller:
                 agreed = self._agreed_in_full(active)  # some names did not fit in the rows: compare them all
             for key in agreed:
                 self._run_named(key)
+            if pending is None or pending.queued:  # a failed named request broke the set: nothing more runs
+                self._refuse_if_broken()
             if issuing:
                 verdict = problem(rows, active, self.ranks)
                 if part is not None:
                     if verdict is not None:
                         raise _error(verdict)
                     return self._issue(part, rows, active, f"an unnamed {describe(own)}")
-                if verdict is None and kind(rows[active[0]]) == ALLREDUCE:
-                    self.answer(rows[active[0]])  # a joined member's zeros
-                if verdict is None and kind(rows[active[0]]) == STEP and self.answer_step is not None:
-                    self.answer_step(rows, active)  # a joined member's zeros for each gradient
+                try:
+                    if verdict is None and kind(rows[active[0]]) == ALLREDUCE:
+                        self.answer(rows[active[0]])  # a joined member's zeros
+                    if verdict is None and kind(rows[active[0]]) == STEP and self.answer_step is not None:
+                        self.answer_step(rows, active)  # a joined member's zeros for each gradient
+                except RuntimeError as exc:
+                    raise self.lost(exc, doing) from exc
             if pending is not None and not pending.queued:
                 return None
             if not agreed and not issuing:
@@ -366,8 +409,9 @@ class Controller:
                 verdict = problem(rows, active, self.ranks)
                 if verdict is not None:
                     raise _error(f"{request.name!r}: {verdict}")
-                started.append(self._issue(part, rows, active, f"{request.name!r}"))
+                started.append(self._issue(part, rows, active, f"{request.name!r} ({describe(row)})"))
         except Exception as exc:  # raised where the user synchronizes it, as Horovod
+            started.clear()  # their transfers hold the group, which a failure here must release
             request.pending.fail(exc)
             return
         request.pending.start(started)
@@ -381,7 +425,10 @@ class Controller:
                 return
             first = rows[active[0]]
             if first[_KIND] == ALLREDUCE:
-                self.answer(first)
+                try:
+                    self.answer(first)
+                except RuntimeError as exc:
+                    raise self.lost(exc, lambda: "in hvd.join()") from exc
             if first[_PARTS] <= 1:
                 return
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from ..errors import UnifiedDistError
 from . import _negotiation as _neg
+from ._alarm import Alarm
 from ._names import _OP_NAMES, Adasum, Average, HorovodInternalError, Max, Min, Product, Sum
 
 
@@ -100,6 +101,7 @@ class _World:
         self.timeout: Any = None  # the session's collective timeout, also for the process sets' groups
         self.check = False  # ud.init(debug=True): gradient allreduces also compare shapes across ranks
         self.controllers: Dict[int, Any] = {}  # process set id -> its negotiation (_negotiation.Controller)
+        self.session = ""  # rank 0's token for this init, agreed by all: names the alarm's keys (_alarm.Alarm)
 
 
 _world = _World()
@@ -200,9 +202,10 @@ def _claim(name: Optional[str]) -> None:
                          "one another name")
 
 
-def _handle(works: Sequence[Any], finish: Callable[[], Any], name: Optional[str] = None) -> int:
+def _handle(works: Sequence[Any], finish: Callable[[], Any], name: Optional[str] = None,
+            controller: Any = None) -> int:
     number = next(_counter)
-    _handles[number] = _Pending(works, finish, name)
+    _handles[number] = _Pending(works, finish, name, controller=controller)
     return number
 
 
@@ -275,7 +278,7 @@ def _submit(parts: Sequence[_neg.Part], name: Optional[str], ps: ProcessSet,
         part.left, part.count = len(parts) - i, len(parts)
     if name is None:
         started = [controller.run_unnamed(part) for part in parts]
-        return _handle(*_started(started, combine))
+        return _handle(*_started(started, combine), controller=controller)
     pending = _Pending([], None, name, combine, controller)
     controller.queue[_neg.key_of(name)] = _neg.Request(name, parts, pending)
     _in_flight[name] = pending
@@ -323,7 +326,10 @@ def synchronize(handle: int) -> Any:
         for work in pending.works:
             work.wait()
     except RuntimeError as exc:
-        raise HorovodInternalError(exc) from exc
+        if pending.controller is None:  # the hot path's gradient reductions: the step's tick tells the set
+            raise HorovodInternalError(exc) from exc
+        doing = f"waiting for {pending.name!r}" if pending.name else "waiting for an unnamed operation's transfer"
+        raise pending.controller.lost(exc, lambda: doing) from exc
     return pending.finish()
 
 
@@ -344,11 +350,32 @@ def _controller(ps: ProcessSet) -> _neg.Controller:
     controller = _world.controllers.get(ps.process_set_id)
     if controller is None:
         group = ps._control
+        alarm = Alarm(f"{_world.session}/{ps.process_set_id}", ps.ranks, _world.rank, lambda: _close_control(ps))
         controller = _neg.Controller(group, ps.ranks, ps.ranks.index(_world.rank), _group_device(group),
-                                     lambda row: _answer_with_zeros(row, group),
-                                     lambda rows, active: _answer_step_with_zeros(rows, active, ps))
+                                     lambda row: _answer_with_zeros(row, ps._control),
+                                     lambda rows, active: _answer_step_with_zeros(rows, active, ps), alarm)
         _world.controllers[ps.process_set_id] = controller
     return controller
+
+
+def _close_control(ps: ProcessSet) -> None:
+    """Destroy ``ps``'s negotiation group on this member once its set is out of step (:mod:`._alarm`), so its
+    connections close: first the finished transfers this member's handles still hold on it are settled (their
+    result kept, or their error) and let go, since each holds the group; then nothing here refers to it."""
+    controller = _world.controllers.get(ps.process_set_id)
+    for pending in list(_handles.values()):
+        if controller is None or pending.controller is not controller or not pending.works:
+            continue
+        if all(work.is_completed() for work in pending.works):
+            try:
+                for work in pending.works:
+                    work.wait()
+            except RuntimeError as exc:
+                pending.error = HorovodInternalError(str(exc).strip().splitlines()[0] if str(exc).strip() else exc)
+            pending.works = []
+    group, ps._control = ps._control, None
+    if group is not None:
+        dist.destroy_process_group(group)
 
 
 def join(process_set: ProcessSet = global_process_set) -> int:

@@ -1,9 +1,11 @@
 """``hvd.init`` and the questions about the job (size, ranks, what the stack was built with), answered
 by the facade's session: ``init`` is ``ud.init()`` (launcher detection is the facade's, never redone
-here) plus one gather of host names for the local and cross topology."""
+here) plus one gather of host names for the local and cross topology (and of rank 0's token for this session,
+which names the keys a failing member leaves in the job's store: :mod:`._alarm`)."""
 from __future__ import annotations
 
 import socket
+import uuid
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -48,8 +50,10 @@ def init(comm: Any = None, process_sets: Optional[Sequence[ProcessSet]] = None) 
     global_process_set._group = None
     global_process_set._control = (dist.new_group(list(range(world)), timeout=_ops._world.timeout)
                                    if _ops._world.distributed else None)
-    hosts = facade.all_gather_object(socket.gethostname()) if world > 1 else [socket.gethostname()]
-    _learn_hosts(hosts, rank)
+    mine = (socket.gethostname(), uuid.uuid4().hex)
+    gathered = facade.all_gather_object(mine) if world > 1 else [mine]
+    _ops._world.session = gathered[0][1]  # a store outlives a session (torchrun's agent's): keys never collide
+    _learn_hosts([host for host, _ in gathered], rank)
     _topology.initialized = True
     for ps in process_sets or []:
         _ops._register(ps)

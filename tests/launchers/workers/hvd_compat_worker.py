@@ -708,6 +708,61 @@ def distributed_optimizer_with_uneven_steps_joins():
     assert seconds < 60, f"{seconds:.1f} s"
 
 
+# the last check: it leaves the global process set refused on every rank (what it checks)
+@check
+def a_transfer_that_fails_on_one_rank_raises_on_every_rank_at_once():
+    """Issue 58 item 8: rank 1 cannot allocate the output of an alltoall that sends it 64 MiB (an address-space
+    limit set on rank 1 only, inside the transfer after the ranks agreed to run it). Rank 1 raises at once; rank 0,
+    blocked in its share, raised only at the collective timeout (60.0 s with UNIFIED_DIST_TIMEOUT=60, measured
+    before the fix); now both raise HorovodInternalError in one line naming rank 1, the request and the error,
+    within seconds, and every later operation is refused on both in one line. Real Horovod 0.28.1 under
+    horovodrun -np 2 --gloo, same failure: rank 1 raised at once, rank 0 after gloo's 30 s timeout, then every
+    later operation raised "Horovod has been shut down" (measured by hand: it costs 30 s, so ours only)."""
+    if os.environ.get("HOROVOD_RANK") is not None or hvd.size() == 1:
+        return
+    import resource
+
+    import torch.distributed as dist
+
+    r, n = hvd.rank(), hvd.size()
+    rows = 64 * 2 ** 20 // 8  # float64 rows: 64 MiB from rank 0 to rank 1
+    send = torch.zeros(rows if r == 0 else 0, dtype=torch.float64)
+    splits = torch.tensor([0] * n, dtype=torch.int32)
+    if r == 0:
+        splits[1] = rows
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    start = time.monotonic()
+    try:
+        if r == 1:  # 16 MiB more address space than this process holds now: the 64 MiB output cannot be had
+            held = int(next(line for line in open("/proc/self/status") if line.startswith("VmSize")).split()[1])
+            cap = held * 1024 + 16 * 2 ** 20
+            resource.setrlimit(resource.RLIMIT_AS, (cap if limit[1] < 0 else min(cap, limit[1]), limit[1]))
+        hvd.alltoall(send, splits)
+        raise AssertionError(f"rank {r}: the alltoall rank 1 cannot receive returned")
+    except hvd.HorovodInternalError as exc:
+        seconds, message = time.monotonic() - start, str(exc)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
+    # prompt: seconds, against the session's 600 s collective timeout (and real Horovod's 30 s)
+    assert seconds < 20, f"rank {r} raised after {seconds:.1f} s: {message}"
+    assert "\n" not in message and "failed on rank 1" in message and "alltoall" in message, message
+    assert "allocate" in message, message
+    later = {"allreduce": lambda: hvd.allreduce(torch.ones(2)),
+             "named allreduce": lambda: hvd.synchronize(hvd.allreduce_async(torch.ones(2), name="after.failure")),
+             "allgather": lambda: hvd.allgather(torch.ones(2)), "broadcast": lambda: hvd.broadcast(torch.ones(2), 0),
+             "barrier": hvd.barrier, "join": hvd.join}
+    for what, operation in later.items():
+        start = time.monotonic()
+        try:
+            operation()
+            raise AssertionError(f"rank {r}: {what} ran after the failure")
+        except hvd.HorovodInternalError as exc:
+            refused = str(exc)
+        assert time.monotonic() - start < 5, f"{what} took {time.monotonic() - start:.1f} s to be refused"
+        assert "\n" not in refused and "refused" in refused and "failed on rank 1" in refused, refused
+    dist.barrier()  # on the default group: rank 1 stays alive (its connections open) until rank 0 has raised
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -241,3 +241,65 @@ def test_a_step_row_carries_its_gradients_count_and_a_signature_of_their_shapes(
     assert neg.problem(ticked[:2], [0, 1], [0, 1]) is None
     for other in ticked[2:]:
         assert "DistributedOptimizer step" in neg.problem([ticked[0], other], [0, 1], [0, 1])
+
+
+class FakeAlarm:
+    """What a member heard from the others (``heard``), what it told them, whether it closed its side."""
+
+    def __init__(self, heard=None):
+        self._heard, self.sounded, self.closed = heard, [], 0
+
+    def heard(self):
+        return self._heard
+
+    def sound(self, message):
+        self.sounded.append(message)
+        self.closed += 1
+
+    def close(self):
+        self.closed += 1
+
+
+def test_a_transfer_that_fails_on_this_member_tells_the_others_what_failed_and_lets_go_of_the_group():
+    """Issue 58 item 8: the others, blocked in their share, must hear it now, not at the collective timeout."""
+    def broken(rows, active):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory\nframe #0")
+
+    ctl = FakeController([[None, allreduce_row((2,))]])
+    ctl.alarm, ctl.group = FakeAlarm(), object()
+    with pytest.raises(HorovodInternalError, match="the other ranks raise too") as info:
+        ctl.run_unnamed(neg.Part(neg.ALLREDUCE, 1, torch.zeros(2), broken))
+    told = ("an unnamed allreduce float32[2] op Sum failed on rank 0: RuntimeError: DefaultCPUAllocator: can't "
+            "allocate memory")
+    assert ctl.alarm.sounded == [told] and str(info.value).startswith(told)
+    assert ctl.group is None  # nothing here holds the group any more: its connections close
+
+
+def test_a_member_whose_tick_fails_after_another_failed_raises_what_that_member_told(monkeypatch):
+    told = "an unnamed alltoall float64[0] failed on rank 1: RuntimeError: can't allocate memory"
+
+    def closed(row, group, size, device):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:4242\nmore")
+    monkeypatch.setattr(neg, "gather_rows", closed)
+    ctl = neg.Controller(object(), [0, 1], 0, torch.device("cpu"), lambda row: None, alarm=FakeAlarm(told))
+    with pytest.raises(HorovodInternalError) as info:
+        ctl.run_unnamed(neg.Part(neg.ALLREDUCE, 1, torch.zeros(2), lambda rows, active: (None, lambda: None)))
+    said = str(info.value)
+    assert said.startswith(told + "; rank 0 was issuing an unnamed allreduce float32[2] op Sum") and "\n" not in said
+    assert ctl.alarm.closed == 1 and ctl.alarm.sounded == [] and ctl.group is None  # passed on, not told again
+    with pytest.raises(HorovodInternalError, match="out of step") as later:
+        ctl.run_unnamed(neg.Part(neg.ALLREDUCE, 1, torch.zeros(2), lambda rows, active: (None, lambda: None)))
+    assert told in str(later.value) and "refused" in str(later.value)
+
+
+def test_a_transfer_that_fails_because_another_member_failed_first_says_what_that_member_told():
+    told = "'grad.w' (allreduce float32[2] op Sum) failed on rank 1: RuntimeError: boom"
+
+    def closed(rows, active):
+        raise RuntimeError("Connection closed by peer")
+    ctl = FakeController([[None, allreduce_row((2,))]])
+    ctl.alarm = FakeAlarm(told)
+    with pytest.raises(HorovodInternalError) as info:
+        ctl.run_unnamed(neg.Part(neg.ALLREDUCE, 1, torch.zeros(2), closed))
+    assert str(info.value).startswith(told + "; rank 0 was starting an unnamed allreduce")
+    assert ctl.alarm.sounded == [] and ctl.alarm.closed == 1 and ctl.broken == told
