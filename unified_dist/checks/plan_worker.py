@@ -29,6 +29,12 @@ How the world is simulated, and why each piece is needed:
   the optimizer's groups and state (its doc says what is counted and what is not). DeepSpeed's collectives are
   not counted (the table is empty), and what the plan does not model (mixed precision, offload, a DeepSpeed
   config file's optimizer) is a ``PlanError``.
+- A pipeline (``pp`` > 1): a schedule's shape inference reads the activations the previous stage sends, which the
+  fake process group never delivers, so the schedule is not run. ``ud.pipeline_step`` gives each of the stage's
+  trainable parameters a gradient of its own shape (and layout: a DTensor's for a sharded stage) and returns a
+  zero loss; the optimizer then steps as usual, and the rank's bytes are its stage's parameters, gradients and
+  optimizer state. What the schedule holds (activations of the microbatches in flight) and sends is not planned:
+  no saved-for-backward bytes, and the collectives table is empty.
 
 An exception the script raises (a layout that does not divide the world, a TP plan that does not fit
 the heads) is the error the real job would meet: it is written as it is, type and one-line message.
@@ -159,6 +165,7 @@ class Simulation:
         self._counting_from_forward = False
         self._in_prepared_step = False
         self._labels: Dict[str, str] = {}
+        self.pipeline: Optional[Dict[str, Any]] = None  # under pp: this rank's stage, stages, schedule, microbatches
 
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
@@ -177,6 +184,9 @@ class Simulation:
         prepare = session.Session.prepare
         session.Session.prepare = lambda s, objs: self._prepared(s, prepare(s, objs))
         self._wrap_prepared_step()
+        from ..parallel.pipeline import PipelinedModel
+
+        PipelinedModel.step = lambda model, inputs, targets, loss_fn: self._pipeline_step(model)
         register_optimizer_step_pre_hook(self._before_step)
         register_optimizer_step_post_hook(self._after_step)
 
@@ -226,6 +236,16 @@ class Simulation:
             self.saved = {"bytes": self._saving.bytes, "tensors": self._saving.count}
             self._saving = None
 
+    def _pipeline_step(self, model) -> torch.Tensor:
+        """``ud.pipeline_step`` without its schedule (see the module doc): a gradient for each of the stage's
+        trainable parameters, shaped and laid out like it; a zero loss."""
+        self.pipeline = {"stage": model.stage, "stages": model.stages, "schedule": model.schedule_name,
+                         "microbatches": model.microbatches}
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return torch.zeros((), device=model._device)
+
     # ------------------------------------------------------------------ the step
     def _before_step(self, optimizer, args, kwargs) -> None:
         """Leave the fake mode for the step (its step counter must be a real scalar)."""
@@ -243,8 +263,9 @@ class Simulation:
 
     def _stop(self) -> None:
         self.counter.__exit__(None, None, None)
-        zero = self.result.get("zero_stage") is not None  # DeepSpeed's own collectives: not simulated
-        self.result["collectives"] = [] if zero else _relabel(self.counter.table(), self._labels)
+        # DeepSpeed's own collectives, and a pipeline's schedule: not simulated
+        unplanned = self.result.get("zero_stage") is not None or self.result.get("pipeline") is not None
+        self.result["collectives"] = [] if unplanned else _relabel(self.counter.table(), self._labels)
         raise _Planned()
 
     def _wrap_prepared_step(self) -> None:
@@ -282,7 +303,8 @@ class Simulation:
         return {"bytes": held, "saved_for_backward": self.saved, "backend": backend.name,
                 "zero_stage": backend.zero_stage if zero else None,
                 "model_parameters": sum(p.numel() for m in models for p in m.parameters()),
-                "layout": {"dp_replicate": layout.replicate, "dp_shard": layout.shard, "tp": layout.tp},
+                "layout": {"pp": layout.pp, "dp_replicate": layout.replicate, "dp_shard": layout.shard,
+                           "tp": layout.tp}, "pipeline": self.pipeline,
                 "ddp": self.ddp, "activation_checkpointing": bool(config.sharding.activation_checkpointing),
                 "mixed_precision": config.mixed_precision}
 

@@ -147,24 +147,32 @@ def render(report: Dict[str, Any]) -> List[str]:
         return [head, f"error: {report['error']['type']}: {report['error']['message']}"]
     layout, held, saved = report["layout"], report["bytes"], report["saved_for_backward"]
     zero = report.get("zero_stage")
+    pipeline = report.get("pipeline")
     what = (f"DeepSpeed ZeRO stage {zero} over {report['world']} ranks" if zero is not None else
-            f"dp_replicate={layout['dp_replicate']} x dp_shard={layout['dp_shard']} x "
+            (f"pp={layout['pp']} x " if layout.get("pp", 1) > 1 else "")
+            + f"dp_replicate={layout['dp_replicate']} x dp_shard={layout['dp_shard']} x "
             f"tp={layout['tp']}{' (DDP)' if report['ddp'] else ''}")
-    lines = [head, f"layout: {what}; model: {report['model_parameters']:,} parameters",
-             "bytes this rank holds after the first optimizer step:" if zero is None else
-             "bytes this rank holds at its first optimizer step (derived, not run: DeepSpeed 0.19.8, float32):"]
+    model = "this rank's stage" if pipeline else "model"
+    lines = [head, f"layout: {what}; {model}: {report['model_parameters']:,} parameters"]
+    if pipeline:
+        lines.append(f"pipeline: stage {pipeline['stage']} of {pipeline['stages']} ({pipeline['schedule']}, "
+                     f"{pipeline['microbatches']} microbatches); the schedule is not run: the bytes are the stage's")
+    lines.append("bytes this rank holds after the first optimizer step:" if zero is None else
+                 "bytes this rank holds at its first optimizer step (derived, not run: DeepSpeed 0.19.8, float32):")
     rows = (("parameters", "params"), ("master copies", "master"), ("gradients", "grads"),
             ("optimizer state", "optimizer"), ("total", "total"))
     lines += [f"  {name:<16}{size(held[key]):>12}" for name, key in rows if key in held]
     ac = "on" if report["activation_checkpointing"] else "off"
     lines.append(f"saved for backward by the first micro-batch (activation checkpointing {ac}): "
-                 + (size(saved["bytes"]) if saved else "not seen (no forward of a prepared model)"))
+                 + (size(saved["bytes"]) if saved else "not planned under a pipeline (its schedule is not run)"
+                    if pipeline else "not seen (no forward of a prepared model)"))
     if "saved_for_backward_other" in report:
         other = report["saved_for_backward_other"]
         lines.append(f"  with activation checkpointing {'off' if ac == 'on' else 'on'}: "
                      + (size(other["bytes"]) if other else "the job would fail (plan it to see why)"))
-    if zero is not None:
-        lines.append("collectives: not planned under the deepspeed backend (DeepSpeed's own buckets)")
+    if zero is not None or pipeline:
+        lines.append("collectives: not planned " + ("under the deepspeed backend (DeepSpeed's own buckets)"
+                                                    if zero is not None else "under a pipeline (its schedule)"))
     else:
         lines.append("collectives of the first optimizer step (kind, process group, calls, bytes):")
     for row in report["collectives"]:

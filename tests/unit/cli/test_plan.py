@@ -318,3 +318,78 @@ def test_plan_names_each_deepspeed_config_it_does_not_model(file, what):
 
     assert f"; {what} is not modelled" in zero_plan_limit(file, "no")
     assert zero_plan_limit({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}, "no") is None
+
+
+# ------------------------------------------------------------------------------------------ pipeline stages
+PIPELINE = """
+import argparse
+import json
+import os
+
+import torch
+
+import unified_dist as ud
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", default="")  # measure what this rank holds after its first step: OUT/rank<R>.json
+args = parser.parse_args()
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(5, 6)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 6) for _ in range(4)])
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+ud.init(pp=2)
+model = Net()
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+model, optimizer = ud.prepare(model, optimizer)
+ud.pipeline_step(model, torch.randn(4, 5), torch.randn(4, 3), torch.nn.functional.mse_loss)
+optimizer.step()
+if args.out:  # the stage's own tensors after a real schedule and step, counted by hand
+    params = list(ud.unwrap(model).parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    held = {key: sum(t.numel() * t.element_size() for t in tensors) for key, tensors in
+            (("params", params), ("grads", [p.grad for p in params if p.grad is not None]), ("optimizer", state))}
+    with open(os.path.join(args.out, f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(held, f)
+ud.shutdown()
+"""
+"""Embeddings, 4 layers and a head: the default split gives stage 0 the embeddings and layers 0-1 (36 + 84 = 120
+elements, 6 tensors), stage 1 layers 2-3 and the head (84 + 21 = 105 elements, 6 tensors): the two stages differ."""
+
+
+@pytest.fixture(scope="module")
+def pipeline_held(tmp_path_factory):
+    """What each of 2 torchrun ranks holds after a real 1F1B step of :data:`PIPELINE` (pp=2; about 25 s on 2
+    cores; torchrun --standalone picks its own port)."""
+    from unified_dist.testing.launchers import child_env, command, run
+
+    root = tmp_path_factory.mktemp("pipeline")
+    (root / "train.py").write_text(PIPELINE)
+    done = run(command("torchrun", str(root / "train.py"), ["--out", str(root)]), 180, child_env())
+    assert done.returncode == 0, done.output[-3000:]
+    return {rank: json.loads((root / f"rank{rank}.json").read_text()) for rank in range(2)}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", (0, 1))
+def test_plan_of_a_pipeline_holds_each_stage(plan, pipeline_held, rank):
+    """``--pp 2`` at world 2: rank R is stage R, and the plan gives the bytes of that stage's parameters, gradients
+    and AdamW state that a real launch holds after its first step (the schedule itself is not run by the plan)."""
+    code, report, err = plan(PIPELINE, "--pp", "2", world=(1, 2), rank=rank)
+    assert code == 0 and report["error"] is None, (report, err)
+    assert report["pipeline"] == {"stage": rank, "stages": 2, "schedule": "1f1b", "microbatches": 2}
+    assert (report["saved_for_backward"], report["collectives"]) == (None, [])
+    expected = pipeline_held[rank]
+    assert report["bytes"] == {**expected, "total": sum(expected.values())}
