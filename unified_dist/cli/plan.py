@@ -21,6 +21,10 @@ the float32 master copy of the rank's part, the gradients its update reads, the 
 DeepSpeed's padding). Float32 training only: mixed precision, offload and a DeepSpeed config file's optimizer
 are not modelled (the plan says so, status 1); DeepSpeed's collectives are not listed. What the deepspeed
 backend refuses (``--sharding fsdp``, ``--tp``, ``--dp-replicate``, ``--pp``, ...) the plan refuses in one line.
+
+``--pp P`` plans the simulated rank's pipeline stage (which one, and its parameters, gradients and optimizer state
+after its first step) without running the schedule (:mod:`unified_dist.checks.plan_worker` says why): no
+saved-for-backward bytes or collectives under a pipeline.
 """
 from __future__ import annotations
 
