@@ -26,7 +26,6 @@ the others' kernels, which would then wait for the collective timeout, and raise
 """
 from __future__ import annotations
 
-import gc
 import traceback
 from typing import Any, Callable, Optional, Sequence
 
@@ -75,10 +74,7 @@ class Alarm:
 
     def close(self) -> None:
         """Destroy this member's side of the negotiation group, so its connections close now."""
-        try:
-            self.close_group()
-        finally:
-            gc.collect()  # a reference cycle may still hold the group; its connections close when it goes
+        self.close_group()
 
 
 def _default_store() -> Any:

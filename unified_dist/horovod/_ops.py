@@ -26,6 +26,7 @@ The contract of each function is Horovod's; what differs is how it is carried:
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import itertools
 import threading
@@ -269,6 +270,10 @@ def _submit(parts: Sequence[_neg.Part], name: Optional[str], ps: ProcessSet,
             combine: Callable[[List[Any]], Any] = _one) -> int:
     """Run ``parts`` as one operation: at once on a one-member set; unnamed, each part ticks now (in call
     order); named, queued until every member asked for ``name`` (it then runs in the agreed order)."""
+    for part in parts:  # what a row cannot carry is refused here, before sending: the others hear of it (REFUSED)
+        if part.tensor is not None and part.tensor.dim() > _neg.MAX_DIMS:
+            raise ValueError(f"unified_dist.horovod's collectives take at most {_neg.MAX_DIMS} dimensions, got "
+                             f"{part.tensor.dim()}: reshape the tensor first")
     _request.sent = True  # from here an error is the negotiation's (every member's), or after the request left
     _claim(name)
     if not _communicates(ps):
@@ -376,6 +381,8 @@ def _close_control(ps: ProcessSet) -> None:
     group, ps._control = ps._control, None
     if group is not None:
         dist.destroy_process_group(group)
+        del group
+        gc.collect()  # a reference cycle may still hold the group; its connections close when it goes
 
 
 def join(process_set: ProcessSet = global_process_set) -> int:
