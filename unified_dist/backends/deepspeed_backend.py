@@ -47,9 +47,9 @@ def refusal(config: Config) -> Optional[str]:
     sharding = config.sharding
     if sharding.splits_model:
         what = ("sharding='fsdp'" if sharding.enabled else f"tp={sharding.tp}" if sharding.tp > 1
-                else f"dp_replicate={sharding.dp_replicate}")
-        return (f"{what} is torch's FSDP2/TP layout; the deepspeed backend shards with ZeRO: use zero_stage=1, 2 or 3, "
-                "or backend='torch' for FSDP2")
+                else f"pp={sharding.pp}" if sharding.pp > 1 else f"dp_replicate={sharding.dp_replicate}")
+        return (f"{what} is torch's FSDP2/TP/pipeline layout; the deepspeed backend shards with ZeRO: use "
+                "zero_stage=1, 2 or 3, or backend='torch' for that layout")
     if config.gradient_compression:
         return (f"gradient_compression={config.gradient_compression!r} is DDP's and Horovod's; DeepSpeed reduces in "
                 "its own format: drop it, or use backend='torch' or 'horovod'")

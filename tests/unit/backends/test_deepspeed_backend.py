@@ -88,7 +88,8 @@ def test_a_config_file_is_filled_where_it_says_auto_and_refused_where_it_disagre
 
 
 @pytest.mark.parametrize("config, words", [
-    (Config(sharding=Sharding("fsdp")), "zero_stage=1, 2 or 3"),
+    (Config(sharding=Sharding("fsdp")), "sharding='fsdp' is torch's FSDP2/TP/pipeline layout"),
+    (Config(sharding=Sharding(pp=2)), "pp=2 is torch's FSDP2/TP/pipeline layout; the deepspeed backend shards"),
     (Config(gradient_compression="bf16"), "DeepSpeed reduces in its own format"),
     (Config(bucket_mb=10.0), "reduce_bucket_size"),
     (Config(compile="inductor"), "does not compile yet"),

@@ -281,7 +281,7 @@ def test_plan_of_a_zero_stage_holds_what_deepspeed_holds(plan, zero_held, stage)
 
 ZERO_REFUSED = {  # flags -> the one line plan prints (status 2), before anything runs
     "fsdp": (("--backend", "deepspeed", "--zero-stage", "2", "--sharding", "fsdp"),
-             "--backend deepspeed: sharding='fsdp' is torch's FSDP2/TP layout; the deepspeed backend shards with ZeRO"),
+             "--backend deepspeed: sharding='fsdp' is torch's FSDP2/TP/pipeline layout; the deepspeed backend shards"),
     "tp": (("--backend", "deepspeed", "--zero-stage", "3", "--tp", "2"), "--backend deepspeed: tp=2 is torch's"),
     "pp": (("--backend", "deepspeed", "--zero-stage", "1", "--pp", "2"),
            "--backend deepspeed: pp=2 runs on the torch backend only"),
