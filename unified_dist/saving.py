@@ -65,6 +65,9 @@ def _save(obj: Any, path: str, async_save: bool, keep_last: Optional[int]) -> No
     else:
         WRITER.wait()  # one save in flight at a time; a failure is raised at the next settling point
     obj = _rng_states_for_markers(obj) if with_rng else obj
+    if sharded:  # an optimizer's state may be gathered too (every rank walks, in the same order)
+        obj = nested.map_leaves(lambda leaf: backend.optimizer_state_dict(leaf)
+                                if isinstance(leaf, torch.optim.Optimizer) else leaf, obj)
     if async_save:
         state = checkpoint.to_state(obj, backend.unwrap, _staged(backend.rank, sharded), backend.model_state_dict) \
             if sharded or backend.rank == 0 else None  # gathering a shard is a collective
@@ -335,6 +338,8 @@ def restore(saved: Any, state: dict, source: str, *, strict: bool = True) -> dic
             restore_rng_states(saved[name])
         elif isinstance(target, torch.nn.Module):
             backend.load_model_state_dict(target, saved[name], strict)
+        elif isinstance(target, torch.optim.Optimizer):
+            backend.load_optimizer_state_dict(target, saved[name], source)
         elif hasattr(target, "load_state_dict") and callable(target.load_state_dict):
             target.load_state_dict(saved[name])
             if is_scheduler(target):

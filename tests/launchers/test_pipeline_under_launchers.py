@@ -24,7 +24,8 @@ CHECKS = ("update_equals_one_process_on_the_global_batch", "loss_is_the_batch_me
           "stage_holds_its_units_by_full_name",
           "stage_is_split_as_the_layout_says", "optimizer_steps_only_the_stage",
           "model_call_is_refused", "indivisible_batch_is_refused", "save_gathers_every_stage_by_name",
-          "load_gives_each_stage_its_part", "optimizer_state_save_and_load_are_refused",
+          "load_gives_each_stage_its_part", "optimizer_state_saved_by_name_resumes_in_one_plain_process",
+          "a_plain_checkpoint_with_optimizer_resumes_on_every_stage",
           "non_finite_loss_stops_every_stage", "a_batch_of_other_shapes_runs_its_own_schedule",
           "clip_grad_norm_clips_to_the_whole_models_norm", "pipeline_forward_gives_the_outputs_on_the_last_stage_only")
 
@@ -70,5 +71,7 @@ def test_pipeline_case(launches, world, case, check):
 def test_the_measured_difference_is_far_inside_the_bound(launches):
     """The largest difference over every case and rank, printed for the report (bound 1e-12)."""
     worst = max(r["max_diff"] for world in CASES for case in CASES[world] for r in _records(launches, world, case))
-    print(f"pipeline: largest |stage - one process| over every case: {worst:.3g}")
-    assert worst <= 1e-12
+    resumed = max(r["resume_diff"] for world in CASES for case in CASES[world] for r in _records(launches, world, case))
+    print(f"pipeline: largest |stage - one process| over every case: {worst:.3g}; "
+          f"largest |resumed - uninterrupted| (optimizer state through a checkpoint, both ways): {resumed:.3g}")
+    assert worst <= 1e-12 and resumed <= 1e-12

@@ -250,6 +250,17 @@ class Backend(ABC):
         in one line (``None``: it can)."""
         return None
 
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """``optimizer``'s state in torch's positional layout over the whole model (``optimizer.state_dict()``); its
+        tensors may still be shards (DTensors), which the caller gathers. A collective where
+        :attr:`saves_collectively`."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict, source: str) -> None:
+        """Load ``state`` (torch's positional layout over the whole model, from ``source``) into ``optimizer``: every
+        rank passes the same and keeps its own part (``optimizer.load_state_dict``)."""
+        optimizer.load_state_dict(state)
+
     @property
     def saves_collectively(self) -> bool:
         """Whether the portable state of a prepared model or optimizer is gathered from every rank, so that

@@ -8,7 +8,7 @@ from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import LaunchError
+from ..errors import CheckpointError, LaunchError
 from ..parallel import pipeline
 from ..parallel.mesh import PP_DIM, Layout, machines
 from ..parallel.sharding import Sharding, blocks_to_shard, is_sharded, no_gradient_sync, point_optimizer_at, shard_model
@@ -31,6 +31,7 @@ class FsdpModels:
         self._new_of: Dict[int, Tuple["weakref.ref[torch.nn.Parameter]", torch.nn.Parameter]] = {}
         self._blocks: "weakref.WeakKeyDictionary[torch.nn.Module, List[torch.nn.Module]]" = weakref.WeakKeyDictionary()
         self._dropped: Dict[int, "weakref.ref[torch.nn.Parameter]"] = {}  # other pipeline stages' parameters
+        self._stages: "weakref.WeakSet[pipeline.PipelinedModel]" = weakref.WeakSet()  # the pipelined models
         self.layout = Layout(1, world_size, 1)
         self.mesh: Optional[Any] = None
         if sharding.splits_model:
@@ -67,10 +68,22 @@ class FsdpModels:
         for old, new in zip(before, model.parameters()):
             self._new_of[id(old)] = (weakref.ref(old), new)
         if sharding.pp > 1:
-            return pipeline.PipelinedModel(model, stage, sharding.pp, sharding.pp_schedule, sharding.microbatches,
-                                           device or torch.device("cpu"), mesh[PP_DIM].get_group(), whole_keys,
-                                           stage_group=self._stage_group(stage))
+            pipelined = pipeline.PipelinedModel(model, stage, sharding.pp, sharding.pp_schedule, sharding.microbatches,
+                                                device or torch.device("cpu"), mesh[PP_DIM].get_group(), whole_keys,
+                                                stage_group=self._stage_group(stage))
+            self._stages.add(pipelined)
+            return pipelined
         return model
+
+    def stage_of(self, optimizer: torch.optim.Optimizer) -> torch.nn.Module:
+        """The pipelined model's stage (the user's module, other stages' units replaced) whose parameters
+        ``optimizer`` steps; a one-line ``CheckpointError`` when no prepared model holds them."""
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        stages = [m.module for m in self._stages if params & {id(p) for p in m.module.parameters()}]
+        if len(stages) == 1 or (not stages and len(self._stages) == 1):
+            return (stages or [m.module for m in self._stages])[0]
+        raise CheckpointError(f"an optimizer under pp steps the parameters of {len(stages)} prepared pipelined "
+                              "models; give ud.save/ud.load one optimizer per model, built from its parameters")
 
     def _stage_group(self, stage: int) -> Any:
         """The process group of pipeline stage ``stage``'s ranks (``None`` where the stage has one rank); every

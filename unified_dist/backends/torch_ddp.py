@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..detection import Detection
 from ..errors import UnifiedDistError
+from ..parallel import pipeline_optimizer
 from ..parallel.mesh import PP_DIM
 from ..parallel.pipeline import PipelinedModel
 from ..parallel.sharding import clip_grad_norm
@@ -63,15 +64,22 @@ class TorchBackend(TorchGroupBackend):
         return (f"ud.{action} of a model under pp={pp} is not supported yet (each rank holds one pipeline stage); "
                 "use ud.save and ud.load, which gather the stages into one file keyed by the model's names")
 
-    def optimizer_checkpoint_problem(self, action: str) -> Optional[str]:
-        """Under pipeline parallelism an optimizer holds its stage's state only, indexed by position within the
-        stage: written by the main process alone it would lose the other stages' and load into the wrong ones."""
-        pp = self.config.sharding.pp
-        if pp == 1:
-            return None
-        return (f"ud.{action} of an optimizer under pp={pp} is not supported yet (each stage's optimizer holds only "
-                "its own stage's state): ud.save the model alone, and torch.save(optimizer.state_dict()) on each "
-                "rank of the first data-parallel replica to keep the optimizer's")
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Under pipeline parallelism: the whole model's optimizer state (every stage's, gathered to the main
+        process's pipeline group), numbered as one process over the whole model numbers it."""
+        if self.config.sharding.pp == 1:
+            return super().optimizer_state_dict(optimizer)
+        gather = self.layout.data_parallel_rank(self.rank) == 0 and self.tp_rank == 0
+        return pipeline_optimizer.whole_state(self._fsdp.stage_of(optimizer), optimizer,
+                                              self.device_mesh[PP_DIM].get_group(), gather)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict, source: str) -> None:
+        """Under pipeline parallelism each stage's optimizer takes its stage's part of the whole model's ``state``."""
+        if self.config.sharding.pp == 1:
+            return super().load_optimizer_state_dict(optimizer, state, source)
+        optimizer.load_state_dict(pipeline_optimizer.stage_state(
+            self._fsdp.stage_of(optimizer), optimizer, self.device_mesh[PP_DIM].get_group(), state, source))
+        return None
 
     def clip_gradients(self, parameters: List[torch.Tensor], max_norm: float, norm_type: float) -> torch.Tensor:
         """Under pipeline parallelism each stage holds its own parameters: the norm clipped to is the whole
