@@ -1,12 +1,13 @@
 """The example's ``--streaming`` (issue 27): its training split read as a ``datasets`` stream from CSV
 trains exactly like the map-style run, resumes, and refuses what cannot work.
 
-Three launches, shared by the tests below (module fixture ``runs``), in tiny settings: 57 training
-examples (so each epoch ends with a ragged global batch of 9: 5 + 4 over two ranks), 2 epochs of 4
+Three runs in two launches, shared by the tests below (module fixture ``runs``), in tiny settings: 57
+training examples (so each epoch ends with a ragged global batch of 9: 5 + 4 over two ranks), 2 epochs of 4
 steps, global batch 16, no dropout, 1 thread per process.
 
-* ``map``: torchrun x 2, map-style, ``--no-shuffle`` (``DataLoader(shuffle=False)``): the expected
-  values. It does not touch the code under test (no stream; ``ud.prepare``'s map-style path).
+* ``map``: torchrun x 2 (``stream``'s launch, after it), map-style, ``--no-shuffle``
+  (``DataLoader(shuffle=False)``): the expected values. It does not touch the code under test (no
+  stream; ``ud.prepare``'s map-style path).
 * ``stream``: torchrun x 2, ``--streaming --no-shuffle``, with the progress bar on (the loader's
   length is unknown) and a checkpoint at step 6 (mid-epoch 2).
 * ``resumed``: python x 1 with ``--batch-size 16`` (the same global batch), ``--streaming``, continuing
@@ -63,17 +64,28 @@ def _max_weight_difference(a: Path, b: Path) -> float:
 
 @pytest.fixture(scope="module")
 def runs(module_dirs, tiny_bert) -> Dict[str, Run]:
-    """The three launches, each once for the whole module (deleted when it passes), of the tests' BERT."""
+    """The three runs, each once for the whole module (deleted when it passes), of the tests' BERT. ``stream``
+    then ``map`` are two whole runs of the example's ``main()`` in one torchrun launch
+    (tests/examples/runs_in_one_launch.py: one launcher start and one set of imports, not two); the stream,
+    the code under test, runs first, in a fresh process as a user's would. Each run's ``Result`` holds its
+    own part of the launch's output."""
     base = module_dirs.mktemp("bert-streaming")
     tiny = [*TINY, "--model", tiny_bert]
+    worker = Path(__file__).with_name("runs_in_one_launch.py")
+    plan = [{"name": name, "argv": [*tiny, *args, "--output-dir", str(base / name)]} for name, args in (
+        ("stream", ["--batch-size", "8", "--streaming", "--save-every", "6"]),
+        ("map", ["--batch-size", "8", "--no-progress"]),
+    )]
+    (base / "plan.json").write_text(json.dumps(plan))
+    both = launch("torchrun", str(worker), [str(base / "plan.json")], nproc=2, timeout=2 * TIMEOUT)
+    spec = importlib.util.spec_from_file_location("runs_in_one_launch", worker)
+    runs_in_one_launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runs_in_one_launch)
+    outputs = runs_in_one_launch.split_output(both.output)
     done: Dict[str, Run] = {}
-    for name, launcher, nproc, args in (
-            ("map", "torchrun", 2, ["--batch-size", "8", "--no-progress"]),
-            ("stream", "torchrun", 2, ["--batch-size", "8", "--streaming", "--save-every", "6"]),
-    ):
-        out = base / name
-        done[name] = Run(launch(launcher, SCRIPT, [*tiny, *args, "--output-dir", str(out)], nproc=nproc,
-                                timeout=TIMEOUT), out)
+    for name in ("stream", "map"):  # a run the launch did not reach fails its tests with the launch's output
+        done[name] = Run(Result(both.cmd, both.returncode, outputs.get(name, both.output), both.timed_out),
+                         base / name)
     checkpoint = done["stream"].out / "checkpoints" / "checkpoint-000000006.pt"
     out = base / "resumed"
     done["resumed"] = Run(launch("python", SCRIPT, [*tiny, "--batch-size", "16", "--streaming", "--no-progress",
