@@ -27,7 +27,8 @@ CHECKS = ("update_equals_one_process_on_the_global_batch", "loss_is_the_batch_me
           "load_gives_each_stage_its_part", "optimizer_state_saved_by_name_resumes_in_one_plain_process",
           "a_plain_checkpoint_with_optimizer_resumes_on_every_stage",
           "non_finite_loss_stops_every_stage", "a_batch_of_other_shapes_runs_its_own_schedule",
-          "clip_grad_norm_clips_to_the_whole_models_norm", "pipeline_forward_gives_the_outputs_on_the_last_stage_only")
+          "clip_grad_norm_clips_to_the_whole_models_norm", "pipeline_forward_gives_the_outputs_on_the_last_stage_only",
+          "stages_with_other_param_groups_are_refused_on_every_rank")
 
 
 class Launches:

@@ -37,6 +37,14 @@ def _order(module: torch.nn.Module) -> List[str]:
     return [name for name, _ in module.named_parameters()]
 
 
+def _same_groups(counts: List[int]) -> None:
+    """Refuse stages whose optimizers have different numbers of param groups: the same one line on every rank
+    of the pipeline group (each has every stage's count), so none is left waiting in a later collective."""
+    if len(set(counts)) != 1:
+        raise CheckpointError(f"the pipeline stages' optimizers have different numbers of param groups ({counts}, "
+                              "by stage): build every stage's optimizer with the same groups, an empty one included")
+
+
 def whole_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any, gather: bool) -> dict:
     """The whole model's optimizer state in torch's positional layout, on the first stage of the ranks that
     ``gather`` (every rank of the pipeline ``group`` calls it with the same ``gather``); elsewhere this
@@ -44,6 +52,9 @@ def whole_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, group
     import torch.distributed as dist
 
     names = _names(module, optimizer)
+    counts: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(counts, len(names), group=group)  # on every rank, whether it gathers or not
+    _same_groups(counts)
     flat = [name for group_names in names for name in group_names]
     state = optimizer.state_dict()
     own = {flat[index]: {key: full_tensor(value.detach()).cpu() if isinstance(value, torch.Tensor) else value
@@ -66,12 +77,8 @@ def whole_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, group
 def _numbered(parts: List[dict], named: List[bool]) -> dict:
     """Every stage's ``part`` as one positional state dict (stage order is the model's order)."""
     position = {name: i for i, name in enumerate(n for part in parts for n in part["order"])}
-    counts = {len(part["groups"]) for part in parts}
-    if len(counts) != 1:
-        raise CheckpointError(f"the pipeline stages' optimizers have different numbers of param groups ({counts}): "
-                              "build every stage's optimizer with the same groups")
     param_groups, number = [], {}
-    for g in range(counts.pop()):
+    for g in range(len(parts[0]["groups"])):  # the same on every stage (whole_state checked)
         members = sorted((n for part in parts for n in part["groups"][g]["params"]), key=position.__getitem__)
         for name in members:
             number[name] = len(number)
@@ -92,6 +99,7 @@ def stage_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, group
     names = _names(module, optimizer)
     everyone: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, (_order(module), names), group=group)
+    _same_groups([len(theirs) for _, theirs in everyone])
     position = {name: i for i, name in enumerate(n for order, _ in everyone for n in order)}
     saved_groups = whole.get("param_groups", [])
     members = [sorted((n for _, theirs in everyone for n in theirs[g]), key=position.__getitem__)

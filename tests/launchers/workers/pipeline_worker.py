@@ -288,6 +288,25 @@ def run_case(name: str) -> dict:
             ok, gap = out.shape == (0, 3) and out.dtype == DTYPE, None
         checks["pipeline_forward_gives_the_outputs_on_the_last_stage_only"] = (
             "ok" if ok else f"FAIL: {tuple(out.shape)} {out.dtype} {gap}")
+        # stages whose optimizers have different numbers of param groups (stage 0 two, stage 1 one; a user who
+        # drops an empty group on one stage) are refused in one line on every rank, save and load alike, before
+        # anything is written: no rank is left waiting in a collective the others never reach
+        own = list(ud.unwrap(model).parameters())
+        odd = torch.optim.SGD([{"params": own[:1]}, {"params": own[1:]}] if stage == 0 else own, lr=0.1)
+        odd_path = os.path.join(OUT, f"{name}_odd_groups.pt")
+        wrong = []
+        for what, call in (("save", lambda: ud.save({"model": model, "optimizer": odd}, odd_path)),
+                           ("load", lambda: ud.load(opt_path, {"model": model, "optimizer": odd}))):
+            try:
+                call()
+                wrong.append(f"{what} went on")
+            except ud.CheckpointError as exc:
+                if "different numbers of param groups" not in str(exc) or "\n" in str(exc):
+                    wrong.append(f"{what}: {exc}")
+        if os.path.exists(odd_path):
+            wrong.append("the save wrote a file")
+        checks["stages_with_other_param_groups_are_refused_on_every_rank"] = (
+            "ok" if not wrong else f"FAIL: {'; '.join(wrong)}"[:600])
         # last (it spoils the gradients): a NaN input reaches only the last stage's loss, yet every rank stops
         try:
             ud.pipeline_step(model, torch.full_like(x, float("nan")), y, loss_fn)
