@@ -62,6 +62,15 @@ def refusal(config: Config) -> Optional[str]:
     return None
 
 
+def zero_stage_of(config: Config, file: Dict[str, Any], launcher: str) -> int:
+    """The ZeRO stage a job runs at: ``zero_stage=`` (settings table), else the DeepSpeed config ``file``'s (a
+    dict), else Accelerate's default under ``accelerate launch``, else 0. Pure."""
+    if config.zero_stage is not None:
+        return int(config.zero_stage)
+    said = file.get("zero_optimization", {}).get("stage")
+    return int(said) if _said(said) else (ACCELERATE_DEFAULT_STAGE if launcher == "accelerate" else 0)
+
+
 def read_config_file(path: Optional[str]) -> Dict[str, Any]:
     """The DeepSpeed config file at ``path`` as a dict (``{}`` without one); a one-line error if it does not read."""
     if not path:
@@ -129,11 +138,7 @@ class DeepSpeedBackend(TorchBackend):
                 f"backend 'deepspeed' needs the deepspeed package ({exc}); install it with `make setup` "
                 "(DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8, after torch)") from None
         self._file = read_config_file(config.deepspeed_config)
-        stage = config.zero_stage
-        said = self._file.get("zero_optimization", {}).get("stage")
-        if stage is None:
-            stage = said if _said(said) else (ACCELERATE_DEFAULT_STAGE if detection.launcher == "accelerate" else 0)
-        self.zero_stage = int(stage)
+        self.zero_stage = zero_stage_of(config, self._file, detection.launcher)
         super().__init__(detection, config)  # joins the default group: gloo on a CPU, nccl on GPUs
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
         self.engine: Any = None

@@ -52,7 +52,7 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..backends.deepspeed_backend import ACCELERATE_DEFAULT_STAGE, _said, read_config_file, refusal
+from ..backends.deepspeed_backend import _said, read_config_file, refusal, zero_stage_of
 from ..backends.torch_ddp import TorchBackend
 from ..compat import enable_fake_collectives
 from ..errors import UnifiedDistError
@@ -95,11 +95,7 @@ class PlannedDeepSpeed(TorchBackend):
         limit = zero_plan_limit(file, config.mixed_precision)
         if limit:
             raise PlanLimit(limit)
-        stage = config.zero_stage
-        if stage is None:
-            said = file.get("zero_optimization", {}).get("stage")
-            stage = said if _said(said) else (ACCELERATE_DEFAULT_STAGE if detection.launcher == "accelerate" else 0)
-        self.zero_stage = int(stage)
+        self.zero_stage = zero_stage_of(config, file, detection.launcher)
         super().__init__(detection, config)
 
 

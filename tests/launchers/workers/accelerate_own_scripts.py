@@ -43,6 +43,7 @@ from accelerate.state import AcceleratorState, GradientState
 from accelerate.test_utils.training import RegressionDataset
 
 import unified_dist.accelerate
+from unified_dist.detection import detect
 
 SCRIPTS = Path(accelerate.__file__).parent / "test_utils" / "scripts"
 A_TEST = re.compile(r"^(test_|check_)|_check$")
@@ -105,13 +106,8 @@ def where():
 
 
 def launch_rank():
-    """This process's rank: the process group's, else the launcher's variables (0 where none is set)."""
-    if dist.is_initialized():
-        return dist.get_rank()
-    for variable in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", "HOROVOD_RANK"):
-        if os.environ.get(variable, "").isdigit():
-            return int(os.environ[variable])
-    return 0
+    """This process's rank: the process group's, else the one the facade detects from the launcher's variables."""
+    return dist.get_rank() if dist.is_initialized() else detect(os.environ).rank
 
 
 def seed_regression_data(name):
