@@ -259,8 +259,8 @@ def save_checkpoint(r: Run, background: bool = False) -> None:
     """``state`` with the step, epoch and provenance as ``checkpoints/checkpoint-<step>.pt`` (once per
     step), keeping the newest --keep-checkpoints. Every rank calls it: ``ud.RNG`` gathers their generators.
     ``background``: written in a thread once copied (the next save, ``ud.barrier``, a stop or the end waits for it)."""
-    if r.step == r.last_saved or ud.pipeline_stages() > 1:  # --pp: none yet (README: ud.save does not gather a
-        return  # pipeline's optimizer state); the final model is still written
+    if r.step == r.last_saved:  # --pp too: ud.save gathers every stage's weights and optimizer state by name
+        return
     ud.save_checkpoint({**r.state, "step": r.step, "epoch": r.epoch, "global_batch": r.global_batch,
                         "world_size": ud.world_size(), "args": vars(r.args)},
                        os.path.join(r.out, "checkpoints"), r.step, keep_last=r.args.keep_checkpoints or None,
@@ -326,14 +326,14 @@ def finish(r: Run) -> Dict[str, Any]:
 
 
 def refuse_what_a_pipeline_cannot_do_yet(args: argparse.Namespace) -> None:
-    """--pp (or the launcher's): checkpoints are not written (ud.save does not gather a pipeline's optimizer
-    state yet), so the flags that need one are refused, and so is --streaming (its last batch may be ragged)."""
+    """--pp (or the launcher's): --streaming is refused (its last batch may be ragged, which the microbatches do
+    not divide). Checkpoints are written and resumed as without --pp (--resume, --save-every, --stop-after):
+    ``ud.save`` gathers every stage's weights and optimizer state by the whole model's names and ``ud.load`` gives
+    each stage its part (docs/pipeline.md, "Checkpoints")."""
     pp = ud.pipeline_stages()
-    given = [flag for flag, value in (("--resume", args.resume), ("--save-every", args.save_every),
-                                      ("--stop-after", args.stop_after), ("--streaming", args.streaming)) if value]
-    if pp > 1 and given:
-        raise UserError(f"{', '.join(given)} with pipeline parallelism (pp={pp}) is not supported yet: a pipeline's "
-                        "checkpoint would lack the optimizer's state (docs/pipeline.md); drop it or run without --pp")
+    if pp > 1 and args.streaming:
+        raise UserError(f"--streaming with pipeline parallelism (pp={pp}) is not supported yet: a stream's last "
+                        "batch may be ragged, which the microbatches do not divide; drop it or run without --pp")
 
 
 def set_threads(requested: int) -> int:

@@ -105,6 +105,7 @@ class Ring:
         self._continued: Dict[str, Launch] = {}
         self._uninterrupted: Dict[str, Launch] = {}
         self._layouts: Dict[str, Launch] = {}
+        self._pipeline: Optional[tuple] = None
 
     def stopped(self, name: str) -> Launch:
         if name not in self._stopped:
@@ -160,6 +161,27 @@ class Ring:
                             timeout=TIMEOUT, env=env)
             self._layouts[name] = _launched(result, out)
         return self._layouts[name]
+
+    def pipeline(self) -> tuple:
+        """``PIPELINE_RUNS`` in one torchrun launch (checked): (its folder, {run: its own part of the output}); the
+        runs write to ``uninterrupted/`` and ``resumed/`` there (the stopped run's, which the resumed one continues)."""
+        if self._pipeline is None:
+            launcher, nproc, args = PIPELINE
+            base = self._factory.mktemp("bert-pp")
+            worker = Path(__file__).with_name("runs_in_one_launch.py")
+            plan = [{"name": name, "argv": [*self.tiny, *args, *extra, "--output-dir",
+                                            str(base / ("uninterrupted" if name == "uninterrupted" else "resumed"))]}
+                    for name, extra in PIPELINE_RUNS]
+            (base / "plan.json").write_text(json.dumps(plan))
+            result = launch(launcher, str(worker), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT).check()
+            spec = importlib.util.spec_from_file_location("runs_in_one_launch", worker)
+            runs_in_one_launch = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(runs_in_one_launch)
+            parts = runs_in_one_launch.split_output(result.output)
+            assert sorted(parts) == sorted(name for name, _ in PIPELINE_RUNS), result.output[-3000:]
+            self._pipeline = (base, {name: Result(result.cmd, result.returncode, part, result.timed_out)
+                                     for name, part in parts.items()})
+        return self._pipeline
 
     def reference(self) -> Launch:
         """The uninterrupted legacy launch: torch backend, 2 processes."""
@@ -437,13 +459,16 @@ def test_zero_stage_3_trains_like_the_unsharded_reference(ring: Ring) -> None:
 
 # Pipeline parallelism from the example's own flag: 2 stages under torchrun x 2 (embeddings and layer 0; layer 1,
 # pooler and classifier), both reading each batch of 16, cut into 2 microbatches of 8: the reference's arithmetic
-# (2 processes x 8), as one schedule. One launch, 5 uninterrupted steps.
+# (2 processes x 8), as one schedule. One launch (tests/examples/runs_in_one_launch.py), three runs of main() in
+# it: 5 uninterrupted steps, then a run stopped after step 3 (--stop-after 3 saves it) and that run resumed to step
+# 5 (--resume auto).
 PIPELINE = ("torchrun", 2, ["--batch-size", "16", "--pp", "2"])
+PIPELINE_RUNS = (("uninterrupted", []), ("stopped", ["--stop-after", "3"]), ("resumed", ["--resume", "auto"]))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring, tmp_path: Path) -> None:
+def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring) -> None:
     """``--pp 2`` under torchrun x 2: the first line gives the layout, every evaluation counts each example once
     (only the last stage has logits; ``ud.gather_for_metrics`` counts its rows), the losses and accuracies are the
     reference's and the final model, gathered from both stages under the plain model's names, ends on its weights.
@@ -453,9 +478,9 @@ def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring, tmp_path
     the losses get ``assert_losses_agree``'s bound for another order (1e-4 relative; seen 5e-8) and the weights
     ``adamw_rounding_bound(1..5)`` = 1.0e-5 (derived there; seen 3.7e-9, 2026-11-29)."""
     launcher, nproc, args = PIPELINE
-    out = tmp_path / "run"
-    result = launch(launcher, SCRIPT, [*ring.tiny, *args, "--output-dir", str(out)], nproc=nproc,
-                    timeout=TIMEOUT).check()
+    base, outputs = ring.pipeline()
+    out = base / "uninterrupted"
+    result = outputs["uninterrupted"]
     first = result.output[result.output.index("launcher "):].splitlines()[0]
     assert first.startswith("launcher torchrun | backend torch | world size 2 |"), first
     assert first.endswith("| mesh pp 2 x dp_replicate 1 x dp_shard 1 x tp 1"), first
@@ -470,7 +495,8 @@ def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring, tmp_path
     evals = [r for r in rows if r["type"] == "eval"]
     assert [(r["step"], r["split"]) for r in evals] == [(4, "validation"), (5, "validation"), (5, "test")]
     assert all(r["eval_examples"] == LIMIT_EVAL for r in evals), evals  # once each: not once per stage
-    assert not (out / "checkpoints").exists() or not list((out / "checkpoints").iterdir())  # none under pp yet
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [  # each epoch's end and the end, as without pp
+        "checkpoint-000000004.pt", "checkpoint-000000005.pt"]
     reference = ring.reference()
     losses = [r["loss"] for r in rows if r["type"] == "train"]
     ref_losses = [r["loss"] for r in reference.rows if r["type"] == "train"]
@@ -481,6 +507,35 @@ def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring, tmp_path
     worst = max_weight_difference(out, reference.out)  # also: the same names, the plain model's
     print(f"pp: max |weight - reference| {worst:.2e}")
     assert worst <= adamw_rounding_bound(range(1, 6)), worst
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pipeline_run_stopped_and_resumed_ends_on_the_uninterrupted_pipeline_runs_weights(ring: Ring) -> None:
+    """``--pp 2``: a run stopped after step 3 (``--stop-after 3``, which writes checkpoint 3 with every stage's
+    weights and optimizer state) and resumed (``--resume auto``) takes steps 4-5 as the uninterrupted ``--pp 2``
+    run does and ends on its weights, bitwise: the same layout sums every gradient in the same order, and the
+    checkpoint gives back the weights, AdamW's moments and step, the schedule, the loader's position and the
+    generators exactly (float32 values copied, not recomputed); a lost optimizer state (AdamW's moments or bias
+    correction restarting) moves an element by up to lr at step 4 (4e-5), a wrong loader position by a whole
+    step. The checkpoint holds the whole model's optimizer state, numbered as one process's (41 parameters of
+    the tests' BERT, every stage's), not one stage's."""
+    import torch
+
+    base, outputs = ring.pipeline()  # the launch of test_pipeline_stages_train_like_the_unsharded_reference
+    assert "stopped after step 3 (--stop-after)" in outputs["stopped"].output, outputs["stopped"].output[-2000:]
+    resumed_out = base / "resumed"
+    assert f"resumed from {resumed_out / 'checkpoints' / 'checkpoint-000000003.pt'}: step 3" in \
+        outputs["resumed"].output, outputs["resumed"].output[-2000:]
+    rows = read_metrics(resumed_out)
+    assert [r["step"] for r in rows if r["type"] == "train"] == [1, 2, 3, 4, 5], rows
+    optimizer = torch.load(resumed_out / "checkpoints" / "checkpoint-000000003.pt", weights_only=True)["optimizer"]
+    parameters = len(list(tests_bert.build()[0].parameters()))  # the plain model's, as transformers builds it
+    assert sorted(optimizer["state"]) == list(range(parameters)), sorted(optimizer["state"])
+    assert sorted(i for group in optimizer["param_groups"] for i in group["params"]) == list(range(parameters))
+    worst = max_weight_difference(resumed_out, base / "uninterrupted")
+    print(f"pp stopped and resumed: max |weight - uninterrupted pp| {worst:.2e}")
+    assert worst == 0.0, worst
 
 
 def _final_weights(out: Path) -> dict:
@@ -627,21 +682,24 @@ def test_non_finite_loss_stops_with_the_step(tmp_path: Path, tiny_bert: str) -> 
 
 
 def test_what_a_pipeline_cannot_do_yet_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under --pp (or the launcher's pp) the example writes no checkpoint (ud.save refuses a pipeline's optimizer
-    state), so the flags that need one, and --streaming (a ragged last batch), are one UserError naming them."""
+    """Under --pp (or the launcher's pp) --streaming (a ragged last batch) is one UserError naming it; the flags that
+    need a checkpoint (--resume, --save-every, --stop-after) are not refused: a pipeline's checkpoint holds every
+    stage's weights and optimizer state (test_pipeline_run_stopped_and_resumed_ends_on_the_uninterrupted_...)."""
     import unified_dist as ud
 
     spec = importlib.util.spec_from_file_location("bert_sentiment_train", SCRIPT)
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
     monkeypatch.setattr(ud, "pipeline_stages", lambda: 2)
-    train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args([]))  # nothing asked that needs a checkpoint
+    train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args([]))
+    train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args(["--resume", "auto", "--save-every", "2",
+                                                                 "--stop-after", "3"]))
     with pytest.raises(train.UserError) as caught:
-        train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args(["--resume", "auto", "--save-every", "2"]))
-    assert "--resume, --save-every with pipeline parallelism (pp=2)" in str(caught.value)
+        train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args(["--streaming", "--resume", "auto"]))
+    assert str(caught.value).startswith("--streaming with pipeline parallelism (pp=2)"), str(caught.value)
     assert "\n" not in str(caught.value)
     monkeypatch.setattr(ud, "pipeline_stages", lambda: 1)
-    train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args(["--resume", "auto"]))
+    train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args(["--streaming"]))
 
 
 # --------------------------------------------------------------------------- data helpers, in process
