@@ -35,6 +35,7 @@ import json
 import os
 import re
 import sys
+import time
 import traceback
 
 import torch
@@ -70,11 +71,11 @@ def new_optimizer(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
 
-def reference(steps):
-    """One plain process, no unified_dist: ``steps`` AdamW steps, each on the mean squared error of
+def reference(steps, dtype=torch.float32):
+    """One plain process, no unified_dist: ``steps`` AdamW steps in ``dtype``, each on the mean squared error of
     the next global batch. Returns {"model": {name: tensor}, "optim": {name: {state}}, "step": steps}."""
-    x, y = data()
-    model = MeshNet()
+    x, y = (t.to(dtype) for t in data())
+    model = MeshNet().to(dtype)
     opt = new_optimizer(model)
     for s in range(steps):
         batch = slice(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH)
@@ -237,6 +238,72 @@ class Leg:
         return step
 
 
+# The pipeline legs (issue 61, item 5): a second run of the same MeshNet, in float64, whose checkpoints are
+# ud.save's one file ({"model", "optimizer", "step"}; the per-rank formats are refused under pp), in DIR/pp:
+#     this process (1) -> x 2: pp 2 -> x 4: pp 2 x FSDP 2 -> TP 4 -> this process (1)
+# each leg in the launch of its world size, after that launch's float32 legs (a fresh ud.init).
+PP_LAYOUTS = {  # name -> (init keywords, pipeline stages, data-parallel ranks)
+    "plain": ({}, 1, 1),
+    "pp2": (dict(pp=2, pp_microbatches=2), 2, 1),
+    "pp2_fsdp2": (dict(pp=2, sharding="fsdp", pp_microbatches=2), 2, 2),
+    "tp4": (dict(tp=4, tp_plan=PLAN), 1, 1),
+}
+PP_CHAIN = ("plain", "pp2", "pp2_fsdp2", "tp4", "plain")
+PP_DTYPE = torch.float64
+
+
+def pp_checkpoints(out):
+    """The pipeline chain's checkpoints in ``out`` in the order written: [(index, layout, path)]."""
+    found = [re.match(r"(\d+)_(\w+)\.pt$", os.path.basename(path)) for path in glob.glob(os.path.join(out, "*.pt"))]
+    return sorted((int(m.group(1)), m.group(2), os.path.join(out, m.group(0))) for m in found if m)
+
+
+def pp_leg(layout, out, results):
+    """Leg ``len(pp_checkpoints(out))`` of the pipeline chain: ``ud.load`` the previous leg's file (model and
+    AdamW state) into a fresh prepared float64 MeshNet of this layout, STEPS_PER_LEG steps on the next global
+    batches (``ud.pipeline_step`` under pp, each data-parallel rank its slice), ``ud.save`` to ``NN_<layout>.pt``.
+    Checks go into ``results`` as ``pp/<layout>/<check>``."""
+    keywords, stages, dp = PP_LAYOUTS[layout]
+    found = pp_checkpoints(out)
+    index = len(found)
+    ud.init(**keywords)
+    try:
+        def attempt(check, fn):
+            try:
+                fn()
+                results[f"pp/{layout}/{check}"] = "ok"
+            except Exception as exc:  # noqa: BLE001 - reported per check
+                results[f"pp/{layout}/{check}"] = f"FAIL: {type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
+
+        def identity():
+            assert (ud.pipeline_stages(), ud.data_parallel_world_size()) == (stages, dp), \
+                (ud.pipeline_stages(), ud.data_parallel_world_size(), layout)
+        attempt("identity", identity)
+        model = MeshNet().to(PP_DTYPE)
+        model, optimizer = ud.prepare(model, new_optimizer(model))
+        resumed = {"step": 0}
+        if found:  # a failed load trains on from step 0: the test sees the failure and the wrong step
+            attempt("resumes_from_the_previous_legs_checkpoint",
+                    lambda: resumed.update(ud.load(found[-1][2], {"model": model, "optimizer": optimizer})))
+        x, y = (t.to(PP_DTYPE) for t in data())
+        per = GLOBAL_BATCH // dp
+        d = ud.data_parallel_rank()
+        loss = torch.nn.functional.mse_loss
+        for s in range(resumed["step"], resumed["step"] + STEPS_PER_LEG):
+            lo = s * GLOBAL_BATCH + d * per
+            if stages > 1:
+                ud.pipeline_step(model, x[lo:lo + per], y[lo:lo + per], loss)
+            else:
+                ud.backward(loss(model(x[lo:lo + per]), y[lo:lo + per]))
+            optimizer.step()
+            optimizer.zero_grad()
+        step = resumed["step"] + STEPS_PER_LEG
+        ud.save({"model": model, "optimizer": optimizer, "step": step}, os.path.join(out, f"{index:02d}_{layout}.pt"))
+        ud.barrier()
+    finally:
+        ud.shutdown()
+
+
 def leg(layout, out, results, verified, index=None, train=True):
     """One layout: verify what is there, then (``train``) continue the run and write checkpoint ``index``."""
     session = Leg(layout, results, verified)
@@ -256,18 +323,28 @@ def main():
     import faulthandler
     faulthandler.dump_traceback_later(float(os.environ.get("RESHARD_DUMP_AFTER", "500")), exit=True)
     parser = argparse.ArgumentParser()
-    parser.add_argument("--chain", required=True, help="layouts, in order, e.g. hsdp,fsdp4,fsdp_tp,tp4")
+    parser.add_argument("--chain", default="", help="layouts, in order, e.g. hsdp,fsdp4,fsdp_tp,tp4")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--pp-chain", default="", help="then the pipeline chain's legs, in order, e.g. pp2_fsdp2,tp4")
     args = parser.parse_args()
-    chain = args.chain.split(",")
+    chain = [layout for layout in args.chain.split(",") if layout]
     results, verified = {}, set()
     for layout in chain:
         leg(layout, args.out, results, verified, index=len(checkpoints(args.out)))
     for layout in chain[:-1]:  # the checkpoints written after a layout's leg, loaded into it too
         leg(layout, args.out, results, verified, train=False)
     rank = int(os.environ["RANK"])
-    with open(os.path.join(args.out, f"reshard_{'_'.join(chain)}_rank{rank}.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    if chain:
+        with open(os.path.join(args.out, f"reshard_{'_'.join(chain)}_rank{rank}.json"), "w") as f:
+            json.dump(results, f, indent=1)
+    if args.pp_chain:  # in the same processes, after the float32 legs (a fresh ud.init each)
+        pp_results, started = {}, time.perf_counter()
+        for layout in args.pp_chain.split(","):
+            pp_leg(layout, os.path.join(args.out, "pp"), pp_results)
+        if rank == 0:  # what these legs add to the launch (the test prints it)
+            print(f"pipeline legs {args.pp_chain}: {time.perf_counter() - started:.1f} s", flush=True)
+        with open(os.path.join(args.out, "pp", f"reshard_{args.pp_chain.replace(',', '_')}_rank{rank}.json"), "w") as f:
+            json.dump(pp_results, f, indent=1)
 
 
 if __name__ == "__main__":
