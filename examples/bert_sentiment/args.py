@@ -146,8 +146,8 @@ def add_optimisation_flags(g: argparse._ArgumentGroup) -> None:
                    help="pipeline parallel: the model is cut into P stages (embeddings and the first layers, ..., the "
                         "last layers and the classifier), one per group of world size / P processes, which read the "
                         "same batches; training steps with ud.pipeline_step, evaluation with ud.pipeline_forward, and "
-                        "a last batch --batch-size does not fill is dropped (equal microbatches). No checkpoints yet "
-                        "(--resume, --save-every, --stop-after refused); default: what the launcher says "
+                        "a last batch --batch-size does not fill is dropped (equal microbatches). Checkpoints as "
+                        "without it (--streaming refused); default: what the launcher says "
                         "(unified-dist launch --pp, UNIFIED_DIST_PP), else 1")
     g.add_argument("--tp-plan", type=tp_plan, default=None, metavar="bert|auto|JSON",
                    help="which layers --tp splits: bert (the plan in modeling.py for BERT-architecture models: "
