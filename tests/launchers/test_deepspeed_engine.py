@@ -6,11 +6,13 @@ the facade's loop for ZeRO stages 0-3 x (SGD with momentum, AdamW) x gradient ac
 the same processes), then the same loop on the torch backend (DDP). 2 ranks x batch 4 must give the weights of
 1 process x batch 8 computed here with plain torch in float64 (not through the library), and the torch
 backend's numbers. The selector launches run one case each, with the backend and stage left to the launcher
-and the environment: ``UNIFIED_DIST_BACKEND=deepspeed`` under torchrun (stage from ``UNIFIED_DIST_ZERO_STAGE``),
+and the environment: ``UNIFIED_DIST_BACKEND=deepspeed`` under mpirun (stage from ``UNIFIED_DIST_ZERO_STAGE``),
 ``accelerate launch --use_deepspeed --zero_stage 2`` (which trained plain DDP without a word before this
-backend) and ``unified-dist launch --backend deepspeed --zero-stage 3`` (DeepSpeed's own launcher). The torchrun
+backend) and ``unified-dist launch --backend deepspeed --zero-stage 3`` (DeepSpeed's own launcher). The mpirun
 selector launch then runs, in the same processes, the portable checkpoints' reshard chain (DDP -> ZeRO-1 -> ZeRO-2
 -> ZeRO-3 -> FSDP2, then one process in the test itself) and a plain DeepSpeed script's ``engine.save_checkpoint``.
+Two more launches run one case of ``ud.init(backend="deepspeed", zero_stage=S)`` in code where another stack's
+launcher started the processes: horovodrun (ZeRO-2) and srun (a one-node SLURM, ZeRO-3).
 
 Why float32 and a derived bound: DeepSpeed refuses float64 parameters (stage 0: ``attempting to reduce an
 unsupported grad type: torch.float64``; ZeRO keeps float32 master weights), so the launched runs are float32
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -27,7 +30,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from unified_dist.testing.launchers import BIN, ROOT, Result, child_env, command, free_port, run
+from unified_dist.testing.launchers import BIN, ROOT, Result, child_env, command, free_port, run, unavailable
 
 sys.path.insert(0, str(ROOT / "tests" / "launchers" / "workers"))
 import deepspeed_worker as worker  # noqa: E402  (the model, data and cases; the training runs in the launches)
@@ -43,9 +46,11 @@ def launch_command(name: str, out: Path) -> list:
     args = ["--out", str(out)]
     if name == "physics":
         return command("torchrun", WORKER, args)
+    if name in CODE_STAGE:  # ud.init(backend="deepspeed", zero_stage=S) in code, under another stack's launcher
+        return command(name, WORKER, [*args, "--stage", str(CODE_STAGE[name])])
     args.append("--detected")
     if name == "variable":  # then, in the same processes, the reshard chain and a plain DeepSpeed checkpoint
-        return command("torchrun", WORKER, [*args, "--checkpoints"])
+        return command("mpirun", WORKER, [*args, "--checkpoints"])
     if name == "accelerate":  # what a user types: Accelerate's DeepSpeed flags (on a CPU, without --cpu)
         return [str(BIN / "accelerate"), "launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes", "2",
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
@@ -57,9 +62,12 @@ def launch_command(name: str, out: Path) -> list:
 
 
 ENV = {"physics": {}, "variable": {"UNIFIED_DIST_BACKEND": "deepspeed", "UNIFIED_DIST_ZERO_STAGE": "1"},
-       "accelerate": {}, "unified-dist": {}}
+       "accelerate": {}, "unified-dist": {}, "horovodrun": {}, "srun": {}}
 STAGE = {"variable": 1, "accelerate": 2, "unified-dist": 3}
-LAUNCHER = {"variable": "torchrun", "accelerate": "accelerate", "unified-dist": "deepspeed"}
+LAUNCHER = {"variable": "mpirun", "accelerate": "accelerate", "unified-dist": "deepspeed"}
+CODE_STAGE = {"horovodrun": 2, "srun": 3}
+"""The launches of ``ud.init(backend="deepspeed", zero_stage=S)`` under another stack's launcher, and their S."""
+LAUNCHER_RANK = {"mpirun": "OMPI_COMM_WORLD_RANK", "horovodrun": "HOROVOD_RANK", "srun": "SLURM_PROCID"}
 
 
 class Launches:
@@ -69,10 +77,13 @@ class Launches:
         self.root = root
         self._done: Dict[str, Tuple[Result, Dict[int, dict]]] = {}
 
-    def get(self, name: str) -> Tuple[Result, Dict[int, dict]]:
+    def get(self, name: str, cluster: Dict[str, str] = None) -> Tuple[Result, Dict[int, dict]]:
+        """``cluster``: the environment srun needs (the ``slurm_cluster`` fixture's)."""
         if name not in self._done:
+            if name == "variable" and shutil.which("mpirun") is None:
+                unavailable("no mpirun here (Debian: apt-get install openmpi-bin)")
             out = self.root / name
-            result = run(launch_command(name, out), TIMEOUT, child_env(ENV[name]))
+            result = run(launch_command(name, out), TIMEOUT, child_env({**ENV[name], **(cluster or {})}))
             files = {r: out / f"rank{r}.json" for r in range(2)}
             self._done[name] = (result, {r: json.loads(p.read_text()) for r, p in files.items() if p.exists()})
         return self._done[name]
@@ -133,8 +144,8 @@ def max_difference(a: Dict[str, list], b: Dict[str, torch.Tensor]) -> float:
                for n in b)
 
 
-def finished(launches: Launches, name: str) -> Dict[int, dict]:
-    result, ranks = launches.get(name)
+def finished(launches: Launches, name: str, cluster: Dict[str, str] = None) -> Dict[int, dict]:
+    result, ranks = launches.get(name, cluster)
     result.check()
     assert sorted(ranks) == [0, 1], result.output[-3000:]
     return ranks
@@ -200,7 +211,7 @@ def test_each_stage_shards_what_it_says(launches, stage, opt_name):
 
 @pytest.mark.parametrize("name", ["variable", "accelerate", "unified-dist"])
 def test_each_selector_runs_the_engine_at_the_stage_it_says(launches, name):
-    """UNIFIED_DIST_BACKEND=deepspeed under torchrun (stage from UNIFIED_DIST_ZERO_STAGE=1); accelerate launch
+    """UNIFIED_DIST_BACKEND=deepspeed under mpirun (stage from UNIFIED_DIST_ZERO_STAGE=1); accelerate launch
     --use_deepspeed --zero_stage 2 (the stage read through the settings table's launcher column); unified-dist
     launch --backend deepspeed --zero-stage 3, which runs DeepSpeed's own launcher (detected by its
     CROSS_RANK/CROSS_SIZE/LOCAL_SIZE): the backend and the stage each names, and the physics of the global batch."""
@@ -210,6 +221,30 @@ def test_each_selector_runs_the_engine_at_the_stage_it_says(launches, name):
         assert (case["backend"], case["launcher"], case["world_size"], case["stage"]) == (
             "deepspeed", LAUNCHER[name], 2, STAGE[name])
         weights, G, g_min, W = reference("sgd", 1)
+        assert max_difference(case["weights"], weights) <= bound("sgd", 1, G, g_min, W)
+    if name == "variable":  # the processes keep the ranks mpirun gave them
+        assert [int(ranks[r]["detected-sgd-k1"]["launcher_ranks"]["OMPI_COMM_WORLD_RANK"]) for r in (0, 1)] == [0, 1]
+
+
+@pytest.mark.parametrize("name", list(CODE_STAGE))
+def test_the_engine_joins_the_processes_another_stacks_launcher_started(launches, name, request):
+    """ud.init(backend="deepspeed", zero_stage=S) in a script that horovodrun or srun started: DeepSpeed's engine at
+    stage S over one torch.distributed group (gloo on this CPU) of the launcher's 2 processes, each keeping the rank
+    its launcher gave it (HOROVOD_RANK, SLURM_PROCID); under horovodrun, Horovod's own library is not started (its
+    launcher only starts the processes). 2 ranks x batch 4 give 1 process x batch 8 (plain torch, float64) within
+    :func:`bound`."""
+    if name == "horovodrun" and shutil.which("horovodrun", path=str(BIN)) is None:
+        unavailable("no horovodrun here (make setup builds Horovod)")
+    cluster = request.getfixturevalue("slurm_cluster") if name == "srun" else None
+    ranks = finished(launches, name, cluster)
+    weights, G, g_min, W = reference("sgd", 1)
+    for r in (0, 1):
+        case = ranks[r][f"code-zero{CODE_STAGE[name]}-sgd-k1"]
+        assert (case["backend"], case["launcher"], case["world_size"], case["stage"], case["group"]) == (
+            "deepspeed", name, 2, CODE_STAGE[name], "gloo")
+        assert (case["rank"], case["launcher_ranks"][LAUNCHER_RANK[name]]) == (r, str(r))
+        assert case["horovod_started"] is False
+        assert case["steps"] == worker.ROWS // (2 * worker.BATCH)
         assert max_difference(case["weights"], weights) <= bound("sgd", 1, G, g_min, W)
 
 
@@ -243,7 +278,7 @@ def test_checkpoints_are_portable_under_every_stage(launches, stage):
         i: {"momentum_buffer": shape} for i, shape in enumerate(shapes)}
 
 
-# The reshard chain: DDP -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 -> FSDP2 in the "variable" launch (torchrun, after its
+# The reshard chain: DDP -> ZeRO-1 -> ZeRO-2 -> ZeRO-3 -> FSDP2 in the "variable" launch (mpirun, after its
 # selector case: one session each), then one process here; each leg resumes the previous leg's ud.save file (model,
 # AdamW, step) and trains CHAIN_STEPS steps. (The physics launch, 21 engines, is near its timeout under load already.)
 CHAIN = list(worker.CHAIN)

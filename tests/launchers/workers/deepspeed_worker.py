@@ -48,12 +48,18 @@ def case_name(backend: str, stage: int, opt: str, k: int) -> str:
     return f"{backend}-zero{stage}-{opt}-k{k}" if backend == "deepspeed" else f"{backend}-{opt}-k{k}"
 
 
+LAUNCHER_RANKS = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+"""The variables in which torchrun (and DeepSpeed's launcher), horovodrun, mpirun and srun give a process its rank."""
+
+
 def train(ud, backend: Optional[str], stage: Optional[int], opt_name: str, k: int,
-          clip: Optional[float] = None) -> dict:
+          clip: Optional[float] = None, checkpoint: bool = False) -> dict:
     """The facade's loop; returns the final full weights by parameter name (flattened lists), which backend,
-    launcher and ZeRO stage ran it, and the optimizer state this rank holds. ``backend``/``stage`` ``None``:
-    whatever the launcher and the environment say; ``clip``: ``ud.clip_grad_norm_(..., clip)`` before each step
-    (its norms are returned too)."""
+    launcher and ZeRO stage ran it, the rank the session gave this process and those its launcher's variables
+    said, torch.distributed's backend and whether Horovod's library was started, and the optimizer state this rank
+    holds. ``backend``/``stage`` ``None``: whatever the launcher and the environment say; ``clip``:
+    ``ud.clip_grad_norm_(..., clip)`` before each step (its norms are returned too); ``checkpoint``: then
+    :func:`save_and_load`."""
     ud.init(backend=backend, gradient_accumulation_steps=k, zero_stage=stage)
     x, y = data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=False)
@@ -78,10 +84,12 @@ def train(ud, backend: Optional[str], stage: Optional[int], opt_name: str, k: in
         weights = {n: safe_get_full_fp32_param(p).detach().cpu() for n, p in inner.named_parameters()}
     else:
         weights = {n: p.detach().cpu() for n, p in inner.named_parameters()}
-    checkpoint = save_and_load(ud, prepared, opt, stage) if backend == "deepspeed" and opt_name == "sgd" \
-        and k == 1 and clip is None and OUT is not None else None
-    out = {"checkpoint": checkpoint, "backend": ud.backend_name(), "launcher": ud.launcher(),
-           "world_size": ud.world_size(),
+    horovod = sys.modules.get("horovod.torch")
+    out = {"checkpoint": save_and_load(ud, prepared, opt, stage) if checkpoint else None,
+           "backend": ud.backend_name(), "launcher": ud.launcher(), "world_size": ud.world_size(),
+           "rank": ud.rank(), "launcher_ranks": {k: os.environ.get(k) for k in LAUNCHER_RANKS},
+           "group": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+           "horovod_started": bool(horovod is not None and horovod.is_initialized()),
            "stage": engine_stage, "inner": type(ud.unwrap(prepared)).__name__, "held": held, "steps": opt.steps_taken,
            "norms": norms,
            "weights": {n: w.double().flatten().tolist() for n, w in weights.items()}}
@@ -226,6 +234,8 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=None)  # DeepSpeed's launcher passes it
     parser.add_argument("--detected", action="store_true",
                         help="one case (SGD, no accumulation), backend and stage as the launcher and environment say")
+    parser.add_argument("--stage", type=int, default=None,
+                        help="one case (SGD, no accumulation) of ud.init(backend='deepspeed', zero_stage=STAGE)")
     parser.add_argument("--checkpoints", action="store_true",
                         help="then the reshard chain and a plain DeepSpeed script's checkpoint")
     args = parser.parse_args()
@@ -236,7 +246,9 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
 
     results = {}
-    if args.detected:
+    if args.stage is not None:
+        results[f"code-zero{args.stage}-sgd-k1"] = train(ud, "deepspeed", args.stage, "sgd", 1)
+    elif args.detected:
         results["detected-sgd-k1"] = train(ud, None, None, "sgd", 1)
         if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":  # another backend would train plain DDP
             try:
@@ -249,7 +261,8 @@ def main() -> None:
         for stage in STAGES:
             for opt_name in OPTIMIZERS:
                 for k in ACCUMULATIONS:
-                    results[case_name("deepspeed", stage, opt_name, k)] = train(ud, "deepspeed", stage, opt_name, k)
+                    results[case_name("deepspeed", stage, opt_name, k)] = train(
+                        ud, "deepspeed", stage, opt_name, k, checkpoint=opt_name == "sgd" and k == 1)
             results[f"deepspeed-zero{stage}-clip"] = train(ud, "deepspeed", stage, "sgd", 1, clip=CLIP)
         for opt_name in OPTIMIZERS:
             for k in ACCUMULATIONS:
@@ -259,7 +272,8 @@ def main() -> None:
             os.environ.pop(variable, None)
         checkpoints(ud, results)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(results))
+    rank = next(case["rank"] for case in results.values() if case and "rank" in case)  # srun/mpirun: no RANK
+    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(results))
     print("deepspeed worker done", flush=True)
 
 

@@ -37,6 +37,29 @@ def test_each_selector_chooses_the_deepspeed_engine(env, explicit, launcher):
         "deepspeed", launcher, 2, 1, ())
 
 
+# rank 1 of 2 on one host, as horovodrun --gloo, srun (one node) and Open MPI's mpirun give it (values seen here)
+HOROVODRUN = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2",
+              "HOROVOD_CROSS_SIZE": "1", "HOROVOD_CONTROLLER": "gloo", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1",
+              "HOROVOD_GLOO_RENDEZVOUS_PORT": "41234"}
+SRUN = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2",
+        "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "vm", "SLURM_NODELIST": "vm", "SLURM_STEP_NUM_NODES": "1"}
+MPIRUN = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_MCA_ess_base_jobid": "1632960513"}
+
+
+@pytest.mark.parametrize("env, launcher", [(HOROVODRUN, "horovodrun"), (SRUN, "srun"), (MPIRUN, "mpirun")])
+@pytest.mark.parametrize("how", ["code", "variable"])
+def test_the_engine_joins_the_processes_another_stacks_launcher_started(env, launcher, how):
+    """ud.init(backend="deepspeed") (or UNIFIED_DIST_BACKEND=deepspeed) where horovodrun, srun or mpirun started the
+    processes: the deepspeed backend over a torch group of the launcher's processes, each at the rank its launcher
+    gave it, with a rendezvous of its own (horovodrun's is Horovod's; srun and mpirun give none). The launches:
+    tests/launchers/test_deepspeed_engine.py."""
+    found = detect(env, "deepspeed") if how == "code" else detect(dict(env, UNIFIED_DIST_BACKEND="deepspeed"))
+    assert (found.backend, found.launcher, found.world_size, found.rank, found.local_rank, found.problems) == (
+        "deepspeed", launcher, 2, 1, 1, ())
+    assert found.master_addr and found.master_port
+
+
 def test_torchrun_alone_stays_torch():
     assert detect(TORCHRUN).backend == "torch"
 
@@ -149,6 +172,34 @@ def test_the_accelerate_api_refuses_a_deepspeed_plugin_that_accelerate_would_lea
         with pytest.raises(DeepSpeedLeftOutError, match="drop cpu=True") as err:
             Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
         assert "\n" not in str(err.value)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def test_the_accelerate_api_refuses_a_dummy_optimizer_without_deepspeed(monkeypatch):
+    """``DummyOptim``/``DummyScheduler`` (a DeepSpeed config's optimizer and scheduler sections) prepared where
+    Accelerate set up no DeepSpeed: Accelerate hands them back as they are (nothing would build the optimizer);
+    refused in one line before anything is prepared."""
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    from unified_dist.accelerate import Accelerator
+    from unified_dist.accelerate.accelerator import DeepSpeedLeftOutError
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "false")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        accelerator = Accelerator(cpu=True)
+        model = torch.nn.Linear(2, 1)
+        optimizer = DummyOptim(model.parameters(), lr=0.1)
+        for given, name in (((model, optimizer), "DummyOptim"), ((DummyScheduler(optimizer),), "DummyScheduler")):
+            with pytest.raises(DeepSpeedLeftOutError, match=f"{name} stands for a DeepSpeed config") as err:
+                accelerator.prepare(*given)
+            assert "\n" not in str(err.value)
+        real = torch.optim.SGD(model.parameters(), lr=0.1)
+        assert len(accelerator.prepare(model, real)) == 2  # what Accelerate prepares itself goes through
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
