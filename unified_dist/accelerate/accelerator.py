@@ -49,7 +49,8 @@ class Accelerator(accelerate.Accelerator):
     - :meth:`join_uneven_inputs` joins over CPU processes too (Accelerate: GPUs only);
     - a DeepSpeed plugin (or ``accelerate launch --use_deepspeed``) on several processes without CUDA runs
       Accelerate's DeepSpeed path over gloo (Accelerate: a world of one there, or no DeepSpeed with ``cpu=True``),
-      and one that Accelerate would still leave out (``cpu=True``) is refused (:class:`DeepSpeedLeftOutError`).
+      and one that Accelerate would still leave out (``cpu=True``) is refused (:class:`DeepSpeedLeftOutError`), as
+      is a ``DummyOptim``/``DummyScheduler`` prepared without DeepSpeed (:meth:`prepare`).
     """
 
     _ud_joining_on_cpu = False
@@ -77,6 +78,23 @@ class Accelerator(accelerate.Accelerator):
                 "DeepSpeed's CPU engine over gloo here), or drop the DeepSpeed plugin")
         leave_at_exit()
         _LIVE.add(self)
+
+    def prepare(self, *args: Any, device_placement: Optional[list] = None) -> Any:
+        """Accelerate's ``prepare``. A ``DummyOptim`` or ``DummyScheduler`` (the stand-ins for a DeepSpeed config's
+        ``optimizer`` and ``scheduler`` sections) where Accelerate set up no DeepSpeed is refused in one line
+        (:class:`DeepSpeedLeftOutError`): Accelerate hands it back as it is, and nothing would build the optimizer
+        (its ``step`` fails later, or never trains)."""
+        if self.distributed_type != accelerate.DistributedType.DEEPSPEED:
+            from accelerate.utils import DummyOptim, DummyScheduler
+
+            dummy = next((type(a).__name__ for a in args if isinstance(a, (DummyOptim, DummyScheduler))), None)
+            if dummy is not None:
+                raise DeepSpeedLeftOutError(
+                    f"Accelerator.prepare: {dummy} stands for a DeepSpeed config's optimizer or scheduler, but "
+                    f"Accelerate set up {self.distributed_type} without DeepSpeed: launch with accelerate launch "
+                    "--use_deepspeed --deepspeed_config_file ds_config.json, or give "
+                    "Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=...))")
+        return super().prepare(*args, device_placement=device_placement)
 
     @property
     def multi_device(self) -> bool:
@@ -194,7 +212,8 @@ def _leave(destroy: bool) -> None:
 
 class DeepSpeedLeftOutError(UnifiedDistError):
     """A DeepSpeed plugin was given to an ``Accelerator`` that Accelerate set up without DeepSpeed
-    (``cpu=True``): refused rather than trained as plain DDP."""
+    (``cpu=True``), or a ``DummyOptim``/``DummyScheduler`` was prepared there: refused rather than trained as plain
+    DDP (or not at all)."""
 
 
 def _asks_for_deepspeed(given: dict) -> bool:
