@@ -1,71 +1,110 @@
 """Issue 59 item 4: the DeepSpeed setups Accelerate and transformers users already have run unchanged through
 ``python -m unified_dist.accelerate`` on a machine without a GPU, with the numbers of one process on the global batch.
 
-The script is tests/launchers/workers/accelerate_deepspeed_scripts.py (it never imports unified_dist): an Accelerate
-loop with ``Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, gradient_clipping=0.2))``, then transformers'
-``Trainer`` with ``TrainingArguments(deepspeed="deepspeed_auto.json")``, a config whose batch sizes, accumulation
-and clipping say ``"auto"``. Two launches, 2 processes each, shared by every assertion: ``torchrun -m
-unified_dist.accelerate`` and ``horovodrun ... python -m unified_dist.accelerate`` (whose variables Accelerate and
-DeepSpeed do not read: the runner exports the world).
+The script is tests/launchers/workers/accelerate_deepspeed_scripts.py (it never imports unified_dist), in parts:
+
+- ``plugin``: an Accelerate loop with ``Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2,
+  gradient_clipping=0.2))``;
+- ``launcher``: the same loop with a plain ``Accelerator()``, whose plugin Accelerate builds from ``accelerate launch
+  --use_deepspeed --zero_stage 2 --gradient_clipping 0.2``'s variables;
+- ``dummy``: a DeepSpeed config with ``optimizer`` (AdamW, ``"torch_adam": true``) and ``scheduler`` (WarmupLR)
+  sections, their ``"auto"`` values filled from the script's ``DummyOptim``/``DummyScheduler``: DeepSpeed builds both;
+- ``trainer``: transformers' ``Trainer`` with ``TrainingArguments(deepspeed="deepspeed_auto.json")``, a config whose
+  batch sizes, accumulation and clipping say ``"auto"``.
+
+Five launches, 2 processes each, one per launcher, each running the parts it needs (LAUNCHES), shared by every
+assertion: ``torchrun -m unified_dist.accelerate``, ``horovodrun ... python -m unified_dist.accelerate``, ``accelerate
+launch --use_deepspeed ... -m unified_dist.accelerate``, ``srun``/``mpirun ... python -m unified_dist.accelerate``
+(horovodrun's, srun's and mpirun's variables Accelerate and DeepSpeed do not read: the runner exports the world).
 
 Accelerate alone cannot do this here: without ``cpu=True`` its DeepSpeed path starts DeepSpeed's communication with
 no backend and counts a world of one (DeepSpeed then stops: ``train_batch_size ... 4 != 4 * 1 * 2``); with
 ``cpu=True`` it leaves DeepSpeed out. The runner gives that path the backend gloo (DeepSpeed's CPU accelerator uses
-it without oneCCL), and refuses in one line a plugin Accelerate would leave out (tests/unit/backends/
-test_deepspeed_backend.py).
+it without oneCCL), and refuses in one line a plugin Accelerate would leave out, or a ``DummyOptim`` without
+DeepSpeed (tests/unit/backends/test_deepspeed_backend.py).
 
-Physics: 2 ranks x batch 4 must give the weights of 1 process x batch 8, SGD with momentum, each step's gradient
-clipped to norm 0.2 (below every step's norm of this run, so the clip is active and the "auto" clipping must have
-become the Trainer's ``max_grad_norm``), computed in float64 with plain torch in this process; DeepSpeed runs float32,
-so the bound is :func:`test_deepspeed_engine.bound`'s derivation (clipping scales each gradient by 0.2 / norm, which
-leaves that SGD bound as it is).
+Physics: 2 ranks x batch 4 must give the weights of 1 process x batch 8, computed in float64 with plain torch in this
+process; DeepSpeed runs float32, so the bounds are :func:`test_deepspeed_engine.bound`'s derivation:
+
+- ``plugin``, ``launcher``, ``trainer``: SGD with momentum, each step's gradient clipped to norm 0.2 (below every
+  step's norm of this run, so the clip is active and the "auto" clipping must have become the Trainer's
+  ``max_grad_norm``); clipping scales each gradient by 0.2 / norm, which leaves that SGD bound as it is;
+- ``dummy``: torch's AdamW with the config's hyper-parameters and WarmupLR's learning rates, at most 0.01 (the AdamW
+  bound's learning rate, so that bound holds).
 """
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from unified_dist.testing.launchers import ROOT, child_env, command, run
+from unified_dist.testing.launchers import BIN, ROOT, child_env, command, free_port, run
 
 sys.path.insert(0, str(ROOT / "tests" / "launchers"))
 sys.path.insert(0, str(ROOT / "tests" / "launchers" / "workers"))
+import accelerate_deepspeed_scripts as scripts  # noqa: E402
 import deepspeed_worker as worker  # noqa: E402
 from test_deepspeed_engine import bound, max_difference, reference  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-TIMEOUT = 300  # a launch takes 50-80 s on 2 shared cores (two DeepSpeed engines)
+TIMEOUT = 420  # a launch took 58-75 s on 2 shared cores at load 2-7, 136-232 s at load 12-27 (mpirun the slowest)
 SCRIPT = ROOT / "tests" / "launchers" / "workers" / "accelerate_deepspeed_scripts.py"
 CONFIG = ROOT / "tests" / "launchers" / "workers" / "deepspeed_auto.json"
-PARTS = ("plugin", "trainer")
-LAUNCHERS = ["torchrun", pytest.param("horovodrun", marks=pytest.mark.horovod)]
+OPTIMIZER_CONFIG = ROOT / "tests" / "launchers" / "workers" / "deepspeed_optimizer.json"
+LAUNCHES = {"torchrun": ("plugin", "trainer", "dummy"), "horovodrun": ("plugin", "trainer"),
+            "accelerate": ("launcher",), "srun": ("plugin",), "mpirun": ("trainer",)}
+"""The parts each launch runs: every part once, each launcher both an ``Accelerator`` built first (``plugin`` or
+``launcher``) and, but for ``accelerate launch`` and srun, the ``TrainingArguments`` state built first (``trainer``);
+a launch costs more than a part (its processes import torch, Accelerate and DeepSpeed: about 30 s of the
+75 s torchrun launch at load 2 went before the first engine), so each new launcher runs one part."""
+FIXTURE = {"srun": "slurm_cluster", "mpirun": "mpirun_available"}
+CASES = [pytest.param(launcher, part, marks=[pytest.mark.horovod] if launcher == "horovodrun" else [],
+                      id=f"{part}-{launcher}")
+         for launcher, parts in LAUNCHES.items() for part in parts]
 
 
-def launch(launcher: str, folder: Path) -> dict:
+def launcher_command(launcher: str, args: list) -> list:
+    """``python -m unified_dist.accelerate SCRIPT args`` under ``launcher``, 2 processes."""
+    runner = ["unified_dist.accelerate", str(SCRIPT), *args]
+    if launcher == "accelerate":  # what the user types: Accelerate's DeepSpeed flags (on a CPU, without --cpu)
+        return [str(BIN / "accelerate"), "launch", "--use_deepspeed", "--zero_stage", "2", "--gradient_clipping",
+                str(worker.CLIP), "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m", *runner]
+    return command(launcher, "-m", runner)
+
+
+def launch(launcher: str, folder: Path, env: dict) -> dict:
     """The main process's rows by part; a part written twice (two processes that each believed they were the
     main one) fails here."""
     out = folder / f"{launcher}.jsonl"
-    args = ["unified_dist.accelerate", str(SCRIPT), "--out", str(out), "--output-dir", str(folder / launcher),
-            "--deepspeed", str(CONFIG)]
-    run(command(launcher, "-m", args), TIMEOUT, child_env()).check()
+    args = ["--out", str(out), "--output-dir", str(folder / launcher), "--deepspeed", str(CONFIG),
+            "--optimizer-config", str(OPTIMIZER_CONFIG), "--parts", ",".join(LAUNCHES[launcher])]
+    run(launcher_command(launcher, args), TIMEOUT, child_env(env)).check()
     found = {}
     for row in map(json.loads, out.read_text().splitlines()):
         assert row["part"] not in found, f"{row['part']} written twice: a process trained alone"
         found[row["part"]] = row
+    assert sorted(found) == sorted(LAUNCHES[launcher])
     return found
 
 
 @pytest.fixture(scope="module")
-def runs(module_dirs):
+def runs(module_dirs, request):
     """Each launch once per module, by the first test that needs it."""
     folder = module_dirs.mktemp("accelerate_deepspeed")
     done: dict = {}
 
     def get(launcher: str) -> dict:
         if launcher not in done:
-            done[launcher] = launch(launcher, folder)
+            env = request.getfixturevalue(FIXTURE[launcher]) if launcher in FIXTURE else None
+            env = dict(env) if isinstance(env, dict) else {}
+            if launcher == "mpirun":  # mpirun says no port: the runner's rendezvous takes MASTER_PORT's
+                env["MASTER_PORT"] = str(free_port())
+            done[launcher] = launch(launcher, folder, env)
         return done[launcher]
     return get
 
@@ -79,8 +118,45 @@ def physics():
     return weights, bound("sgd", 1, G, g_min, W)
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-@pytest.mark.parametrize("part", PARTS)
+def warmup_lrs(steps: int) -> list:
+    """The learning rate of each optimizer step under DeepSpeed's WarmupLR as its docstring and code define it
+    (deepspeed/runtime/lr_schedules.py): ``min_lr`` until the schedule's first ``step()``, which the engine takes
+    after each optimizer step; after ``i + 1`` of them ``min_lr + (max_lr - min_lr) * gamma`` with linear ``gamma =
+    i / warmup_num_steps`` below ``warmup_num_steps``, else 1. The config's ``"auto"`` are Accelerate's fill-ins:
+    ``min_lr`` 0, ``max_lr`` the ``DummyOptim``'s lr, ``warmup_num_steps`` the ``DummyScheduler``'s."""
+    lrs, lr_max, n = [0.0], scripts.DUMMY_LR, scripts.WARMUP
+    for i in range(steps - 1):
+        lrs.append(lr_max * (i / n if i < n else 1.0))
+    return lrs
+
+
+@pytest.fixture(scope="module")
+def adamw_physics():
+    """The dummy part's run, 1 process x batch 8 in float64: torch's AdamW with the config's betas and eps and the
+    DummyOptim's lr and weight decay, each step's lr WarmupLR's; the weights, the lrs and the AdamW bound (whose
+    lr, 0.01, is the schedule's largest)."""
+    steps = worker.ROWS // (2 * worker.BATCH)
+    lrs = warmup_lrs(steps)
+    assert max(lrs) == scripts.DUMMY_LR == 0.01 and len(set(lrs)) > 2  # the bound's lr; the schedule moves
+    x, y = (t.double() for t in worker.data())
+    net = worker.model().double()
+    opt = torch.optim.AdamW(net.parameters(), lr=scripts.DUMMY_LR, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=scripts.DUMMY_WEIGHT_DECAY)
+    big, small, batch = 0.0, math.inf, 2 * worker.BATCH
+    for step, start in enumerate(range(0, worker.ROWS, batch)):
+        torch.nn.functional.mse_loss(net(x[start:start + batch]), y[start:start + batch]).backward()
+        grads = torch.cat([p.grad.flatten() for p in net.parameters()]).abs()
+        big, small = max(big, grads.max().item()), min(small, grads.min().item())
+        for group in opt.param_groups:
+            group["lr"] = lrs[step]
+        opt.step()
+        opt.zero_grad()
+    weights = {n: p.detach().flatten() for n, p in net.named_parameters()}
+    W = max(p.abs().max().item() for p in net.parameters())
+    return weights, lrs, bound("adamw", 1, big, small, W)
+
+
+@pytest.mark.parametrize("launcher, part", CASES)
 def test_deepspeed_runs_through_accelerates_own_path_on_two_cpu_processes(runs, launcher, part):
     row = runs(launcher)[part]
     assert (row["distributed_type"], row["num_processes"]) == ("DistributedType.DEEPSPEED", 2)
@@ -88,10 +164,18 @@ def test_deepspeed_runs_through_accelerates_own_path_on_two_cpu_processes(runs, 
     if part == "trainer":  # TrainingArguments' own state is DeepSpeed's too, as on GPUs
         assert row["arguments_state"] == "DistributedType.DEEPSPEED"
         assert row["global_step"] == worker.ROWS // (2 * worker.BATCH)
+    if part == "launcher":  # the plugin Accelerate built from accelerate launch's flags
+        assert row["gradient_clipping"] == worker.CLIP
+    if part == "dummy":  # DeepSpeed built the config's optimizer and schedule, not the script
+        assert (row["optimizer"], row["scheduler"]) == ("torch.optim.adamw.AdamW", "WarmupLR")
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-@pytest.mark.parametrize("part", PARTS)
-def test_two_ranks_give_one_process_on_the_global_batch(runs, physics, launcher, part):
-    weights, limit = physics
-    assert max_difference(runs(launcher)[part]["weights"], weights) <= limit
+@pytest.mark.parametrize("launcher, part", CASES)
+def test_two_ranks_give_one_process_on_the_global_batch(runs, physics, adamw_physics, launcher, part):
+    row = runs(launcher)[part]
+    if part == "dummy":
+        weights, lrs, limit = adamw_physics
+        assert row["lrs"] == pytest.approx(lrs, rel=1e-12, abs=0)  # each step's lr, as the engine applied it
+    else:
+        weights, limit = physics
+    assert max_difference(row["weights"], weights) <= limit

@@ -4,6 +4,10 @@
 - ``plugin``: an Accelerate loop with ``Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2,
   gradient_clipping=CLIP))``, the model and optimizer of tests/launchers/workers/deepspeed_worker.py (SGD with
   momentum), batch ``BATCH`` per process, one epoch;
+- ``launcher``: the same loop with a plain ``Accelerator()``, whose plugin Accelerate builds from ``accelerate launch
+  --use_deepspeed --zero_stage 2 --gradient_clipping CLIP``'s variables;
+- ``dummy``: a DeepSpeed config with ``optimizer`` and ``scheduler`` sections (``--optimizer-config``), the script's
+  ``DummyOptim``/``DummyScheduler`` filling its ``"auto"``: DeepSpeed builds the optimizer and the schedule;
 - ``trainer``: transformers' ``Trainer`` with ``TrainingArguments(deepspeed=<a ds_config.json>)`` whose batch sizes,
   accumulation and clipping say ``"auto"`` (transformers fills them from the arguments: batch ``BATCH``,
   ``max_grad_norm=CLIP``), the same model behind a ``forward(x, labels)`` that returns the loss, SGD with the
@@ -11,7 +15,8 @@
 
 The main process appends one JSON line per part to ``--out``: the distributed type (for the Trainer also that of
 the state its ``TrainingArguments`` built first), the number of processes, the ZeRO stage DeepSpeed's engine ran,
-and the final full weights by parameter name.
+and the final full weights by parameter name (``dummy``: also the optimizer and schedule DeepSpeed built, and each
+step's learning rate). ``--parts`` runs several in one process, each ``Accelerator`` the first of its state.
 """
 import argparse
 import json
@@ -22,6 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deepspeed_worker as worker  # noqa: E402  (model, data, optimizer: the physics test rebuilds them)
+
+DUMMY_LR, DUMMY_WEIGHT_DECAY, WARMUP = 0.01, 0.01, 4  # the dummy part's DummyOptim and DummyScheduler
 
 
 class Regression(torch.nn.Module):
@@ -40,6 +47,29 @@ def weights(module) -> dict:
     return {name: p.detach().double().flatten().tolist() for name, p in module.named_parameters()}
 
 
+def train(accelerator, model, optimizer, loader, scheduler=None) -> tuple:
+    """One epoch of the Accelerate loop as its examples write it; the prepared engine and each step's learning
+    rate as DeepSpeed's engine applied it."""
+    model, optimizer, loader, *scheduler = accelerator.prepare(model, optimizer, loader, *(
+        [scheduler] if scheduler is not None else []))
+    lrs = []
+    for xb, yb in loader:
+        lrs.append(model.get_lr()[0])
+        accelerator.backward(torch.nn.functional.mse_loss(model(xb), yb))
+        optimizer.step()
+        for each in scheduler:
+            each.step()
+        optimizer.zero_grad()
+    return model, lrs
+
+
+def row(part, accelerator, engine, **more) -> dict:
+    return {"part": part, "distributed_type": str(accelerator.distributed_type),
+            "num_processes": accelerator.num_processes, "engine": type(engine).__name__,
+            "zero_stage": engine.zero_optimization_stage(), "weights": weights(accelerator.unwrap_model(engine)),
+            **more}
+
+
 def run_plugin(options, write):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
@@ -48,14 +78,41 @@ def run_plugin(options, write):
     x, y = worker.data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=worker.BATCH)
     model = worker.model()
-    model, optimizer, loader = accelerator.prepare(model, worker.optimizer("sgd", model.parameters()), loader)
-    for xb, yb in loader:
-        accelerator.backward(torch.nn.functional.mse_loss(model(xb), yb))
-        optimizer.step()
-        optimizer.zero_grad()
-    write({"part": "plugin", "distributed_type": str(accelerator.distributed_type),
-           "num_processes": accelerator.num_processes, "engine": type(model).__name__,
-           "zero_stage": model.zero_optimization_stage(), "weights": weights(accelerator.unwrap_model(model))})
+    engine, _ = train(accelerator, model, worker.optimizer("sgd", model.parameters()), loader)
+    write(row("plugin", accelerator, engine))
+
+
+def run_launcher(options, write):
+    """A plain ``Accelerator()``: under ``accelerate launch --use_deepspeed --zero_stage 2 --gradient_clipping
+    CLIP`` Accelerate builds the plugin from the launcher's variables (Accelerate's own
+    ``examples/by_feature/deepspeed_with_config_support.py`` has no plugin in its code either)."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator()
+    x, y = worker.data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=worker.BATCH)
+    model = worker.model()
+    engine, _ = train(accelerator, model, worker.optimizer("sgd", model.parameters()), loader)
+    write(row("launcher", accelerator, engine,
+              gradient_clipping=accelerator.state.deepspeed_plugin.deepspeed_config.get("gradient_clipping")))
+
+
+def run_dummy(options, write):
+    """A DeepSpeed config with ``optimizer`` and ``scheduler`` sections (``--optimizer-config``): the script hands
+    Accelerate ``DummyOptim``/``DummyScheduler`` (their ``lr``, ``weight_decay`` and ``warmup_num_steps`` fill the
+    config's ``"auto"``), and DeepSpeed builds the optimizer and the schedule itself."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
+
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=options.optimizer_config))
+    x, y = worker.data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=worker.BATCH)
+    model = worker.model()
+    optimizer = DummyOptim(model.parameters(), lr=DUMMY_LR, weight_decay=DUMMY_WEIGHT_DECAY)
+    engine, lrs = train(accelerator, model, optimizer, loader, DummyScheduler(optimizer, warmup_num_steps=WARMUP))
+    built = type(engine.basic_optimizer)
+    write(row("dummy", accelerator, engine, optimizer=f"{built.__module__}.{built.__qualname__}",
+              scheduler=type(engine.lr_scheduler).__name__, lrs=lrs))
 
 
 def run_trainer(options, write):
@@ -79,11 +136,15 @@ def run_trainer(options, write):
            "weights": {name.removeprefix("net."): value for name, value in weights(model).items()}})
 
 
+PARTS = {"plugin": run_plugin, "launcher": run_launcher, "dummy": run_dummy, "trainer": run_trainer}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--output-dir", required=True, help="the Trainer's output_dir")
     parser.add_argument("--deepspeed", required=True, help="the Trainer's DeepSpeed config file")
+    parser.add_argument("--optimizer-config", help="the dummy part's DeepSpeed config file")
     parser.add_argument("--parts", default="plugin,trainer")
     options = parser.parse_args()
 
@@ -92,8 +153,12 @@ def main():
             with open(options.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    for part in options.parts.split(","):
-        {"plugin": run_plugin, "trainer": run_trainer}[part](options, write)
+    for i, part in enumerate(options.parts.split(",")):
+        if i:  # each part's Accelerator is the first of its state, as in a script of its own (the group is kept)
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState._reset_state()
+        PARTS[part](options, write)
 
 
 if __name__ == "__main__":
