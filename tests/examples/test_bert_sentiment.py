@@ -413,14 +413,16 @@ def test_device_mesh_layouts_train_like_the_unsharded_reference(name: str, ring:
 
 
 # DeepSpeed's engine from the example's own flag (--zero-stage 3: parameters, gradients and optimizer state sharded
-# over torchrun's 2 processes), 5 uninterrupted steps of 2 x 8 like the reference (DDP, legacy launch)
-ZERO = {"zero3": ("torchrun", 2, ["--batch-size", "8", "--zero-stage", "3"], {})}
+# over 2 processes) under `accelerate launch --use_deepspeed` (no --zero_stage: without the flag Accelerate's default,
+# stage 2, would hold), 5 uninterrupted steps of 2 x 8 like the reference (DDP, legacy launch)
+ZERO = {"zero3": ("accelerate-deepspeed", 2, ["--batch-size", "8", "--zero-stage", "3"], {})}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero_stage_3_trains_like_the_unsharded_reference(ring: Ring) -> None:
-    """``--zero-stage 3`` under torchrun x 2: the first line names the engine and its stage, each rank holds half
+    """``--zero-stage 3`` under accelerate launch --use_deepspeed x 2: the first line names the launcher, the engine
+    and its stage (the flag's 3, not Accelerate's default 2), each rank holds half
     of the parameter elements (DeepSpeed's partition of each, padded to a size 2 divides), and the run logs the
     reference's losses and ends on its weights.
 
@@ -434,10 +436,10 @@ def test_zero_stage_3_trains_like_the_unsharded_reference(ring: Ring) -> None:
     run = ring.layout("zero3")
     result = run.result.check()
     first = next(line for line in result.output.splitlines() if line.startswith("launcher "))
-    assert first.startswith("launcher torchrun | backend deepspeed | world size 2 |"), first
+    assert first.startswith("launcher accelerate | backend deepspeed | world size 2 |"), first
     assert first.endswith("| ZeRO stage 3"), first
     assert "x 2 process(es) x 1 grad-accum = 16 examples per optimizer step" in result.output
-    assert _identity(run.rows) == {("torchrun", "deepspeed", 2)}
+    assert _identity(run.rows) == {("accelerate", "deepspeed", 2)}
     assert [r["step"] for r in run.rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
     assert all(r["eval_examples"] == LIMIT_EVAL for r in run.rows if r["type"] == "eval")
     held = {int(rank): (int(mine), int(total)) for rank, mine, total in

@@ -60,10 +60,11 @@ LAUNCHERS = ("python", *(spec.launcher for spec in SPECS.values() if spec.launch
 """python, then the own launcher of every backend that runs the whole contract, in the registry's order
 (``command`` knows each, and ``deepspeed``, whose backend has its own launch tests)."""
 BACKEND_OF = {**{spec.launcher or "python": name for name, spec in SPECS.items()},
-              "srun": "torch", "mpirun": "torch", "legacy": "torch", "accelerate-fsdp": "accelerate"}
+              "srun": "torch", "mpirun": "torch", "legacy": "torch", "accelerate-fsdp": "accelerate",
+              "accelerate-deepspeed": "deepspeed"}
 """The backend each launcher's workers run: the registry's launchers, plus those that start torch."""
 # what ud.launcher() reports, where it differs from the key
-LAUNCHER_NAME = {"legacy": "torchrun", "accelerate-fsdp": "accelerate"}
+LAUNCHER_NAME = {"legacy": "torchrun", "accelerate-fsdp": "accelerate", "accelerate-deepspeed": "accelerate"}
 
 
 def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2) -> List[str]:
@@ -80,6 +81,11 @@ def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2
     if launcher == "accelerate-fsdp":  # Accelerate's FSDP flags (it refuses --multi_gpu beside --use_fsdp)
         return [str(BIN / "accelerate"), "launch", "--use_fsdp", "--fsdp_version", "2",
                 "--fsdp_reshard_after_forward", "false", "--num_processes", str(nproc),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(free_port()), script, *args]
+    if launcher == "accelerate-deepspeed":  # Accelerate's DeepSpeed flag (on a CPU without --cpu: Accelerate refuses
+        # --cpu beside it), ZeRO stage left to Accelerate's default or the script (no --zero_stage)
+        return [str(BIN / "accelerate"), "launch", "--use_deepspeed", "--num_processes", str(nproc),
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 "--main_process_port", str(free_port()), script, *args]
     if launcher == "deepspeed":  # DeepSpeed's launcher: --num_gpus is its processes per node, on a CPU too
