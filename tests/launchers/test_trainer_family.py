@@ -25,6 +25,7 @@ MEAN_REL_TOL. Expected values that are not the reference's come from physics com
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 from pathlib import Path
@@ -71,12 +72,23 @@ def runs(module_dirs):
     """Launches 1-4 of the module doc, by launcher name; ``folder`` holds their output."""
     tmp = module_dirs.mktemp("trainer_family")
     found = {"folder": tmp}
-    found["torchrun"] = launch(command("torchrun", str(SCRIPT)), tmp, "torchrun", [])
     resume = ["--resume", str(tmp / "torchrun" / "checkpoint-6")]
-    found["python"] = launch([str(BIN / "python"), *RUNNER], tmp, "python", ["--batch", "8", "--parts", "mean"])
-    found["accelerate"] = launch(unified_dist_launch("accelerate", port=True), tmp, "accelerate",
-                                 ["--parts", "trainer", *resume])
-    found["horovodrun"] = launch(unified_dist_launch("horovod"), tmp, "horovodrun", [*FAMILY, *resume])
+    # two at a time: the one-process run beside torchrun's, then the two launches that resume torchrun's checkpoint
+    # side by side. Each has its own output and folder and its own port (torchrun --standalone's, the free port
+    # given accelerate's, horovodrun's own); a launch waits a good part of its time (rendezvous, checkpoint writes,
+    # the agent), which the other's processes use; no assertion reads a timing
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        one = pool.submit(launch, [str(BIN / "python"), *RUNNER], tmp, "python", ["--batch", "8", "--parts", "mean"])
+        try:
+            found["torchrun"] = launch(command("torchrun", str(SCRIPT)), tmp, "torchrun", [])
+        finally:
+            found["python"] = one.result()
+        resumed = pool.submit(launch, unified_dist_launch("horovod"), tmp, "horovodrun", [*FAMILY, *resume])
+        try:
+            found["accelerate"] = launch(unified_dist_launch("accelerate", port=True), tmp, "accelerate",
+                                         ["--parts", "trainer", *resume])
+        finally:
+            found["horovodrun"] = resumed.result()
     return found
 
 
