@@ -162,9 +162,10 @@ class Ring:
             self._layouts[name] = _launched(result, out)
         return self._layouts[name]
 
-    def pipeline(self) -> tuple:
-        """``PIPELINE_RUNS`` in one torchrun launch (checked): (its folder, {run: its own part of the output}); the
-        runs write to ``uninterrupted/`` and ``resumed/`` there (the stopped run's, which the resumed one continues)."""
+    def pipeline(self, env: Dict[str, str]) -> tuple:
+        """``PIPELINE_RUNS`` in one launch of ``PIPELINE`` (checked; ``env``: its launcher fixture's): (its folder,
+        {run: its own part of the output}); the runs write to ``uninterrupted/`` and ``resumed/`` there (the stopped
+        run's, which the resumed one continues)."""
         if self._pipeline is None:
             launcher, nproc, args = PIPELINE
             base = self._factory.mktemp("bert-pp")
@@ -173,7 +174,8 @@ class Ring:
                                             str(base / ("uninterrupted" if name == "uninterrupted" else "resumed"))]}
                     for name, extra in PIPELINE_RUNS]
             (base / "plan.json").write_text(json.dumps(plan))
-            result = launch(launcher, str(worker), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT).check()
+            result = launch(launcher, str(worker), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT,
+                            env=env).check()
             spec = importlib.util.spec_from_file_location("runs_in_one_launch", worker)
             runs_in_one_launch = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(runs_in_one_launch)
@@ -459,19 +461,21 @@ def test_zero_stage_3_trains_like_the_unsharded_reference(ring: Ring) -> None:
     assert worst <= adamw_rounding_bound(range(1, 6)), worst
 
 
-# Pipeline parallelism from the example's own flag: 2 stages under torchrun x 2 (embeddings and layer 0; layer 1,
-# pooler and classifier), both reading each batch of 16, cut into 2 microbatches of 8: the reference's arithmetic
-# (2 processes x 8), as one schedule. One launch (tests/examples/runs_in_one_launch.py), three runs of main() in
-# it: 5 uninterrupted steps, then a run stopped after step 3 (--stop-after 3 saves it) and that run resumed to step
-# 5 (--resume auto).
-PIPELINE = ("torchrun", 2, ["--batch-size", "16", "--pp", "2"])
+# Pipeline parallelism from the example's own flag: 2 stages under Open MPI's mpirun x 2 (embeddings and layer 0;
+# layer 1, pooler and classifier), both reading each batch of 16, cut into 2 microbatches of 8: the reference's
+# arithmetic (2 processes x 8), as one schedule. One launch (tests/examples/runs_in_one_launch.py), three runs of
+# main() in it: 5 uninterrupted steps, then a run stopped after step 3 (--stop-after 3 saves it) and that run
+# resumed to step 5 (--resume auto). mpirun, not torchrun: the library's pipelines run under torchrun with 2 and 4
+# processes in tests/launchers/test_pipeline_under_launchers.py; here the example's flag meets a launcher that
+# exports no torch variables (the facade makes the group), the reference being the legacy torch launcher's run.
+PIPELINE = ("mpirun", 2, ["--batch-size", "16", "--pp", "2"])
 PIPELINE_RUNS = (("uninterrupted", []), ("stopped", ["--stop-after", "3"]), ("resumed", ["--resume", "auto"]))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring) -> None:
-    """``--pp 2`` under torchrun x 2: the first line gives the layout, every evaluation counts each example once
+def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring, mpirun_available) -> None:
+    """``--pp 2`` under mpirun x 2: the first line gives the layout, every evaluation counts each example once
     (only the last stage has logits; ``ud.gather_for_metrics`` counts its rows), the losses and accuracies are the
     reference's and the final model, gathered from both stages under the plain model's names, ends on its weights.
 
@@ -480,11 +484,11 @@ def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring) -> None:
     the losses get ``assert_losses_agree``'s bound for another order (1e-4 relative; seen 5e-8) and the weights
     ``adamw_rounding_bound(1..5)`` = 1.0e-5 (derived there; seen 3.7e-9, 2026-11-29)."""
     launcher, nproc, args = PIPELINE
-    base, outputs = ring.pipeline()
+    base, outputs = ring.pipeline(mpirun_available or {})
     out = base / "uninterrupted"
     result = outputs["uninterrupted"]
     first = result.output[result.output.index("launcher "):].splitlines()[0]
-    assert first.startswith("launcher torchrun | backend torch | world size 2 |"), first
+    assert first.startswith(f"launcher {launcher} | backend torch | world size 2 |"), first
     assert first.endswith("| mesh pp 2 x dp_replicate 1 x dp_shard 1 x tp 1"), first
     assert "16 per process x 1 process(es)" in result.output and "= 16 examples per optimizer step" in result.output
     held = {int(rank): (int(mine), int(total)) for rank, mine, total in
@@ -513,7 +517,8 @@ def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pipeline_run_stopped_and_resumed_ends_on_the_uninterrupted_pipeline_runs_weights(ring: Ring) -> None:
+def test_pipeline_run_stopped_and_resumed_ends_on_the_uninterrupted_pipeline_runs_weights(ring: Ring,
+                                                                                          mpirun_available) -> None:
     """``--pp 2``: a run stopped after step 3 (``--stop-after 3``, which writes checkpoint 3 with every stage's
     weights and optimizer state) and resumed (``--resume auto``) takes steps 4-5 as the uninterrupted ``--pp 2``
     run does and ends on its weights, bitwise: the same layout sums every gradient in the same order, and the
@@ -524,7 +529,8 @@ def test_pipeline_run_stopped_and_resumed_ends_on_the_uninterrupted_pipeline_run
     the tests' BERT, every stage's), not one stage's."""
     import torch
 
-    base, outputs = ring.pipeline()  # the launch of test_pipeline_stages_train_like_the_unsharded_reference
+    # the launch of test_pipeline_stages_train_like_the_unsharded_reference
+    base, outputs = ring.pipeline(mpirun_available or {})
     assert "stopped after step 3 (--stop-after)" in outputs["stopped"].output, outputs["stopped"].output[-2000:]
     resumed_out = base / "resumed"
     assert f"resumed from {resumed_out / 'checkpoints' / 'checkpoint-000000003.pt'}: step 3" in \
