@@ -10,7 +10,9 @@ The script is tests/launchers/workers/accelerate_deepspeed_scripts.py (it never 
 - ``dummy``: a DeepSpeed config with ``optimizer`` (AdamW, ``"torch_adam": true``) and ``scheduler`` (WarmupLR)
   sections, their ``"auto"`` values filled from the script's ``DummyOptim``/``DummyScheduler``: DeepSpeed builds both;
 - ``trainer``: transformers' ``Trainer`` with ``TrainingArguments(deepspeed="deepspeed_auto.json")``, a config whose
-  batch sizes, accumulation and clipping say ``"auto"``.
+  batch sizes, accumulation and clipping say ``"auto"``;
+- ``sft``: TRL's ``SFTTrainer`` with ``SFTConfig(deepspeed="deepspeed_auto.json")`` on a tiny ``LlamaForCausalLM``
+  (run in torchrun's launch only: its path is the Trainer's, which every other launcher but srun runs).
 
 Five launches, 2 processes each, one per launcher, each running the parts it needs (LAUNCHES), shared by every
 assertion: ``torchrun -m unified_dist.accelerate``, ``horovodrun ... python -m unified_dist.accelerate``, ``accelerate
@@ -30,7 +32,9 @@ process; DeepSpeed runs float32, so the bounds are :func:`test_deepspeed_engine.
   step's norm of this run, so the clip is active and the "auto" clipping must have become the Trainer's
   ``max_grad_norm``); clipping scales each gradient by 0.2 / norm, which leaves that SGD bound as it is;
 - ``dummy``: torch's AdamW with the config's hyper-parameters and WarmupLR's learning rates, at most 0.01 (the AdamW
-  bound's learning rate, so that bound holds).
+  bound's learning rate, so that bound holds);
+- ``sft``: SGD with momentum on the causal LM's loss, the mean over the global batch's target tokens, clipped as
+  ``trainer``; the same derivation with the longer chain of that model (:data:`SFT_ROUNDINGS`, :func:`sft_bound`).
 """
 from __future__ import annotations
 
@@ -48,14 +52,14 @@ sys.path.insert(0, str(ROOT / "tests" / "launchers"))
 sys.path.insert(0, str(ROOT / "tests" / "launchers" / "workers"))
 import accelerate_deepspeed_scripts as scripts  # noqa: E402
 import deepspeed_worker as worker  # noqa: E402
-from test_deepspeed_engine import bound, max_difference, reference  # noqa: E402
+from test_deepspeed_engine import U, bound, max_difference, reference  # noqa: E402
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 TIMEOUT = 420  # a launch took 58-75 s on 2 shared cores at load 2-7, 136-232 s at load 12-27 (mpirun the slowest)
 SCRIPT = ROOT / "tests" / "launchers" / "workers" / "accelerate_deepspeed_scripts.py"
 CONFIG = ROOT / "tests" / "launchers" / "workers" / "deepspeed_auto.json"
 OPTIMIZER_CONFIG = ROOT / "tests" / "launchers" / "workers" / "deepspeed_optimizer.json"
-LAUNCHES = {"torchrun": ("plugin", "trainer", "dummy"), "horovodrun": ("plugin", "trainer"),
+LAUNCHES = {"torchrun": ("plugin", "trainer", "dummy", "sft"), "horovodrun": ("plugin", "trainer"),
             "accelerate": ("launcher",), "srun": ("plugin",), "mpirun": ("trainer",)}
 """The parts each launch runs: every part once, each launcher both an ``Accelerator`` built first (``plugin`` or
 ``launcher``) and, but for ``accelerate launch`` and srun, the ``TrainingArguments`` state built first (``trainer``);
@@ -156,12 +160,73 @@ def adamw_physics():
     return weights, lrs, bound("adamw", 1, big, small, W)
 
 
+SFT_ROUNDINGS = 4 * (2 * (2 * 300 + 32 + 64) + 8 * 13)
+"""The float32 roundings a gradient entry of the sft part's model can collect, counted as the SGD bound above counts
+them (each operation of a chain u, dot products and sums of n terms n u, a factor 4 to spare): a forward through 2
+decoder layers of about 300 each (RMSNorm over 32, q/k/v and o over 32, scores over head dim 16, softmax and values
+over <= 13 positions, gate and up over 32, down over 64), the head over 32 and the log-softmax over 64, the backward
+through the same chain, and the sum over the <= 8 x 13 target tokens of a global batch: 6,000 u G."""
+
+
+def sft_bound(G: float, W: float, steps: int) -> float:
+    """:func:`bound`'s SGD derivation (lr, momentum 0.9's geometric sum 10, the weights' own 4 u W per step) with the
+    sft part's learning rate and chain: ``steps (lr 10 SFT_ROUNDINGS u G + 4 u W)``. Clipping scales a step's gradient
+    by CLIP / norm (< 1 here, with the norm's own relative error of a few u), so G, the largest entry before the
+    clip, only overstates it."""
+    return steps * (scripts.SFT_LR * 10 * SFT_ROUNDINGS * U * G + 4 * U * W)
+
+
+def sft_tokens() -> list:
+    """Each text's token ids as SFT trains on them, without TRL: trainer_family's tokenizer on the text and its EOS
+    (TRL appends the EOS a text lacks)."""
+    from trainer_family import word_tokenizer
+
+    tokenizer = word_tokenizer()
+    return [tokenizer(text + tokenizer.eos_token)["input_ids"] for text in scripts.sft_texts()]
+
+
+def sft_reference(average_per_process: bool = False) -> tuple:
+    """The sft part on 1 process x batch 8 in float64, plain torch: each step's loss the mean cross-entropy over the
+    global batch's target tokens (each text's tokens after its first, no padding: right padding does not reach a
+    causal model's real tokens), clipped to ``worker.CLIP``, SGD with momentum 0.9 at ``SFT_LR``; the weights, the
+    clip's norms, the largest gradient entry G and the largest |weight| W. ``average_per_process``: the wrong physics
+    of each half's own token mean, averaged (what 2 processes without ``average_tokens_across_devices`` train)."""
+    tokens, batch = sft_tokens(), 2 * worker.BATCH
+    net = scripts.causal_lm().double()
+    opt = torch.optim.SGD(net.parameters(), lr=scripts.SFT_LR, momentum=0.9)
+    norms, big = [], 0.0
+    for start in range(0, len(tokens), batch):
+        halves = [tokens[start:start + batch]] if not average_per_process else [
+            tokens[start:start + worker.BATCH], tokens[start + worker.BATCH:start + batch]]
+        for half in halves:
+            count = sum(len(ids) - 1 for ids in half)
+            for ids in half:
+                ids = torch.tensor([ids])
+                logits = net(input_ids=ids).logits[0, :-1]
+                loss = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+                (loss / count / len(halves)).backward()
+        big = max(big, max(p.grad.abs().max().item() for p in net.parameters()))
+        norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), worker.CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    weights = {n: p.detach().flatten() for n, p in net.named_parameters()}
+    return weights, norms, big, max(p.abs().max().item() for p in net.parameters())
+
+
+@pytest.fixture(scope="module")
+def sft_physics():
+    """The sft part's float64 reference (1 process x batch 8), its token ids and its bound."""
+    weights, norms, G, W = sft_reference()
+    assert min(norms) > worker.CLIP  # the "auto" clipping acts on every step: it must have become max_grad_norm
+    return weights, sft_tokens(), sft_bound(G, W, len(norms))
+
+
 @pytest.mark.parametrize("launcher, part", CASES)
 def test_deepspeed_runs_through_accelerates_own_path_on_two_cpu_processes(runs, launcher, part):
     row = runs(launcher)[part]
     assert (row["distributed_type"], row["num_processes"]) == ("DistributedType.DEEPSPEED", 2)
     assert (row["engine"], row["zero_stage"]) == ("DeepSpeedEngine", 2)
-    if part == "trainer":  # TrainingArguments' own state is DeepSpeed's too, as on GPUs
+    if part in ("trainer", "sft"):  # TrainingArguments' (SFTConfig's) own state is DeepSpeed's too, as on GPUs
         assert row["arguments_state"] == "DistributedType.DEEPSPEED"
         assert row["global_step"] == worker.ROWS // (2 * worker.BATCH)
     if part == "launcher":  # the plugin Accelerate built from accelerate launch's flags
@@ -171,9 +236,12 @@ def test_deepspeed_runs_through_accelerates_own_path_on_two_cpu_processes(runs, 
 
 
 @pytest.mark.parametrize("launcher, part", CASES)
-def test_two_ranks_give_one_process_on_the_global_batch(runs, physics, adamw_physics, launcher, part):
+def test_two_ranks_give_one_process_on_the_global_batch(runs, physics, adamw_physics, request, launcher, part):
     row = runs(launcher)[part]
-    if part == "dummy":
+    if part == "sft":
+        weights, tokens, limit = request.getfixturevalue("sft_physics")
+        assert row["input_ids"] == tokens  # TRL trained on the tokens the reference takes
+    elif part == "dummy":
         weights, lrs, limit = adamw_physics
         assert row["lrs"] == pytest.approx(lrs, rel=1e-12, abs=0)  # each step's lr, as the engine applied it
     else:

@@ -11,7 +11,9 @@
 - ``trainer``: transformers' ``Trainer`` with ``TrainingArguments(deepspeed=<a ds_config.json>)`` whose batch sizes,
   accumulation and clipping say ``"auto"`` (transformers fills them from the arguments: batch ``BATCH``,
   ``max_grad_norm=CLIP``), the same model behind a ``forward(x, labels)`` that returns the loss, SGD with the
-  same momentum through ``optim="sgd"``, a constant learning rate and the data in order.
+  same momentum through ``optim="sgd"``, a constant learning rate and the data in order;
+- ``sft``: TRL's ``SFTTrainer`` with ``SFTConfig(deepspeed=<the same config>)`` on a tiny ``LlamaForCausalLM`` and
+  ragged texts of tests/launchers/workers/trainer_family.py's word-level tokenizer, otherwise as ``trainer``.
 
 The main process appends one JSON line per part to ``--out``: the distributed type (for the Trainer also that of
 the state its ``TrainingArguments`` built first), the number of processes, the ZeRO stage DeepSpeed's engine ran,
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -136,7 +139,62 @@ def run_trainer(options, write):
            "weights": {name.removeprefix("net."): value for name, value in weights(model).items()}})
 
 
-PARTS = {"plugin": run_plugin, "launcher": run_launcher, "dummy": run_dummy, "trainer": run_trainer}
+SFT_LR, SFT_MAX_LENGTH = 0.1, 32  # the sft part's learning rate (SGD, momentum 0.9) and SFTConfig.max_length
+
+
+def sft_texts() -> list:
+    """``worker.ROWS`` texts of ragged lengths (4 to 12 words of trainer_family's tokenizer), so SFT's loss, a mean
+    over the tokens of the global batch, weighs the examples of a step unequally."""
+    generator = torch.Generator().manual_seed(5)
+    texts = []
+    for _ in range(worker.ROWS):
+        start, length = torch.randint(0, 60, (2,), generator=generator).tolist()
+        texts.append(" ".join(f"w{(start + 7 * k) % 60}" for k in range(4 + length % 9)))
+    return texts
+
+
+def causal_lm():
+    """A tiny ``LlamaForCausalLM`` (2 layers, hidden 32) over trainer_family's 64-word vocabulary, made here."""
+    from trainer_family import VOCAB
+    from transformers import LlamaConfig, LlamaForCausalLM, set_seed
+
+    set_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                        pad_token_id=0, bos_token_id=2, eos_token_id=3))
+
+
+def run_sft(options, write):
+    """TRL's ``SFTTrainer`` with ``SFTConfig(deepspeed=<the auto config>)``: the model, texts and tokenizer above,
+    SGD with momentum through ``optim="sgd"``, a constant learning rate, the data in order, the "auto" clipping
+    transformers' ``max_grad_norm`` (``worker.CLIP``) and TRL's default loss (the mean over the global batch's
+    tokens: ``average_tokens_across_devices``); ``bf16`` and gradient checkpointing off (TRL's defaults are on).
+    Its row also holds the token ids TRL trained on and the part's seconds (TRL's import included)."""
+    started = time.perf_counter()
+    from datasets import Dataset
+    from trainer_family import word_tokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    config = SFTConfig(
+        output_dir=options.output_dir + "-sft", deepspeed=options.deepspeed, per_device_train_batch_size=worker.BATCH,
+        num_train_epochs=1, optim="sgd", optim_args="momentum=0.9", learning_rate=SFT_LR, weight_decay=0.0,
+        lr_scheduler_type="constant", max_grad_norm=worker.CLIP, train_sampling_strategy="sequential",
+        bf16=False, gradient_checkpointing=False, max_length=SFT_MAX_LENGTH, save_strategy="no", report_to="none",
+        disable_tqdm=True, seed=0)
+    model = causal_lm()
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": sft_texts()}),
+                         processing_class=word_tokenizer())
+    result = trainer.train()
+    engine = trainer.model_wrapped
+    write({"part": "sft", "distributed_type": str(trainer.accelerator.distributed_type),
+           "arguments_state": str(config.distributed_state.distributed_type),
+           "num_processes": trainer.accelerator.num_processes, "engine": type(engine).__name__,
+           "zero_stage": engine.zero_optimization_stage(), "global_step": result.global_step,
+           "input_ids": list(trainer.train_dataset["input_ids"]), "weights": weights(model),
+           "seconds": time.perf_counter() - started})
+
+
+PARTS = {"plugin": run_plugin, "launcher": run_launcher, "dummy": run_dummy, "trainer": run_trainer, "sft": run_sft}
 
 
 def main():
