@@ -169,7 +169,8 @@ def run_sft(options, write):
     SGD with momentum through ``optim="sgd"``, a constant learning rate, the data in order, the "auto" clipping
     transformers' ``max_grad_norm`` (``worker.CLIP``) and TRL's default loss (the mean over the global batch's
     tokens: ``average_tokens_across_devices``); ``bf16`` and gradient checkpointing off (TRL's defaults are on).
-    Its row also holds the token ids TRL trained on and the part's seconds (TRL's import included)."""
+    Its row also holds the token ids TRL trained on and the part's seconds (TRL's import included); a model that
+    DeepSpeed left out (a silent DDP: the Trainer trains it to the end) is written too, its stage ``None``."""
     started = time.perf_counter()
     from datasets import Dataset
     from trainer_family import word_tokenizer
@@ -189,7 +190,7 @@ def run_sft(options, write):
     write({"part": "sft", "distributed_type": str(trainer.accelerator.distributed_type),
            "arguments_state": str(config.distributed_state.distributed_type),
            "num_processes": trainer.accelerator.num_processes, "engine": type(engine).__name__,
-           "zero_stage": engine.zero_optimization_stage(), "global_step": result.global_step,
+           "zero_stage": getattr(engine, "zero_optimization_stage", lambda: None)(), "global_step": result.global_step,
            "input_ids": list(trainer.train_dataset["input_ids"]), "weights": weights(model),
            "seconds": time.perf_counter() - started})
 
