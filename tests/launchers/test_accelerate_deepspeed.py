@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unified_dist.testing.launchers import BIN, ROOT, child_env, command, free_port, run
+from unified_dist.testing.launchers import ROOT, child_env, command, free_port, run
 
 sys.path.insert(0, str(ROOT / "tests" / "launchers"))
 sys.path.insert(0, str(ROOT / "tests" / "launchers" / "workers"))
@@ -75,9 +75,8 @@ def launcher_command(launcher: str, args: list) -> list:
     """``python -m unified_dist.accelerate SCRIPT args`` under ``launcher``, 2 processes."""
     runner = ["unified_dist.accelerate", str(SCRIPT), *args]
     if launcher == "accelerate":  # what the user types: Accelerate's DeepSpeed flags (on a CPU, without --cpu)
-        return [str(BIN / "accelerate"), "launch", "--use_deepspeed", "--zero_stage", "2", "--gradient_clipping",
-                str(worker.CLIP), "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-                "--dynamo_backend", "no", "--main_process_port", str(free_port()), "-m", *runner]
+        return command("accelerate-deepspeed", "-m", runner,
+                       launcher_flags=["--zero_stage", "2", "--gradient_clipping", str(worker.CLIP)])
     return command(launcher, "-m", runner)
 
 
@@ -191,8 +190,10 @@ def sft_reference(average_per_process: bool = False) -> tuple:
     causal model's real tokens), clipped to ``worker.CLIP``, SGD with momentum 0.9 at ``SFT_LR``; the weights, the
     clip's norms, the largest gradient entry G and the largest |weight| W. ``average_per_process``: the wrong physics
     of each half's own token mean, averaged (what 2 processes without ``average_tokens_across_devices`` train)."""
+    from trainer_family import causal_lm
+
     tokens, batch = sft_tokens(), 2 * worker.BATCH
-    net = scripts.causal_lm().double()
+    net = causal_lm().double()
     opt = torch.optim.SGD(net.parameters(), lr=scripts.SFT_LR, momentum=0.9)
     norms, big = [], 0.0
     for start in range(0, len(tokens), batch):

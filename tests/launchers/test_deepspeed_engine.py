@@ -52,9 +52,7 @@ def launch_command(name: str, out: Path) -> list:
     if name == "variable":  # then, in the same processes, the reshard chain and a plain DeepSpeed checkpoint
         return command("mpirun", WORKER, [*args, "--checkpoints"])
     if name == "accelerate":  # what a user types: Accelerate's DeepSpeed flags (on a CPU, without --cpu)
-        return [str(BIN / "accelerate"), "launch", "--use_deepspeed", "--zero_stage", "2", "--num_processes", "2",
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", str(free_port()), WORKER, *args]
+        return command("accelerate-deepspeed", WORKER, args, launcher_flags=["--zero_stage", "2"])
     if name == "unified-dist":
         return [str(BIN / "unified-dist"), "launch", "--backend", "deepspeed", "--nproc", "2", "--zero-stage", "3",
                 "--master-port", str(free_port()), WORKER, *args]

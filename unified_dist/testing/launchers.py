@@ -67,27 +67,32 @@ BACKEND_OF = {**{spec.launcher or "python": name for name, spec in SPECS.items()
 LAUNCHER_NAME = {"legacy": "torchrun", "accelerate-fsdp": "accelerate", "accelerate-deepspeed": "accelerate"}
 
 
-def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2) -> List[str]:
-    """The exact command line a user would type for ``launcher`` on this CPU machine."""
+ACCELERATE_FLAGS = {
+    "accelerate": ("--multi_gpu",),
+    # Accelerate's FSDP flags (it refuses --multi_gpu beside --use_fsdp)
+    "accelerate-fsdp": ("--use_fsdp", "--fsdp_version", "2", "--fsdp_reshard_after_forward", "false"),
+    # Accelerate's DeepSpeed flag (on a CPU without --cpu: Accelerate refuses --cpu beside it), ZeRO stage left to
+    # Accelerate's default or the script unless the caller's ``launcher_flags`` say --zero_stage
+    "accelerate-deepspeed": ("--use_deepspeed",),
+}
+"""The ``accelerate launch`` flags that name each Accelerate launcher of :func:`command`."""
+
+
+def command(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2,
+            launcher_flags: Sequence[str] = ()) -> List[str]:
+    """The exact command line a user would type for ``launcher`` on this CPU machine; ``launcher_flags``: more of
+    ``accelerate launch``'s own flags after those that name the launcher (e.g. ``--zero_stage 2``)."""
     py = str(BIN / "python")
+    if launcher in ACCELERATE_FLAGS:
+        return [str(BIN / "accelerate"), "launch", *ACCELERATE_FLAGS[launcher], *launcher_flags,
+                "--num_processes", str(nproc), "--num_machines", "1", "--mixed_precision", "no",
+                "--dynamo_backend", "no", "--main_process_port", str(free_port()), script, *args]
+    if launcher_flags:
+        raise ValueError(f"launcher_flags are accelerate launch's: not for {launcher}")
     if launcher == "python":
         return [py, script, *args]
     if launcher == "torchrun":
         return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", script, *args]
-    if launcher == "accelerate":
-        return [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", str(nproc),
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", str(free_port()), script, *args]
-    if launcher == "accelerate-fsdp":  # Accelerate's FSDP flags (it refuses --multi_gpu beside --use_fsdp)
-        return [str(BIN / "accelerate"), "launch", "--use_fsdp", "--fsdp_version", "2",
-                "--fsdp_reshard_after_forward", "false", "--num_processes", str(nproc),
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", str(free_port()), script, *args]
-    if launcher == "accelerate-deepspeed":  # Accelerate's DeepSpeed flag (on a CPU without --cpu: Accelerate refuses
-        # --cpu beside it), ZeRO stage left to Accelerate's default or the script (no --zero_stage)
-        return [str(BIN / "accelerate"), "launch", "--use_deepspeed", "--num_processes", str(nproc),
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", str(free_port()), script, *args]
     if launcher == "deepspeed":  # DeepSpeed's launcher: --num_gpus is its processes per node, on a CPU too
         return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), script, *args]
     if launcher == "horovodrun":

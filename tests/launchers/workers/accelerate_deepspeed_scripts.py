@@ -153,17 +153,6 @@ def sft_texts() -> list:
     return texts
 
 
-def causal_lm():
-    """A tiny ``LlamaForCausalLM`` (2 layers, hidden 32) over trainer_family's 64-word vocabulary, made here."""
-    from trainer_family import VOCAB
-    from transformers import LlamaConfig, LlamaForCausalLM, set_seed
-
-    set_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
-                                        pad_token_id=0, bos_token_id=2, eos_token_id=3))
-
-
 def run_sft(options, write):
     """TRL's ``SFTTrainer`` with ``SFTConfig(deepspeed=<the auto config>)``: the model, texts and tokenizer above,
     SGD with momentum through ``optim="sgd"``, a constant learning rate, the data in order, the "auto" clipping
@@ -173,7 +162,7 @@ def run_sft(options, write):
     DeepSpeed left out (a silent DDP: the Trainer trains it to the end) is written too, its stage ``None``."""
     started = time.perf_counter()
     from datasets import Dataset
-    from trainer_family import word_tokenizer
+    from trainer_family import causal_lm, word_tokenizer
     from trl import SFTConfig, SFTTrainer
 
     config = SFTConfig(

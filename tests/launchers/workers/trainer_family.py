@@ -70,6 +70,14 @@ def bert():
         max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2))
 
 
+def causal_lm():
+    """A tiny ``LlamaForCausalLM`` (2 layers, hidden 32) over the 64-word vocabulary of :func:`word_tokenizer`."""
+    set_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                        pad_token_id=0, bos_token_id=2, eos_token_id=3))
+
+
 def arguments(options, folder, **extra):
     values = dict(output_dir=folder, per_device_train_batch_size=options.batch, per_device_eval_batch_size=4,
                   num_train_epochs=2, learning_rate=1e-3, seed=0, report_to="none", disable_tqdm=True,
@@ -155,11 +163,7 @@ def run_sft(options, write):
     for _ in range(40):  # ragged lengths: the loss is a mean over tokens, not over sequences
         start, length = torch.randint(0, VOCAB - 4, (2,), generator=generator).tolist()
         texts.append(" ".join(f"w{(start + 3 * k) % (VOCAB - 4)}" for k in range(4 + length % 9)))
-    set_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                         max_position_embeddings=32, pad_token_id=0, bos_token_id=2,
-                                         eos_token_id=3))
+    model = causal_lm()
     config = SFTConfig(**arguments(options, options.output_dir + "-sft", max_length=32))
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}),
                          processing_class=word_tokenizer())
