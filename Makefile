@@ -40,7 +40,8 @@ $(STAMP): requirements-ci.txt requirements-offline-data.txt setup.cfg tools/buil
 	touch $(STAMP)
 
 # Lint first (rules in pyproject.toml's [tool.ruff]): a finding fails the target before the tests run. Every test's
-# seconds per phase go to build/test-times.json (bench/suite_time/suite_time.py turns them into docs/testing.md's budget).
+# seconds per phase go to build/test-times.json, every launch's wall and CPU seconds to build/launches.jsonl
+# (bench/suite_time/suite_time.py turns both into docs/testing.md's budget).
 # The test files run on TEST_WORKERS pytest-xdist workers, a file's tests on one worker in order (--dist loadfile:
 # a module's shared launches stay shared); a launch leaves a core idle a third of its time (rendezvous, waits, I/O),
 # which the other worker's file uses. TEST_WORKERS=0: one process, as plain pytest.
@@ -48,7 +49,8 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m ruff check .
 	$(MAKE) --no-print-directory docs
-	UNIFIED_DIST_TEST_TIMES=build/test-times.json $(PY) -m pytest -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile tests
+	rm -f build/launches.jsonl
+	UNIFIED_DIST_TEST_TIMES=build/test-times.json UNIFIED_DIST_LAUNCH_LOG=$(abspath build)/launches.jsonl $(PY) -m pytest -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile tests
 
 # The documentation site (mkdocs.yml): strict, so a broken link or an unresolved reference fails it.
 docs: setup

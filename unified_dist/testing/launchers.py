@@ -148,18 +148,59 @@ def _communicate(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str
                  stderr: int) -> Tuple[subprocess.Popen, str, str, bool]:
     """Run ``cmd`` in its own session: the process, its stdout and stderr (``""`` when merged into
     stdout), and whether it timed out (its whole session is then killed)."""
+    started, cpu_before = time.monotonic(), _children_cpu()
     proc = subprocess.Popen(list(cmd), cwd=cwd or ROOT, env=env or child_env(), stdout=subprocess.PIPE,
                             stderr=stderr, text=True, start_new_session=True)
+    timed_out = False
     try:
         out, err = proc.communicate(timeout=timeout)
         return proc, out, err or "", False
     except subprocess.TimeoutExpired:
+        timed_out = True
         kill_session(proc.pid)
         out, err = proc.communicate()
         return proc, out, err or "", True
     finally:
         if proc.poll() is None:
             kill_session(proc.pid)
+        _log_launch(cmd, time.monotonic() - started, _children_cpu() - cpu_before, timed_out)
+
+
+LAUNCH_LOG = "UNIFIED_DIST_LAUNCH_LOG"
+"""Where :func:`run` and :func:`run_apart` append one JSON line per command they ran (``make test``:
+build/launches.jsonl): the test that ran it (pytest's ``PYTEST_CURRENT_TEST``), the launcher (the command's
+first word, ``accelerate`` for ``accelerate launch``), the script, its wall seconds and the CPU seconds of the
+processes it started. bench/suite_time/suite_time.py sums them: what the suite's launches cost, apart from its
+tests' own work."""
+
+
+def _children_cpu() -> float:
+    """User and system CPU seconds of this process's children that ended and were waited for (a launcher
+    waits for its workers, so a launch's workers are counted in it). Two launches that run at once in one
+    test process (a fixture that overlaps its launches) share their sum: each is counted once, in whichever
+    ends last."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _log_launch(cmd: Sequence[str], wall_s: float, cpu_s: float, timed_out: bool) -> None:
+    path = os.environ.get(LAUNCH_LOG)
+    if not path:
+        return
+    import json
+
+    words = [os.path.basename(str(word)) for word in cmd]
+    launcher = "python" if words[0].startswith("python") and "-m" not in words[:2] else words[0]
+    if len(words) > 2 and words[1] == "-m":
+        launcher = words[2]
+    script = next((str(word) for word in cmd if str(word).endswith(".py")), " ".join(words[:3]))
+    line = json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], "launcher": launcher,
+                       "script": script, "wall_s": round(wall_s, 2), "cpu_s": round(max(cpu_s, 0.0), 2),
+                       "timed_out": timed_out})
+    with open(path, "a") as log:  # one short line per write: appends from several workers do not interleave
+        log.write(line + "\n")
 
 
 def run(cmd: Sequence[str], timeout: float, env: Optional[Dict[str, str]] = None,
