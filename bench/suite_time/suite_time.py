@@ -16,7 +16,11 @@ What it records (:func:`summarise`):
 - ``by_phase``: set-up is mostly the module-scoped fixtures that launch once for many checks, call the tests'
   own work (a launch of its own, most often);
 - ``by_folder`` and ``by_file`` (the 25 heaviest files), each with its share of ``tests_s``;
-- ``slowest``: the 20 slowest single phases (``nodeid``, ``phase``, ``s``, ``share``), pytest's ``--durations``.
+- ``slowest``: the 20 slowest single phases (``nodeid``, ``phase``, ``s``, ``share``), pytest's ``--durations``;
+- ``launches`` (with ``--launches build/launches.jsonl``, one line per command a test ran through
+  ``unified_dist.testing.launchers.run``, :func:`launch_summary`): how many, their wall seconds and the share of
+  ``tests_s`` spent inside them, the CPU seconds of the processes they started, per launcher, and the longest ones
+  with their CPU per wall second (a launch of 2 busy processes on 2 cores shows about 2; well under 1, it waited).
 
 Ratios within one run only: the machine's CPU changes between sessions (the record names it).
 """
@@ -77,6 +81,35 @@ def summarise(times: dict, slowest: int = 20, files: int = 25) -> dict:
     return summary
 
 
+def launch_summary(lines: list, tests_s: float, longest: int = 20) -> dict:
+    """What the suite's launches cost, from the launch log's records (``test``, ``launcher``, ``script``,
+    ``wall_s``, ``cpu_s``): their count, wall and CPU seconds in all and per launcher, the share of the tests'
+    seconds spent inside them, and the ``longest`` launches. A launch's CPU seconds are its processes' that were
+    waited for (srun's tasks are slurmd's children: 0 here)."""
+    if not lines:
+        raise ValueError("the launch log holds no launch")
+    per = defaultdict(lambda: {"launches": 0, "wall_s": 0.0, "cpu_s": 0.0})
+    for line in lines:
+        row = per[line["launcher"]]
+        row["launches"] += 1
+        row["wall_s"] += float(line["wall_s"])
+        row["cpu_s"] += float(line["cpu_s"])
+    wall = sum(float(line["wall_s"]) for line in lines)
+    ranked = sorted(lines, key=lambda line: (-float(line["wall_s"]), line["test"]))[:longest]
+    return {
+        "launches": len(lines), "wall_s": round(wall, 1), "cpu_s": round(sum(float(x["cpu_s"]) for x in lines), 1),
+        "share_of_tests": round(wall / tests_s, 4) if tests_s else None,
+        "timed_out": sum(1 for line in lines if line.get("timed_out")),
+        "by_launcher": [{"name": name, "launches": row["launches"], "wall_s": round(row["wall_s"], 1),
+                         "cpu_s": round(row["cpu_s"], 1), "mean_wall_s": round(row["wall_s"] / row["launches"], 1)}
+                        for name, row in sorted(per.items(), key=lambda kv: (-kv[1]["wall_s"], kv[0]))],
+        "longest": [{"test": line["test"], "launcher": line["launcher"], "script": line["script"],
+                     "wall_s": float(line["wall_s"]), "cpu_s": float(line["cpu_s"]),
+                     "cpu_per_wall": round(float(line["cpu_s"]) / float(line["wall_s"]), 2)
+                     if float(line["wall_s"]) > 0 else None} for line in ranked],
+    }
+
+
 def table(summary: dict) -> list:
     """docs/testing.md's lines: the budget against the measured run, then the slowest phases with their share."""
     minutes = summary["tests_s"] / 60
@@ -98,18 +131,34 @@ def table(summary: dict) -> list:
              f"- The {len(summary['slowest'])} slowest phases below take {summary['slowest_share']:.0%} of it:", "",
              "| test | phase | seconds | share |", "|---|---|---:|---:|"]
     lines += [f"| `{r['nodeid']}` | {r['phase']} | {r['s']:.0f} | {r['share']:.1%} |" for r in summary["slowest"]]
+    launches = summary.get("launches")
+    if launches:
+        lines += ["", f"- {launches['launches']} launches took {launches['wall_s'] / 60:.1f} min of wall "
+                  f"({launches['share_of_tests']:.0%} of the test phases) and {launches['cpu_s'] / 60:.1f} CPU-min; "
+                  "by launcher: " + ", ".join(f"{r['name']} {r['launches']} x {r['mean_wall_s']:.1f} s"
+                                              for r in launches["by_launcher"]) + ".",
+                  f"- The {len(launches['longest'])} longest launches (CPU seconds per wall second: about 2 when "
+                  "two processes work on the 2 cores, well under 1 when the launch waits):", "",
+                  "| test | launcher | wall s | CPU s | CPU/wall |", "|---|---|---:|---:|---:|"]
+        lines += [f"| `{r['test']}` | {r['launcher']} | {r['wall_s']:.0f} | {r['cpu_s']:.0f} | {r['cpu_per_wall']} |"
+                  for r in launches["longest"]]
     return lines
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("times", help="the test-times file make test wrote (build/test-times.json)")
+    parser.add_argument("--launches", help="the launch log make test wrote (build/launches.jsonl)")
     parser.add_argument("--out", help="the results file to write (bench/suite_time/results/suite_time.json)")
     args = parser.parse_args(argv)
     try:
         summary = summarise(json.loads(Path(args.times).read_text()))
+        if args.launches:
+            lines = [json.loads(line) for line in Path(args.launches).read_text().splitlines() if line.strip()]
+            summary["launches"] = launch_summary(lines, summary["tests_s"])
     except (OSError, ValueError, KeyError) as exc:
-        print(f"suite_time: cannot read {args.times} ({exc}); run `make test` first", file=sys.stderr)
+        print(f"suite_time: cannot read {args.times}{' or ' + args.launches if args.launches else ''} ({exc}); "
+              "run `make test` first", file=sys.stderr)
         return 2
     summary["summarised_by"] = " ".join(["python", "bench/suite_time/suite_time.py", *(argv or sys.argv[1:])])
     if args.out:

@@ -62,3 +62,37 @@ def test_a_file_that_is_not_a_run_is_one_line_and_status_2(suite_time, tmp_path,
     assert suite_time.main([str(empty)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
     assert suite_time.main([str(tmp_path / "missing.json")]) == 2
+
+
+LAUNCHES = [
+    {"test": "tests/launchers/test_b.py::test_x[torchrun]", "launcher": "torchrun", "script": "w.py", "wall_s": 20.0,
+     "cpu_s": 36.0, "timed_out": False},
+    {"test": "tests/launchers/test_b.py::test_y", "launcher": "torchrun", "script": "w.py", "wall_s": 30.0,
+     "cpu_s": 6.0, "timed_out": False},
+    {"test": "tests/unit/test_a.py::test_two", "launcher": "mpirun", "script": "v.py", "wall_s": 5.0, "cpu_s": 8.0,
+     "timed_out": True},
+]
+
+
+def test_the_launches_are_counted_per_launcher_and_the_longest_ranked(suite_time):
+    s = suite_time.launch_summary(LAUNCHES, tests_s=100.0, longest=2)
+    # 20 + 30 + 5 = 55 s of wall inside launches, of 100 s of tests; 36 + 6 + 8 = 50 CPU-s
+    assert (s["launches"], s["wall_s"], s["cpu_s"], s["share_of_tests"], s["timed_out"]) == (3, 55.0, 50.0, 0.55, 1)
+    assert s["by_launcher"] == [
+        {"name": "torchrun", "launches": 2, "wall_s": 50.0, "cpu_s": 42.0, "mean_wall_s": 25.0},
+        {"name": "mpirun", "launches": 1, "wall_s": 5.0, "cpu_s": 8.0, "mean_wall_s": 5.0}]
+    assert [(r["test"].split("::")[1], r["wall_s"], r["cpu_per_wall"]) for r in s["longest"]] == [
+        ("test_y", 30.0, 0.2), ("test_x[torchrun]", 20.0, 1.8)]
+    lines = suite_time.table(dict(suite_time.summarise(TIMES), launches=s))
+    assert "- 3 launches took 0.9 min of wall (55% of the test phases) and 0.8 CPU-min; by launcher: " \
+           "torchrun 2 x 25.0 s, mpirun 1 x 5.0 s." in lines
+    assert lines[-1] == "| `tests/launchers/test_b.py::test_x[torchrun]` | torchrun | 20 | 36 | 1.8 |"
+
+
+def test_an_empty_launch_log_is_one_line_and_status_2(suite_time, tmp_path, capsys):
+    times = tmp_path / "t.json"
+    times.write_text(json.dumps(TIMES))
+    log = tmp_path / "launches.jsonl"
+    log.write_text("")
+    assert suite_time.main([str(times), "--launches", str(log)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

@@ -348,3 +348,25 @@ def test_every_rank_restores_its_own_generators_and_main_only_saves_are_refused(
     assert "`if ud.is_main(): ud.save(...)` hangs" in outcome and "\n" not in outcome
     assert ranks[0]["elapsed"] < 15  # the worker's ARRIVAL_SECONDS (3) and a margin, not the 60 s timeout
     assert not (tmp_path / "main_only.pt").exists()
+
+
+def test_main_only_collective_saves_are_refused_within_20_s_by_default():
+    """docs/checkpoints.md: rank 0 names the ``if ud.is_main():`` mistake within 20 s, unless the collective timeout
+    is shorter. The launches that check the refusal shorten the wait (3 s), so the default is checked here, on a
+    backend whose peers never arrive: the wait it asks for and the seconds the message names."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from unified_dist import saving
+
+    asked = []
+
+    def missing_peers(what, seconds):
+        asked.append(seconds)
+        return [1]
+
+    for timeout, expected in ((timedelta(minutes=30), 20), (timedelta(seconds=7), 7)):
+        backend = SimpleNamespace(config=SimpleNamespace(timeout=timeout), missing_peers=missing_peers)
+        with pytest.raises(ud.UnifiedDistError, match=f"rank\\(s\\) 1 did not call it within {expected} s;"):
+            saving._every_rank_calls(backend, "save")
+        assert asked[-1] == expected
