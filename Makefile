@@ -49,7 +49,7 @@ TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m ruff check .
 	$(MAKE) --no-print-directory docs
-	rm -f build/launches.jsonl
+	mkdir -p build && rm -f build/launches.jsonl
 	UNIFIED_DIST_TEST_TIMES=build/test-times.json UNIFIED_DIST_LAUNCH_LOG=$(abspath build)/launches.jsonl $(PY) -m pytest -ra --durations=30 -n $(TEST_WORKERS) --dist loadfile tests
 
 # The documentation site (mkdocs.yml): strict, so a broken link or an unresolved reference fails it.

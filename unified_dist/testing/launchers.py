@@ -199,6 +199,7 @@ def _log_launch(cmd: Sequence[str], wall_s: float, cpu_s: float, timed_out: bool
     line = json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], "launcher": launcher,
                        "script": script, "wall_s": round(wall_s, 2), "cpu_s": round(max(cpu_s, 0.0), 2),
                        "timed_out": timed_out})
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as log:  # one short line per write: appends from several workers do not interleave
         log.write(line + "\n")
 
