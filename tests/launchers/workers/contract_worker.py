@@ -682,13 +682,13 @@ def batchnorm_buffers_are_rank_0s_after_training_and_evaluation_agrees():
     close(out, expected_out, atol=1e-5)
 
 
-@check("core", "fsdp")
 ARRIVAL_SECONDS = 3.0
 """How long rank 0's sharded save waits for the other ranks in :func:`saving_under_if_is_main` (the library's
 default, ``unified_dist.saving.ARRIVAL_SECONDS``, is 20 s: every FSDP launch of the contract then waited 20 s
 for a refusal whose wording and promptness, not the length of the wait, is the claim)."""
 
 
+@check("core", "fsdp")
 def saving_under_if_is_main(ctx):
     """``if ud.is_main(): ud.save(...)`` (what DDP tutorials teach) returns at once when nothing is
     sharded, and the other ranks then load the file into their prepared model with
