@@ -157,13 +157,21 @@ def _inductor_cache_of_this_run(tmp_path_factory):
     the default, /tmp/torchinductor_<user>, is shared by every run on the machine, and a compile killed while
     it wrote a kernel left a 0-byte ``.so`` there that failed every later run's compiled launches ("file too
     short"). A run that passes deletes it (``tmp_path_retention_policy``); TORCHINDUCTOR_CACHE_DIR set by
-    the caller wins."""
-    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
-        yield
-        return
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
+    the caller wins. Inductor compiles on one thread (``TORCHINDUCTOR_COMPILE_THREADS``), unless the caller says
+    otherwise."""
+    from unified_dist.testing.launchers import COMPILE_THREADS
+
+    threads = "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ
+    if threads:  # what the launches get too (launchers.COMPILE_THREADS): no pool of compile workers on 2 cores
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = COMPILE_THREADS
+    cache = "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    if cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))
     yield
-    os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    if cache:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    if threads:
+        os.environ.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
 
 
 @pytest.fixture(scope="session")

@@ -549,6 +549,10 @@ TABLE: Dict[str, Setting] = _declare(
             "where the test suite writes each test's seconds per phase (`make test`: build/test-times.json, "
             "which bench/suite_time/suite_time.py sums into the suite's budget)",
             keyword=False, flag=False, read_by="tools", default_text="none (not written)"),
+    Setting("launch_log", "UNIFIED_DIST_LAUNCH_LOG", Text("a file"), None,
+            "where the tests' launches each append a line: the test, the launcher, the script, its wall and CPU "
+            "seconds (`make test`: build/launches.jsonl, which bench/suite_time/suite_time.py --launches sums)",
+            keyword=False, flag=False, read_by="tools", default_text="none (not written)"),
 )
 """Every setting, in the order ``unified-dist env`` lists them."""
 
