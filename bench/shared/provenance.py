@@ -47,6 +47,17 @@ def steal_fraction(before: list, after: list):
     return (after[7] - before[7]) / total if total > 0 else None
 
 
+def busy_fraction(before: list, after: list):
+    """Share of all CPU ticks between two :func:`cpu_ticks` readings in which a core worked (user, nice, system,
+    irq, softirq, steal: all but idle and iowait), over every core of the machine: near 1 when the work was
+    bound by the CPU, so that more processes side by side would only share the same cores. ``None`` if unknown."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    total = sum(after[:8]) - sum(before[:8])
+    idle = (after[3] + after[4]) - (before[3] + before[4])
+    return (total - idle) / total if total > 0 else None
+
+
 def cpu_model() -> str:
     """/proc/cpuinfo's model name, and whether the CPU has native bf16 (AVX-512 BF16 or AMX): the VM's
     CPU changes between sessions here, and bf16 timings depend on it."""
@@ -68,7 +79,9 @@ def start() -> dict:
 
 
 def finish(record: dict) -> dict:
-    """``record`` with the load average after the measurement and the steal share over it."""
+    """``record`` with the load average after the measurement, and the steal and busy shares over it."""
     record["load_after"] = os.getloadavg()
-    record["steal_fraction"] = steal_fraction(record.get("cpu_ticks_before", []), cpu_ticks())
+    ticks = cpu_ticks()
+    record["steal_fraction"] = steal_fraction(record.get("cpu_ticks_before", []), ticks)
+    record["busy_fraction"] = busy_fraction(record.get("cpu_ticks_before", []), ticks)
     return record

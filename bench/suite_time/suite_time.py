@@ -37,7 +37,7 @@ BUDGET_S = 30 * 60
 
 PHASES = ("setup", "call", "teardown")
 RUN_FIELDS = ("commit", "command", "cpu", "cores", "workers", "load_before", "load_after", "steal_fraction",
-              "wall_s", "exit_status")
+              "busy_fraction", "wall_s", "exit_status")
 
 
 def _file(nodeid: str) -> str:
@@ -122,7 +122,9 @@ def table(summary: dict) -> list:
                  f"({minutes:.1f} min of test phases summed over the workers) {where}")
     else:
         first = f"- {summary['tests']} tests, **{minutes:.1f} min of tests** ({wall:.1f} min wall) {where}"
-    lines = [f"{first}: {verdict} the budget of {summary['budget_s'] / 60:.0f} min.",
+    busy = summary.get("busy_fraction")
+    lines = [f"{first}: {verdict} the budget of {summary['budget_s'] / 60:.0f} min."
+             + (f" The cores were busy {busy:.0%} of the run." if busy is not None else ""),
              "- By folder: " + ", ".join(f"`{r['name']}` {r['s'] / 60:.1f} min ({r['share']:.0%})"
                                          for r in summary["by_folder"]) + ".",
              "- By phase: " + ", ".join(f"{r['name']} {r['s'] / 60:.1f} min ({r['share']:.0%})"

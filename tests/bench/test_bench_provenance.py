@@ -26,12 +26,22 @@ def test_steal_share_is_stolen_ticks_over_all_ticks(provenance):
     assert provenance.steal_fraction(before, before) is None  # no ticks elapsed: unknown, not 0
 
 
+def test_busy_share_is_every_tick_but_idle_and_iowait_over_all_ticks(provenance):
+    before = [100, 0, 50, 800, 10, 0, 5, 35, 0, 0]
+    after = [400, 20, 100, 1300, 60, 5, 5, 185, 0, 0]  # +300 user +20 nice +50 system +500 idle +50 iowait +5 irq
+    # +150 steal: 1075 ticks, of them 550 idle or waiting for I/O
+    assert provenance.busy_fraction(before, after) == pytest.approx(525 / 1075)
+    assert provenance.busy_fraction([], after) is None
+    assert provenance.busy_fraction(before, before) is None
+
+
 def test_a_results_record_has_commit_cpu_load_and_steal(provenance):
     record = provenance.finish(provenance.start())
     assert record["commit"] and record["command"]
     assert "native bf16:" in record["cpu"]
     assert len(record["load_before"]) == 3 and len(record["load_after"]) == 3
     assert record["steal_fraction"] is None or 0.0 <= record["steal_fraction"] <= 1.0
+    assert record["busy_fraction"] is None or 0.0 <= record["busy_fraction"] <= 1.0
 
 
 def test_steal_report_windows():

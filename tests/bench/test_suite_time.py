@@ -96,3 +96,9 @@ def test_an_empty_launch_log_is_one_line_and_status_2(suite_time, tmp_path, caps
     log.write_text("")
     assert suite_time.main([str(times), "--launches", str(log)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_the_first_line_says_how_busy_the_cores_were_where_the_run_recorded_it(suite_time):
+    busy = suite_time.table(suite_time.summarise(dict(TIMES, busy_fraction=0.974)))
+    assert busy[0].endswith("under the budget of 30 min. The cores were busy 97% of the run.")
+    assert "busy" not in suite_time.table(suite_time.summarise(TIMES))[0]  # an older record: nothing said
