@@ -7,8 +7,9 @@ the same processes), then the same loop on the torch backend (DDP). 2 ranks x ba
 1 process x batch 8 computed here with plain torch in float64 (not through the library), and the torch
 backend's numbers. The selector launches run one case each, with the backend and stage left to the launcher
 and the environment: ``UNIFIED_DIST_BACKEND=deepspeed`` under mpirun (stage from ``UNIFIED_DIST_ZERO_STAGE``),
-``accelerate launch --use_deepspeed --zero_stage 2`` (which trained plain DDP without a word before this
-backend) and ``unified-dist launch --backend deepspeed --zero-stage 3`` (DeepSpeed's own launcher). The mpirun
+``accelerate launch --use_deepspeed --deepspeed_config_file`` with a Trainer-style file of stage 3 (which
+trained plain DDP without a word before this backend) and ``unified-dist launch --backend deepspeed --zero-stage 3``
+(DeepSpeed's own launcher). The mpirun
 selector launch then runs, in the same processes, the portable checkpoints' reshard chain (DDP -> ZeRO-1 -> ZeRO-2
 -> ZeRO-3 -> FSDP2, then one process in the test itself) and a plain DeepSpeed script's ``engine.save_checkpoint``.
 Two more launches run one case of ``ud.init(backend="deepspeed", zero_stage=S)`` in code where another stack's
@@ -51,8 +52,10 @@ def launch_command(name: str, out: Path) -> list:
     args.append("--detected")
     if name == "variable":  # then, in the same processes, the reshard chain and a plain DeepSpeed checkpoint
         return command("mpirun", WORKER, [*args, "--checkpoints"])
-    if name == "accelerate":  # what a user types: Accelerate's DeepSpeed flags (on a CPU, without --cpu)
-        return command("accelerate-deepspeed", WORKER, args, launcher_flags=["--zero_stage", "2"])
+    if name == "accelerate":  # what a user types: Accelerate's DeepSpeed flags and a config file (on a CPU, no --cpu)
+        config = out.parent / "accelerate_deepspeed_config.json"
+        config.write_text(json.dumps(ACCELERATE_CONFIG))
+        return command("accelerate-deepspeed", WORKER, args, launcher_flags=["--deepspeed_config_file", str(config)])
     if name == "unified-dist":
         return [str(BIN / "unified-dist"), "launch", "--backend", "deepspeed", "--nproc", "2", "--zero-stage", "3",
                 "--master-port", str(free_port()), WORKER, *args]
@@ -61,7 +64,12 @@ def launch_command(name: str, out: Path) -> list:
 
 ENV = {"physics": {}, "variable": {"UNIFIED_DIST_BACKEND": "deepspeed", "UNIFIED_DIST_ZERO_STAGE": "1"},
        "accelerate": {}, "unified-dist": {}, "horovodrun": {}, "srun": {}}
-STAGE = {"variable": 1, "accelerate": 2, "unified-dist": 3}
+ACCELERATE_CONFIG = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+                     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+"""The config file the accelerate launch names (``--deepspeed_config_file``), as a Trainer user writes one: its stage
+is not the one ``--use_deepspeed`` gives without a file (2), so the stage the engine runs at says the file was read;
+what it leaves to ``"auto"`` comes from the settings."""
+STAGE = {"variable": 1, "accelerate": 3, "unified-dist": 3}
 LAUNCHER = {"variable": "mpirun", "accelerate": "accelerate", "unified-dist": "deepspeed"}
 CODE_STAGE = {"horovodrun": 2, "srun": 3}
 """The launches of ``ud.init(backend="deepspeed", zero_stage=S)`` under another stack's launcher, and their S."""
@@ -210,7 +218,8 @@ def test_each_stage_shards_what_it_says(launches, stage, opt_name):
 @pytest.mark.parametrize("name", ["variable", "accelerate", "unified-dist"])
 def test_each_selector_runs_the_engine_at_the_stage_it_says(launches, name):
     """UNIFIED_DIST_BACKEND=deepspeed under mpirun (stage from UNIFIED_DIST_ZERO_STAGE=1); accelerate launch
-    --use_deepspeed --zero_stage 2 (the stage read through the settings table's launcher column); unified-dist
+    --use_deepspeed --deepspeed_config_file (stage 3 from the file, which the settings table's launcher column
+    reads: without it --use_deepspeed gives stage 2); unified-dist
     launch --backend deepspeed --zero-stage 3, which runs DeepSpeed's own launcher (detected by its
     CROSS_RANK/CROSS_SIZE/LOCAL_SIZE): the backend and the stage each names, and the physics of the global batch."""
     ranks = finished(launches, name)
