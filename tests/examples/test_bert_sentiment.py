@@ -81,9 +81,24 @@ def read_metrics(out: Path) -> List[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ONE_LAUNCH = Path(__file__).with_name("runs_in_one_launch.py")
+runs_in_one_launch = _load(ONE_LAUNCH)  # its split_output and snapshot; the launches run it as a script
+
+
 def _launched(result: Result, out: Path) -> Launch:
-    return Launch(result, out, read_metrics(out) if (out / "metrics.jsonl").exists() else [],
-                  {str(path.relative_to(out)) for path in out.rglob("*")})
+    return _held(result, out, runs_in_one_launch.snapshot(out))
+
+
+def _held(result: Result, out: Path, held: dict) -> Launch:
+    """A launch whose folder held ``held`` (:func:`runs_in_one_launch.snapshot`'s rows and files)."""
+    return Launch(result, out, held["rows"], set(held["files"]))
 
 
 def installed(launcher: str) -> bool:
@@ -146,12 +161,12 @@ class Ring:
                  "snapshot": str(base / "stopped.json")},
                 {"name": "continued", "argv": [*self.tiny, "--output-dir", str(out), *batch_args, "--resume", resume]}]
         (base / "plan.json").write_text(json.dumps(plan))
-        result = launch(launcher, str(Path(__file__).with_name("runs_in_one_launch.py")), [str(base / "plan.json")],
-                        nproc=nproc, timeout=2 * TIMEOUT)
-        parts = _runs_in_one_launch().split_output(result.output)
-        held = json.loads((base / "stopped.json").read_text()) if (base / "stopped.json").exists() else {}
-        self._stopped[name] = Launch(Result(result.cmd, result.returncode, parts.get("stopped", result.output),
-                                            result.timed_out), out, held.get("rows", []), set(held.get("files", [])))
+        result = launch(launcher, str(ONE_LAUNCH), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT)
+        parts = runs_in_one_launch.split_output(result.output)
+        held = (json.loads((base / "stopped.json").read_text()) if (base / "stopped.json").exists()
+                else {"rows": [], "files": []})
+        self._stopped[name] = _held(Result(result.cmd, result.returncode, parts.get("stopped", result.output),
+                                           result.timed_out), out, held)
         # the continued run did not start if the stopped one failed: its output is then the whole launch's
         self._continued[name] = _launched(Result(result.cmd, result.returncode,
                                                  parts.get("continued", result.output), result.timed_out), out)
@@ -207,14 +222,13 @@ class Ring:
         if self._pipeline is None:
             launcher, nproc, args = PIPELINE
             base = self._factory.mktemp("bert-pp")
-            worker = Path(__file__).with_name("runs_in_one_launch.py")
             plan = [{"name": name, "argv": [*self.tiny, *args, *extra, "--output-dir",
                                             str(base / ("uninterrupted" if name == "uninterrupted" else "resumed"))]}
                     for name, extra in PIPELINE_RUNS]
             (base / "plan.json").write_text(json.dumps(plan))
-            result = launch(launcher, str(worker), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT,
+            result = launch(launcher, str(ONE_LAUNCH), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT,
                             env=env).check()
-            parts = _runs_in_one_launch().split_output(result.output)
+            parts = runs_in_one_launch.split_output(result.output)
             assert sorted(parts) == sorted(name for name, _ in PIPELINE_RUNS), result.output[-3000:]
             self._pipeline = (base, {name: Result(result.cmd, result.returncode, part, result.timed_out)
                                      for name, part in parts.items()})
@@ -225,15 +239,6 @@ class Ring:
         reference = self.uninterrupted(REFERENCE, {})
         reference.result.check()
         return reference
-
-
-def _runs_in_one_launch():
-    """tests/examples/runs_in_one_launch.py as a module (its ``split_output``)."""
-    path = Path(__file__).with_name("runs_in_one_launch.py")
-    spec = importlib.util.spec_from_file_location("runs_in_one_launch", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
