@@ -250,6 +250,9 @@ def add_output_flags(g: argparse._ArgumentGroup) -> None:
                         "still spanning --epochs/--max-steps (for resume tests)")
     g.add_argument("--log-every", type=int, default=10, help="log the mean train loss every this many optimizer steps")
     g.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    g.add_argument("--no-plots", action="store_true",
+                   help="no training_curves.png (matplotlib is then never imported: about 1 s, plus about 1 s per "
+                        "evaluation on the main process)")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

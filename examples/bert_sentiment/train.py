@@ -233,7 +233,7 @@ def validate(r: Run, final: bool = False) -> None:
                      f"on {result['eval_examples']} examples")
     r.last_validated = step
     logs.say(r.progress, f"eval @ step {step} (epoch {r.epoch}): " + " | ".join(parts))
-    if ud.is_main():
+    if ud.is_main() and not r.args.no_plots:
         plots.plot_curves(r.log.path, os.path.join(r.out, "training_curves.png"))
 
 

@@ -144,7 +144,7 @@ def test_compile_flag_values(capsys: pytest.CaptureFixture) -> None:
 # once more) instead of again for each new sequence length.
 COMPILE_ARGS = ["--limit-train", "64", "--limit-eval", "32", "--max-length", "8", "--batch-size", "8",
                 "--eval-batch-size", "8", "--epochs", "1", "--max-steps", "4", "--log-every", "1", "--eval-every", "0",
-                "--no-dropout", "--no-progress", "--keep-checkpoints", "0"]
+                "--no-dropout", "--no-progress", "--no-plots", "--keep-checkpoints", "0"]
 
 
 @pytest.mark.distributed

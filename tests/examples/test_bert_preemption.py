@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.example, pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")]
 ARGS = ["--limit-train", "512", "--limit-eval", "32", "--max-length", "16", "--batch-size", "8", "--eval-batch-size",
         "8", "--epochs", "1", "--max-steps", "40", "--log-every", "1", "--eval-every", "0", "--save-every", "0",
-        "--no-dropout", "--no-progress", "--resume", "auto"]
+        "--no-dropout", "--no-progress", "--no-plots", "--resume", "auto"]
 
 
 def _weights(out: Path) -> dict:

@@ -42,8 +42,11 @@ from unified_dist.testing.launchers import BACKEND_OF, LAUNCHER_NAME, ROOT, Resu
 SCRIPT = str(ROOT / "examples" / "bert_sentiment" / "train.py")
 TIMEOUT = 240  # seconds per launch; the whole process group is killed after it
 LIMIT_EVAL = 50
+NO_PLOTS = "--no-plots"
+"""In every run but the ring's continued ones, whose training_curves.png is asserted: matplotlib's import and a
+figure per evaluation cost the main process about 1.5 CPU-s of a tiny run, and no other test reads the plot."""
 TINY = ["--limit-train", "64", "--limit-eval", str(LIMIT_EVAL), "--max-length", "32", "--log-every", "1",
-        "--eval-batch-size", "16", "--epochs", "2", "--no-dropout", "--no-progress",
+        "--eval-batch-size", "16", "--epochs", "2", "--no-dropout", "--no-progress", NO_PLOTS,
         "--keep-checkpoints", "0", "--max-steps", "5", "--eval-every", "0"]
 # launcher, processes, per-process batch and grad-accum giving a global batch of 16
 LAUNCHES = {
@@ -123,6 +126,7 @@ class Ring:
     def __init__(self, factory, model: str):
         self._factory = factory  # tests/conftest.py's module_dirs: deleted when the module passes
         self.tiny = [*TINY, "--model", model]  # every launch of the ring trains the tests' BERT
+        self.plotted = [arg for arg in self.tiny if arg != NO_PLOTS]  # the continued runs draw the curves
         self._stopped: Dict[str, Launch] = {}
         self._continued: Dict[str, Launch] = {}
         self._uninterrupted: Dict[str, Launch] = {}
@@ -159,7 +163,8 @@ class Ring:
         stop = STOP.get(name, ["--stop-after", "3"])
         plan = [{"name": "stopped", "argv": [*self.tiny, "--output-dir", str(out), *batch_args, *stop],
                  "snapshot": str(base / "stopped.json")},
-                {"name": "continued", "argv": [*self.tiny, "--output-dir", str(out), *batch_args, "--resume", resume]}]
+                {"name": "continued",
+                 "argv": [*self.plotted, "--output-dir", str(out), *batch_args, "--resume", resume]}]
         (base / "plan.json").write_text(json.dumps(plan))
         result = launch(launcher, str(ONE_LAUNCH), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT)
         parts = runs_in_one_launch.split_output(result.output)
@@ -189,7 +194,7 @@ class Ring:
             first.result.check()
             resume = self._resume_from(name)
             launcher, nproc, batch_args = CONTINUED_AS.get(name, LAUNCHES[name])
-            result = launch(launcher, SCRIPT, [*self.tiny, "--output-dir", str(first.out), *batch_args,
+            result = launch(launcher, SCRIPT, [*self.plotted, "--output-dir", str(first.out), *batch_args,
                                                "--resume", resume], nproc=nproc, timeout=TIMEOUT)
             self._continued[name] = _launched(result, first.out)
         return self._continued[name]
@@ -724,7 +729,8 @@ def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
     result = launch("python", SCRIPT, ["--dataset", str(data), "--text-column", "review", "--label-column",
                                        "sentiment", "--max-steps", "2", "--eval-every", "0", "--batch-size", "8",
                                        "--max-length", "16",
-                                       "--no-progress", "--output-dir", str(out)], nproc=1, timeout=TIMEOUT).check()
+                                       "--no-progress", NO_PLOTS, "--output-dir", str(out)], nproc=1,
+                    timeout=TIMEOUT).check()
     evals = [r for r in read_metrics(out) if r["type"] == "eval" and r["split"] == "test"]
     assert evals and evals[-1]["eval_examples"] == 12  # a stratified 20% of 60
     assert "local files" in result.output
@@ -734,7 +740,7 @@ def test_local_csv_with_renamed_columns_trains(tmp_path: Path) -> None:
 def test_non_finite_loss_stops_with_the_step(tmp_path: Path, tiny_bert: str) -> None:
     """The facade's own check (ud.backward raises ud.NonFiniteLoss on every rank) ends the example."""
     line = _error_run(tmp_path, "--limit-train", "64", "--limit-eval", "16", "--max-length", "32", "--batch-size", "8",
-                      "--lr", "1e6", "--max-steps", "8", "--no-progress", "--model", tiny_bert)
+                      "--lr", "1e6", "--max-steps", "8", "--no-progress", NO_PLOTS, "--model", tiny_bert)
     assert "loss is not finite" in line and "at optimizer step" in line
 
 

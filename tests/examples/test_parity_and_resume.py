@@ -15,7 +15,7 @@ import torch
 pytestmark = [pytest.mark.example, pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = "examples/bert_sentiment/train.py"
 TINY = ["--limit-train", "96", "--limit-eval", "40", "--max-length", "32", "--log-every", "1", "--no-progress",
-        "--eval-batch-size", "16", "--threads", "1", "--eval-every", "0"]
+        "--no-plots", "--eval-batch-size", "16", "--threads", "1", "--eval-every", "0"]
 
 
 def _metrics(path):

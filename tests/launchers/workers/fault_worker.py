@@ -1,6 +1,11 @@
 """Fault scenarios run under a real launcher; each rank records the error it saw.
 
-    <launcher> tests/launchers/workers/fault_worker.py SCENARIO OUT_DIR
+    <launcher> tests/launchers/workers/fault_worker.py SCENARIO[,SCENARIO...] OUT_DIR
+
+Several check-mode scenarios (``mismatch_*``) run one after another in the same processes: each records
+``SCENARIO_rankR.json``; the error of every scenario but the last is recorded and the next one starts on the same
+group (check mode raises before the mismatched collective runs, on every rank); the last one's error ends the job
+as a user's uncaught error would. A single scenario writes ``rankR.json``.
 """
 import json
 import os
@@ -13,8 +18,8 @@ import torch
 import unified_dist as ud
 
 
-def record(out, **data):
-    with open(os.path.join(out, f"rank{ud.rank()}.json"), "w") as f:
+def record(out, prefix="", **data):
+    with open(os.path.join(out, f"{prefix}rank{ud.rank()}.json"), "w") as f:
         json.dump(data, f)
 
 
@@ -43,8 +48,17 @@ def waits_after_a_timeout():
 
 
 def main():
-    scenario, out = sys.argv[1], sys.argv[2]
-    ud.init(debug=scenario.startswith("mismatch"), timeout=4 if scenario == "timeout" else 60)
+    scenarios, out = sys.argv[1].split(","), sys.argv[2]
+    checking = scenarios[0].startswith("mismatch")
+    if len(scenarios) > 1 and not all(scenario.startswith("mismatch") for scenario in scenarios):
+        raise SystemExit(f"fault_worker.py: only check-mode scenarios run in one launch, got {scenarios}")
+    ud.init(debug=checking, timeout=4 if scenarios[0] == "timeout" else 60)
+    for n, scenario in enumerate(scenarios):
+        last = n == len(scenarios) - 1
+        run(scenario, out, prefix="" if len(scenarios) == 1 else f"{scenario}_", uncaught=last)
+
+
+def run(scenario, out, prefix, uncaught):
     r = ud.rank()
     ud.barrier()
     start = time.monotonic()
@@ -79,13 +93,17 @@ def main():
                 ud.backward(loss)
                 opt.step()
                 opt.zero_grad()
+        else:
+            raise SystemExit(f"fault_worker.py: no scenario {scenario!r}")
     except ud.UnifiedDistError as exc:
         elapsed = time.monotonic() - start
-        record(out, error=type(exc).__name__, message=str(exc), elapsed=elapsed,
+        record(out, prefix, error=type(exc).__name__, message=str(exc), elapsed=elapsed,
                horovod_internal_error=is_horovods_internal_error(exc),
                then=waits_after_a_timeout() if scenario == "timeout" else None)
-        raise SystemExit(3) from exc
-    record(out, error=None, message="", elapsed=time.monotonic() - start)
+        if uncaught:
+            raise SystemExit(3) from exc
+        return
+    record(out, prefix, error=None, message="", elapsed=time.monotonic() - start)
 
 
 if __name__ == "__main__":
