@@ -6,7 +6,9 @@ The convention: an HTML comment on the line right before the fence (neither mkdo
 
 - A ```python block runs as it is written, as one process (``python snippet.py`` in a temporary
   folder, the repository on PYTHONPATH, OMP_NUM_THREADS=1, a timeout), and must exit 0. An unmarked
-  block that does not run fails.
+  block that does not run fails. The one-process blocks run as forks of one process that has imported torch
+  (unified_dist/testing/preloaded.py: the script, its globals and its environment are its own; only torch's
+  import, ~3 CPU-s a block on 2 cores, is shared), so these items are marked ``distributed``.
 - ``<!-- snippet: skip (REASON) -->``: not run; the reason is required (``needs 2 GPUs``,
   ``run by tests/docs/test_readme.py under every launcher``, ...).
 - ``<!-- snippet: after NAME -->``: a fragment that uses objects defined elsewhere runs after the
@@ -43,6 +45,7 @@ The convention: an HTML comment on the line right before the fence (neither mkdo
 from __future__ import annotations
 
 import difflib
+import json
 import re
 import subprocess
 import sys
@@ -415,20 +418,42 @@ def _numbered(code: str) -> str:
     return "\n".join(f"{n:4} | {line}" for n, line in enumerate(code.splitlines(), 1))
 
 
-def _run_python(block: Block, tmp_path: Path) -> None:
+def _failed(block: Block, code: str, timed_out: bool, returncode: int, timeout: float, how: str, output: str):
+    what = f"timed out after {timeout} s" if timed_out else f"exit {returncode}"
+    pytest.fail(f"{block.name}: the snippet failed ({what}) under {how} ...\n"
+                f"{_numbered(code)}\n---- output (tail)\n{output[-3000:]}\n{HINT}", pytrace=False)
+
+
+def _run_torchrun(block: Block, tmp_path: Path) -> None:
     code = program(block)
     script = tmp_path / "snippet.py"
     script.write_text(code)
-    nproc = head(block).torchrun
-    if nproc:
-        cmd, timeout = command("torchrun", str(script), nproc=nproc), TORCHRUN_TIMEOUT
-    else:
-        cmd, timeout = [sys.executable, str(script)], PYTHON_TIMEOUT
-    result = run(cmd, timeout, _env(tmp_path), cwd=tmp_path)
+    cmd = command("torchrun", str(script), nproc=head(block).torchrun)
+    result = run(cmd, TORCHRUN_TIMEOUT, _env(tmp_path), cwd=tmp_path)
     if result.timed_out or result.returncode != 0:
-        what = f"timed out after {timeout} s" if result.timed_out else f"exit {result.returncode}"
-        pytest.fail(f"{block.name}: the snippet failed ({what}) under {' '.join(cmd[:3])} ...\n"
-                    f"{_numbered(code)}\n---- output (tail)\n{result.output[-3000:]}\n{HINT}", pytrace=False)
+        _failed(block, code, result.timed_out, result.returncode, TORCHRUN_TIMEOUT, " ".join(cmd[:3]), result.output)
+
+
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory):
+    """Every one-process python block, each ``python snippet.py`` in a folder of its own, run in one launch of
+    unified_dist/testing/preloaded.py (a fork each, after one import of torch). Returns the launch, each block's
+    result (by name) and each block's (folder, code)."""
+    base = tmp_path_factory.mktemp("snippets")
+    plan, where = [], {}
+    for n, block in enumerate(runnable("python")):
+        folder = base / str(n)
+        folder.mkdir()
+        code = program(block)
+        (folder / "snippet.py").write_text(code)
+        where[block.name] = folder, code
+        plan.append({"name": block.name, "script": "snippet.py", "args": [], "cwd": str(folder), "env": _env(folder),
+                     "output": str(folder / "output.txt"), "timeout": PYTHON_TIMEOUT})
+    (base / "plan.json").write_text(json.dumps(plan))
+    launched = run([sys.executable, "-m", "unified_dist.testing.preloaded", str(base / "plan.json"),
+                    str(base / "results.json")], PYTHON_TIMEOUT * max(len(plan), 1), _env(base), cwd=base)
+    results = json.loads((base / "results.json").read_text()) if (base / "results.json").exists() else {}
+    return launched, results, where
 
 
 def commands(code: str) -> List[Tuple[str, List[str]]]:
@@ -448,15 +473,22 @@ def matches(expected: List[str], got: List[str]) -> bool:
     return re.fullmatch(pattern, "".join(line + "\n" for line in got)) is not None
 
 
+@pytest.mark.distributed  # the preloaded process and its fork (see the module's docstring)
 @pytest.mark.parametrize("block", _params("python"))
-def test_python_snippet_runs(block: Block, tmp_path):
-    _run_python(block, tmp_path)
+def test_python_snippet_runs(block: Block, one_process_runs):
+    launched, results, where = one_process_runs
+    folder, code = where[block.name]
+    got = results.get(block.name)
+    assert got is not None, f"{block.name}: the preloaded launch did not run it\n{launched.output[-3000:]}"
+    if got["timed_out"] or got["returncode"] != 0:
+        _failed(block, code, got["timed_out"], got["returncode"], PYTHON_TIMEOUT, "python snippet.py (preloaded)",
+                (folder / "output.txt").read_text())
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("block", _params("torchrun"))
 def test_multi_process_snippet_runs_under_torchrun(block: Block, tmp_path):
-    _run_python(block, tmp_path)
+    _run_torchrun(block, tmp_path)
 
 
 def _shell(cmd: str, env: Dict[str, str], cwd: Path) -> subprocess.CompletedProcess:

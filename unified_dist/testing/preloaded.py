@@ -1,0 +1,158 @@
+"""Many one-process Python programs, each in a fresh fork of one process that has already imported torch.
+
+    python -m unified_dist.testing.preloaded PLAN.json RESULTS.json
+
+``PLAN.json`` is a list of runs, each ``{"name", "script", "args", "cwd", "env", "output", "timeout"}``. This
+process imports :data:`PRELOAD` once, then runs the plan in order: for each run it forks, and the child does
+what ``python SCRIPT ARGS`` would do in ``cwd`` with exactly ``env`` as its environment: the script's folder first
+on ``sys.path``, ``sys.argv`` set, the script run as a fresh ``__main__`` module, stdout and stderr both into
+``output``; its exit status is the interpreter's (``SystemExit``'s code; 1 after an uncaught exception, whose
+traceback goes to ``output``), and its ``atexit`` functions run. A run past its ``timeout`` seconds is killed with
+its whole session. ``RESULTS.json`` maps each name to ``{"returncode", "timed_out", "wall_s", "cpu_s"}``.
+
+What a run gets from the fork is only what importing torch leaves: modules whose import does not depend on the
+run's variables. A script still imports what it uses (its globals are fresh: a missing ``import torch`` fails as it
+would alone); what it imports beyond :data:`PRELOAD` is imported in the child, under its own environment. The plan's
+environments must share the variables torch reads at import; :func:`main` refuses a plan whose runs differ from this
+process's environment in one of :data:`READ_AT_IMPORT`.
+
+Why: on 2 cores, importing torch and ``torch._dynamo`` (which torch's first optimizer imports) costs each
+short program about 3 CPU-seconds, more than most documentation snippets spend on their own work.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Dict, List
+
+PRELOAD = ("torch", "torch._dynamo")
+"""Imported once, before the first fork."""
+
+READ_AT_IMPORT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES",
+                  "TORCH_LOGS", "TORCHDYNAMO_DISABLE", "TORCH_COMPILE_DISABLE", "LD_PRELOAD")
+"""Variables read while :data:`PRELOAD` is imported (or by the interpreter at start-up): every run's value must be
+this process's."""
+
+
+def _exit_status(exc: SystemExit) -> int:
+    """The status ``python`` exits with for an uncaught ``SystemExit``: its int code, 0 for ``None``, else 1 after
+    printing the code to stderr."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _child(run: Dict) -> int:
+    """In the forked child: ``python SCRIPT ARGS`` as far as the script can tell; the exit status."""
+    import atexit
+    import importlib.machinery
+    import threading
+    import traceback
+    import types
+
+    os.setsid()
+    fd = os.open(run["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.chdir(run["cwd"])
+    os.environ.clear()
+    os.environ.update(run["env"])
+    script = os.path.abspath(os.path.join(run["cwd"], run["script"]))
+    sys.argv = [run["script"], *run.get("args", [])]
+    sys.path[0] = os.path.dirname(script)
+    main = types.ModuleType("__main__")  # what the interpreter makes of a script: __file__ absolute, argv[0] as typed
+    main.__file__ = script
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
+    sys.modules["__main__"] = main  # pickle and multiprocessing's spawn find the script's functions here
+    try:
+        with open(script, "rb") as handle:
+            code = compile(handle.read(), script, "exec")
+        exec(code, main.__dict__)
+        status = 0
+    except SystemExit as exc:
+        status = _exit_status(exc)
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        status = 1
+    try:
+        threading._shutdown()  # the interpreter waits for non-daemon threads before its atexit functions
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        status = status or 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return status
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)  # the child leads its own session and group
+    except ProcessLookupError:
+        pass
+
+
+def run_one(run: Dict) -> Dict:
+    """Fork, run ``run`` in the child, wait for it (killing its group after its timeout); its result."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            status = _child(run)
+        finally:
+            os._exit(status)
+    deadline = started + float(run.get("timeout", 90))
+    timed_out = False
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            timed_out = True
+            _kill(pid)
+            _, status, usage = os.wait4(pid, 0)
+            break
+        time.sleep(0.02)
+    _kill(pid)  # whatever the run left behind in its group
+    code = os.waitstatus_to_exitcode(status)
+    return {"returncode": -9 if timed_out else code, "timed_out": timed_out,
+            "wall_s": round(time.monotonic() - started, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2)}
+
+
+def check_plan(plan: List[Dict], environ=os.environ) -> None:
+    """Refuse, in one line, a run whose environment differs from ``environ`` where :data:`PRELOAD` reads it."""
+    for run in plan:
+        for name in READ_AT_IMPORT:
+            if run["env"].get(name) != environ.get(name):
+                raise SystemExit(f"preloaded: run {run['name']!r} sets {name}={run['env'].get(name)!r} but torch was "
+                                 f"imported with {name}={environ.get(name)!r}: start this process with the runs' "
+                                 "environment")
+
+
+def main(argv: List[str]) -> int:
+    plan_path, results_path = argv
+    with open(plan_path) as handle:
+        plan = json.load(handle)
+    check_plan(plan)
+    for module in PRELOAD:
+        __import__(module)
+    results = {}
+    for run in plan:
+        results[run["name"]] = run_one(run)
+        with open(results_path, "w") as handle:  # after each run: a killed plan still tells what ran
+            json.dump(results, handle)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
