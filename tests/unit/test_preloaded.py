@@ -24,8 +24,8 @@ CASES = {
         import json, os, sys
         import torch
         print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "mine": os.environ.get("MINE"),
-                          "leaked": "PRELOADED_ONLY" in os.environ, "path0": sys.path[0], "name": __name__, "file": __file__,
-                          "sum": float(torch.ones(3).sum())}))
+                          "leaked": "PRELOADED_ONLY" in os.environ, "path0": sys.path[0], "name": __name__,
+                          "file": __file__, "sum": float(torch.ones(3).sum())}))
         """), ["--flag", "v"], {"MINE": "1"}, 30),
     "atexit": ("import atexit\natexit.register(lambda: print('at exit ran'))\n", [], {}, 30),
     "sleeps": ("import time\ntime.sleep(60)\n", [], {}, 2),
