@@ -211,14 +211,30 @@ class Ring:
         return self._uninterrupted[launcher]
 
     def layout(self, name: str) -> Launch:
-        """``LAYOUTS[name]``: 5 steps in one launch on a device mesh."""
+        """``LAYOUTS[name]``: 5 steps in one launch on a device mesh. The 4-process layouts (:data:`FOUR_RANKS`) are
+        two runs of one launch (tests/examples/runs_in_one_launch.py), whichever test asks first."""
+        if name in FOUR_RANKS and name not in self._layouts:
+            self._four_ranks()
         if name not in self._layouts:
-            launcher, nproc, args, env = {**LAYOUTS, **ZERO}[name]
+            launcher, nproc, args, env = {**LAYOUTS, **ZERO, **PP_FSDP}[name]
             out = self._factory.mktemp(f"bert-{name}") / "run"
             result = launch(launcher, SCRIPT, [*self.tiny, *args, "--output-dir", str(out)], nproc=nproc,
                             timeout=TIMEOUT, env=env)
             self._layouts[name] = _launched(result, out)
         return self._layouts[name]
+
+    def _four_ranks(self) -> None:
+        base = self._factory.mktemp("bert-4-ranks")
+        plan = []
+        for name in FOUR_RANKS:
+            launcher, nproc, args, env = LAYOUTS_4[name]
+            plan.append({"name": name, "argv": [*self.tiny, *args, "--output-dir", str(base / name)], "env": env})
+        (base / "plan.json").write_text(json.dumps(plan))
+        result = launch(launcher, str(ONE_LAUNCH), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT)
+        parts = runs_in_one_launch.split_output(result.output)
+        for name in FOUR_RANKS:  # a run the launch did not reach fails its test with the launch's output
+            self._layouts[name] = _launched(Result(result.cmd, result.returncode, parts.get(name, result.output),
+                                                   result.timed_out), base / name)
 
     def pipeline(self, env: Dict[str, str]) -> tuple:
         """``PIPELINE_RUNS`` in one launch of ``PIPELINE`` (checked; ``env``: its launcher fixture's): (its folder,
@@ -424,6 +440,12 @@ def tp_split_per_layer(hidden: int, intermediate: int) -> int:
 
 MESH_LINE = {"hsdp": "| sharding fsdp | mesh dp_replicate 2 x dp_shard 2 x tp 1",
              "tp": "| sharding no | mesh dp_replicate 1 x dp_shard 1 x tp 2"}
+# Pipeline stages composed with FSDP2 from the example's own flags (issue 61, item 6): torchrun x 4 = 2 stages x 2
+# shards, each shard reading 8 of each step's 16 examples, cut into 2 microbatches of 4.
+PP_FSDP = {"pp_fsdp": ("torchrun", 4, ["--batch-size", "8", "--pp", "2", "--sharding", "fsdp"], {})}
+LAYOUTS_4 = {name: each for name, each in {**LAYOUTS, **PP_FSDP}.items() if each[1] == 4}
+FOUR_RANKS = tuple(LAYOUTS_4)
+"""The layouts of 4 processes (HSDP, pp x FSDP2): their runs share one torchrun x 4 launch."""
 
 
 @pytest.mark.distributed
@@ -448,6 +470,7 @@ def test_device_mesh_layouts_train_like_the_unsharded_reference(name: str, ring:
     assert _identity(run.rows) == {(launcher, "torch", nproc)}
     assert [r["step"] for r in run.rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
     assert all(r["eval_examples"] == LIMIT_EVAL for r in run.rows if r["type"] == "eval")
+    assert "training_curves.png" not in run.files and "metrics.jsonl" in run.files  # --no-plots: evaluated, no plot
     held = {int(rank): (int(mine), int(total)) for rank, mine, total in
             re.findall(r"rank (\d+) holds (\d+) of the model's (\d+) parameter elements", result.output)}
     assert sorted(held) == list(range(nproc)), (held, result.output[-3000:])
@@ -598,6 +621,44 @@ def test_pipeline_run_stopped_and_resumed_ends_on_the_uninterrupted_pipeline_run
     worst = max_weight_difference(resumed_out, base / "uninterrupted")
     print(f"pp stopped and resumed: max |weight - uninterrupted pp| {worst:.2e}")
     assert worst == 0.0, worst
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pipeline_stages_sharded_by_fsdp_train_like_the_unsharded_reference(ring: Ring) -> None:
+    """``--pp 2 --sharding fsdp`` under torchrun x 4: the first line gives the mesh (2 stages x 2 shards), each stage's
+    elements are split between its 2 shards (the 4 ranks together hold the model once, each about a quarter), every
+    evaluation counts each example once, and the run logs the reference's losses and ends on its weights (the model
+    gathered from every stage and shard under the plain model's names).
+
+    Tolerances: each shard's gradient is reduce-scattered over its stage's 2 shards after the schedule added its 2
+    microbatches (DDP all-reduces 2 ranks' buckets): the same sums in another order, so the losses get
+    ``assert_losses_agree``'s bound for another order (1e-4 relative) and the weights ``adamw_rounding_bound(1..5)`` =
+    1.0e-5 (derived there)."""
+    launcher, nproc, _, _ = PP_FSDP["pp_fsdp"]
+    run = ring.layout("pp_fsdp")
+    result = run.result.check()
+    first = result.output[result.output.index("launcher "):].splitlines()[0]
+    assert first.startswith(f"launcher {launcher} | backend torch | world size 4 |"), first
+    assert first.endswith("| sharding fsdp | mesh pp 2 x dp_replicate 1 x dp_shard 2 x tp 1"), first
+    assert "8 per process x 2 process(es)" in result.output and "= 16 examples per optimizer step" in result.output
+    assert _identity(run.rows) == {(launcher, "torch", nproc)}
+    assert [r["step"] for r in run.rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
+    evals = [r for r in run.rows if r["type"] == "eval"]
+    assert evals and all(r["eval_examples"] == LIMIT_EVAL for r in evals), evals  # once each: not once per stage
+    held = {int(rank): (int(mine), int(total)) for rank, mine, total in
+            re.findall(r"rank (\d+) holds (\d+) of the model's (\d+) parameter elements", result.output)}
+    assert sorted(held) == [0, 1, 2, 3] and all(total == tests_bert.elements() for _, total in held.values()), held
+    total = tests_bert.elements()
+    assert sum(mine for mine, _ in held.values()) == total, held  # the model once: each element on one rank
+    assert all(0 < mine < total / 2 for mine, _ in held.values()), held  # a part of one stage each
+    reference = ring.reference()
+    losses = [r["loss"] for r in run.rows if r["type"] == "train"]
+    ref_losses = [r["loss"] for r in reference.rows if r["type"] == "train"]
+    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), (losses, ref_losses)
+    worst = max_weight_difference(run.out, reference.out)  # also: the same names, the plain model's
+    print(f"pp x fsdp: max |weight - reference| {worst:.2e}")
+    assert worst <= adamw_rounding_bound(range(1, 6)), worst
 
 
 def _final_weights(out: Path) -> dict:
