@@ -200,15 +200,20 @@ class Ring:
         return self._continued[name]
 
     def uninterrupted(self, launcher: str, env: Dict[str, str]) -> Launch:
+        """5 steps of 2 x 8 in one launch of ``launcher`` (``env``: its fixture's); mpirun's is the last run of
+        :meth:`pipeline`'s launch."""
+        if launcher == PIPELINE[0] and launcher not in self._uninterrupted:
+            self.pipeline(env)
         if launcher not in self._uninterrupted:
-            env = dict(env)
-            if launcher in OTHER_BACKEND:
-                env["UNIFIED_DIST_BACKEND"] = OTHER_BACKEND[launcher]
             out = self._factory.mktemp(f"bert-{launcher}") / "run"
             result = launch(launcher, SCRIPT, [*self.tiny, "--batch-size", "8", "--output-dir", str(out)], nproc=2,
-                            timeout=TIMEOUT, env=env)
+                            timeout=TIMEOUT, env={**env, **self._backend_env(launcher)})
             self._uninterrupted[launcher] = _launched(result, out)
         return self._uninterrupted[launcher]
+
+    @staticmethod
+    def _backend_env(launcher: str) -> Dict[str, str]:
+        return {"UNIFIED_DIST_BACKEND": OTHER_BACKEND[launcher]} if launcher in OTHER_BACKEND else {}
 
     def layout(self, name: str) -> Launch:
         """``LAYOUTS[name]``: 5 steps in one launch on a device mesh. The 4-process layouts (:data:`FOUR_RANKS`) are
@@ -239,18 +244,23 @@ class Ring:
     def pipeline(self, env: Dict[str, str]) -> tuple:
         """``PIPELINE_RUNS`` in one launch of ``PIPELINE`` (checked; ``env``: its launcher fixture's): (its folder,
         {run: its own part of the output}); the runs write to ``uninterrupted/`` and ``resumed/`` there (the stopped
-        run's, which the resumed one continues)."""
+        run's, which the resumed one continues). The same launch then runs :meth:`uninterrupted`'s run of its
+        launcher (no pipeline, its own backend: last, since a run's variables stay set), into ``plain/``."""
         if self._pipeline is None:
             launcher, nproc, args = PIPELINE
             base = self._factory.mktemp("bert-pp")
             plan = [{"name": name, "argv": [*self.tiny, *args, *extra, "--output-dir",
                                             str(base / ("uninterrupted" if name == "uninterrupted" else "resumed"))]}
                     for name, extra in PIPELINE_RUNS]
+            plain = [*self.tiny, "--batch-size", "8", "--output-dir", str(base / "plain")]
+            plan.append({"name": "plain", "argv": plain, "env": self._backend_env(launcher)})
             (base / "plan.json").write_text(json.dumps(plan))
-            result = launch(launcher, str(ONE_LAUNCH), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT,
+            result = launch(launcher, str(ONE_LAUNCH), [str(base / "plan.json")], nproc=nproc, timeout=3 * TIMEOUT,
                             env=env).check()
             parts = runs_in_one_launch.split_output(result.output)
-            assert sorted(parts) == sorted(name for name, _ in PIPELINE_RUNS), result.output[-3000:]
+            assert sorted(parts) == sorted(run["name"] for run in plan), result.output[-3000:]
+            self._uninterrupted[launcher] = _launched(Result(result.cmd, result.returncode, parts.pop("plain"),
+                                                             result.timed_out), base / "plain")
             self._pipeline = (base, {name: Result(result.cmd, result.returncode, part, result.timed_out)
                                      for name, part in parts.items()})
         return self._pipeline

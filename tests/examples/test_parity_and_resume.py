@@ -8,9 +8,11 @@ contract suite's (test_contract_under_launchers.py).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+from runs_in_one_launch import split_output  # pytest puts this folder on sys.path
 
 pytestmark = [pytest.mark.example, pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = "examples/bert_sentiment/train.py"
@@ -32,24 +34,33 @@ def _final_weights(path):
     return load_file(str(path / "final_model" / "model.safetensors"))
 
 
-def _launch(launcher, out, args, nproc=2, timeout=400):
+def _runs(launcher, folder, runs, nproc=2, timeout=400) -> dict:
+    """``runs`` (name, output folder, arguments) one after the other in one launch (tests/examples/
+    runs_in_one_launch.py: the example's ``main()`` run by run in the same processes, each ``ud.init`` ..
+    ``ud.shutdown``); each run's own part of the output, by name."""
     from unified_dist.testing.launchers import launch
 
-    return launch(launcher, SCRIPT, [*args, "--output-dir", str(out)], nproc=nproc, timeout=timeout).check()
+    plan = folder / "plan.json"
+    plan.write_text(json.dumps([{"name": name, "argv": [*args, "--output-dir", str(out)]} for name, out, args in runs]))
+    worker = str(Path(__file__).with_name("runs_in_one_launch.py"))
+    result = launch(launcher, worker, [str(plan)], nproc=nproc, timeout=timeout).check()
+    return split_output(result.output)
 
 
 def test_resumed_run_ends_with_the_weights_of_the_uninterrupted_one(tmp_path, tiny_bert):
     """Dropout on: exact resume needs every rank's RNG state, the loader position and the optimizer.
 
-    Two launches: the uninterrupted run saves step 3 on its way (the same state a run stopped there
-    saves: ``--stop-after`` itself is exercised by test_bert_sentiment.py's ring), and a second
-    launch continues that checkpoint in a directory of its own to step 6.
+    Two runs of one torchrun launch: the uninterrupted run saves step 3 on its way (the same state a run stopped
+    there saves: ``--stop-after`` itself is exercised by test_bert_sentiment.py's ring), and the second run
+    continues that checkpoint in a directory of its own to step 6. The processes' generators are wherever the
+    first run left them when the second starts: only the checkpoint's RNG states give it the first run's dropout.
     """
     args = [*TINY, "--model", tiny_bert, "--max-steps", "6", "--batch-size", "8", "--save-every", "3"]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    _launch("torchrun", whole, args)
-    resumed = _launch("torchrun", parts, [*args, "--resume", str(whole / "checkpoints" / "checkpoint-000000003.pt")])
-    assert "checkpoint-000000003.pt: step 3" in resumed.output
+    outputs = _runs("torchrun", tmp_path, [
+        ("whole", whole, args),
+        ("parts", parts, [*args, "--resume", str(whole / "checkpoints" / "checkpoint-000000003.pt")])])
+    assert "checkpoint-000000003.pt: step 3" in outputs["parts"], outputs
     a, b = _train_losses(whole), _train_losses(parts)
     assert sorted(a) == list(range(1, 7)) and sorted(b) == [4, 5, 6], b
     for step in range(4, 7):
@@ -67,9 +78,10 @@ def test_a_resume_with_more_steps_takes_the_new_schedule_at_once(tmp_path, tiny_
     schedule's rate (linear decay without warm-up: lr * (6 - 2) / 6), not the one the 4-step schedule
     left in the optimizer (lr * (4 - 2) / 4)."""
     args = [*TINY, "--model", tiny_bert, "--batch-size", "8", "--warmup-ratio", "0", "--lr", "1e-4"]
-    _launch("python", tmp_path, [*args, "--max-steps", "4", "--stop-after", "2"], nproc=1)
-    _launch("python", tmp_path, [*args, "--max-steps", "6", "--resume", "auto"], nproc=1)
-    rates = {r["step"]: r["lr"] for r in _metrics(tmp_path) if r["type"] == "train"}
+    out = tmp_path / "run"
+    _runs("python", tmp_path, [("stopped", out, [*args, "--max-steps", "4", "--stop-after", "2"]),
+                               ("continued", out, [*args, "--max-steps", "6", "--resume", "auto"])], nproc=1)
+    rates = {r["step"]: r["lr"] for r in _metrics(out) if r["type"] == "train"}
     assert sorted(rates) == [1, 2, 3, 4, 5, 6]
     assert abs(rates[2] - 1e-4 * (4 - 1) / 4) <= 1e-15, rates  # the first run's schedule
     assert abs(rates[3] - 1e-4 * (6 - 2) / 6) <= 1e-15, rates
