@@ -154,7 +154,8 @@ class Ring:
 
     def _stop_and_continue(self, name: str) -> None:
         """``stopped(name)`` and ``continued(name)`` as two runs of one launch (tests/examples/runs_in_one_launch.py):
-        the stopped run's output and what its folder held are kept before the continued run changes them."""
+        the stopped run's output and what its folder held are kept before the continued run changes them. The
+        layouts of :data:`SAME_LAUNCH` ``[name]`` run after them in that launch (last: a run's variables stay set)."""
         launcher, nproc, batch_args = LAUNCHES[name]
         needs(launcher)
         resume = self._resume_from(name)
@@ -165,9 +166,17 @@ class Ring:
                  "snapshot": str(base / "stopped.json")},
                 {"name": "continued",
                  "argv": [*self.plotted, "--output-dir", str(out), *batch_args, "--resume", resume]}]
+        layouts = SAME_LAUNCH.get(name, ())
+        for layout in layouts:
+            _, _, args, env = LAYOUTS[layout]
+            plan.append({"name": layout, "argv": [*self.tiny, *args, "--output-dir", str(base / layout)], "env": env})
         (base / "plan.json").write_text(json.dumps(plan))
-        result = launch(launcher, str(ONE_LAUNCH), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT)
+        result = launch(launcher, str(ONE_LAUNCH), [str(base / "plan.json")], nproc=nproc,
+                        timeout=(2 + len(layouts)) * TIMEOUT)
         parts = runs_in_one_launch.split_output(result.output)
+        for layout in layouts:  # a run the launch did not reach fails its test with the launch's output
+            self._layouts[layout] = _launched(Result(result.cmd, result.returncode, parts.get(layout, result.output),
+                                                     result.timed_out), base / layout)
         held = (json.loads((base / "stopped.json").read_text()) if (base / "stopped.json").exists()
                 else {"rows": [], "files": []})
         self._stopped[name] = _held(Result(result.cmd, result.returncode, parts.get("stopped", result.output),
@@ -220,6 +229,9 @@ class Ring:
         two runs of one launch (tests/examples/runs_in_one_launch.py), whichever test asks first."""
         if name in FOUR_RANKS and name not in self._layouts:
             self._four_ranks()
+        for ring_launch, layouts in SAME_LAUNCH.items():
+            if name in layouts and name not in self._layouts:
+                self.stopped(ring_launch)
         if name not in self._layouts:
             launcher, nproc, args, env = {**LAYOUTS, **ZERO, **PP_FSDP}[name]
             out = self._factory.mktemp(f"bert-{name}") / "run"
@@ -456,6 +468,9 @@ PP_FSDP = {"pp_fsdp": ("torchrun", 4, ["--batch-size", "8", "--pp", "2", "--shar
 LAYOUTS_4 = {name: each for name, each in {**LAYOUTS, **PP_FSDP}.items() if each[1] == 4}
 FOUR_RANKS = tuple(LAYOUTS_4)
 """The layouts of 4 processes (HSDP, pp x FSDP2): their runs share one torchrun x 4 launch."""
+SAME_LAUNCH = {"torchrun": ("tp",)}
+"""The layouts of 2 processes whose run is one more of the ring's launch of that name (torchrun x 2: the stopped
+run, its continuation, then TP = 2 from UNIFIED_DIST_TP, which the run sets before its ``ud.init``)."""
 
 
 @pytest.mark.distributed
