@@ -31,6 +31,16 @@ def split_output(output: str) -> dict:
     return {part.split("\n", 1)[0].strip(): part.split("\n", 1)[-1] for part in parts}
 
 
+def launch_plan(launcher: str, plan: list, folder: Path, nproc: int, timeout: float, env=None):
+    """Write ``plan`` to ``folder``/plan.json and run it in one launch of this worker (the tests' side): the launch's
+    ``Result`` and each run's own part of its output (:func:`split_output`)."""
+    from unified_dist.testing.launchers import launch
+
+    (folder / "plan.json").write_text(json.dumps(plan))
+    result = launch(launcher, __file__, [str(folder / "plan.json")], nproc=nproc, timeout=timeout, env=env)
+    return result, split_output(result.output)
+
+
 def snapshot(out: Path) -> dict:
     """What ``out`` holds: its metrics.jsonl's lines (``rows``) and its files, relative to it (``files``)."""
     metrics = out / "metrics.jsonl"

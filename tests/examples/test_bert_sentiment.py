@@ -170,10 +170,7 @@ class Ring:
         for layout in layouts:
             _, _, args, env = LAYOUTS[layout]
             plan.append({"name": layout, "argv": [*self.tiny, *args, "--output-dir", str(base / layout)], "env": env})
-        (base / "plan.json").write_text(json.dumps(plan))
-        result = launch(launcher, str(ONE_LAUNCH), [str(base / "plan.json")], nproc=nproc,
-                        timeout=(2 + len(layouts)) * TIMEOUT)
-        parts = runs_in_one_launch.split_output(result.output)
+        result, parts = runs_in_one_launch.launch_plan(launcher, plan, base, nproc, (2 + len(layouts)) * TIMEOUT)
         for layout in layouts:  # a run the launch did not reach fails its test with the launch's output
             self._layouts[layout] = _launched(Result(result.cmd, result.returncode, parts.get(layout, result.output),
                                                      result.timed_out), base / layout)
@@ -246,9 +243,7 @@ class Ring:
         for name in FOUR_RANKS:
             launcher, nproc, args, env = LAYOUTS_4[name]
             plan.append({"name": name, "argv": [*self.tiny, *args, "--output-dir", str(base / name)], "env": env})
-        (base / "plan.json").write_text(json.dumps(plan))
-        result = launch(launcher, str(ONE_LAUNCH), [str(base / "plan.json")], nproc=nproc, timeout=2 * TIMEOUT)
-        parts = runs_in_one_launch.split_output(result.output)
+        result, parts = runs_in_one_launch.launch_plan(launcher, plan, base, nproc, 2 * TIMEOUT)
         for name in FOUR_RANKS:  # a run the launch did not reach fails its test with the launch's output
             self._layouts[name] = _launched(Result(result.cmd, result.returncode, parts.get(name, result.output),
                                                    result.timed_out), base / name)
@@ -266,10 +261,8 @@ class Ring:
                     for name, extra in PIPELINE_RUNS]
             plain = [*self.tiny, "--batch-size", "8", "--output-dir", str(base / "plain")]
             plan.append({"name": "plain", "argv": plain, "env": self._backend_env(launcher)})
-            (base / "plan.json").write_text(json.dumps(plan))
-            result = launch(launcher, str(ONE_LAUNCH), [str(base / "plan.json")], nproc=nproc, timeout=3 * TIMEOUT,
-                            env=env).check()
-            parts = runs_in_one_launch.split_output(result.output)
+            result, parts = runs_in_one_launch.launch_plan(launcher, plan, base, nproc, 3 * TIMEOUT, env)
+            result.check()
             assert sorted(parts) == sorted(run["name"] for run in plan), result.output[-3000:]
             self._uninterrupted[launcher] = _launched(Result(result.cmd, result.returncode, parts.pop("plain"),
                                                              result.timed_out), base / "plain")

@@ -8,11 +8,10 @@ contract suite's (test_contract_under_launchers.py).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from runs_in_one_launch import split_output  # pytest puts this folder on sys.path
+from runs_in_one_launch import launch_plan  # pytest puts this folder on sys.path
 
 pytestmark = [pytest.mark.example, pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = "examples/bert_sentiment/train.py"
@@ -38,13 +37,10 @@ def _runs(launcher, folder, runs, nproc=2, timeout=400) -> dict:
     """``runs`` (name, output folder, arguments) one after the other in one launch (tests/examples/
     runs_in_one_launch.py: the example's ``main()`` run by run in the same processes, each ``ud.init`` ..
     ``ud.shutdown``); each run's own part of the output, by name."""
-    from unified_dist.testing.launchers import launch
-
-    plan = folder / "plan.json"
-    plan.write_text(json.dumps([{"name": name, "argv": [*args, "--output-dir", str(out)]} for name, out, args in runs]))
-    worker = str(Path(__file__).with_name("runs_in_one_launch.py"))
-    result = launch(launcher, worker, [str(plan)], nproc=nproc, timeout=timeout).check()
-    return split_output(result.output)
+    plan = [{"name": name, "argv": [*args, "--output-dir", str(out)]} for name, out, args in runs]
+    result, parts = launch_plan(launcher, plan, folder, nproc, timeout)
+    result.check()
+    return parts
 
 
 def test_resumed_run_ends_with_the_weights_of_the_uninterrupted_one(tmp_path, tiny_bert):

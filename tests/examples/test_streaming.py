@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Dict, List, NamedTuple
 
 import pytest
+from runs_in_one_launch import launch_plan  # pytest puts this folder on sys.path
 
 from unified_dist.testing.launchers import ROOT, Result, launch
 
@@ -71,17 +72,11 @@ def runs(module_dirs, tiny_bert) -> Dict[str, Run]:
     own part of the launch's output."""
     base = module_dirs.mktemp("bert-streaming")
     tiny = [*TINY, "--model", tiny_bert]
-    worker = Path(__file__).with_name("runs_in_one_launch.py")
     plan = [{"name": name, "argv": [*tiny, *args, "--output-dir", str(base / name)]} for name, args in (
         ("stream", ["--batch-size", "8", "--streaming", "--save-every", "6"]),
         ("map", ["--batch-size", "8", "--no-progress"]),
     )]
-    (base / "plan.json").write_text(json.dumps(plan))
-    both = launch("torchrun", str(worker), [str(base / "plan.json")], nproc=2, timeout=2 * TIMEOUT)
-    spec = importlib.util.spec_from_file_location("runs_in_one_launch", worker)
-    runs_in_one_launch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(runs_in_one_launch)
-    outputs = runs_in_one_launch.split_output(both.output)
+    both, outputs = launch_plan("torchrun", plan, base, 2, 2 * TIMEOUT)
     done: Dict[str, Run] = {}
     for name in ("stream", "map"):  # a run the launch did not reach fails its tests with the launch's output
         done[name] = Run(Result(both.cmd, both.returncode, outputs.get(name, both.output), both.timed_out),
