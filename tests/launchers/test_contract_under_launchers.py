@@ -200,28 +200,22 @@ def _p10_ms(ranks: Dict[int, dict]) -> float:
 def test_horovod_cycles_every_5_ms_on_cpu_unless_the_user_set_a_cycle(runs, tmp_path):
     """docs/multinode.md ("Horovod's cycle"): on CPU hosts the facade sets HOROVOD_CYCLE_TIME=5 before hvd.init()
     unless the user set one, which wins. A scalar all-reduce waits for the next cycle, so its times order
-    the launches: the user's 50 ms, the default launch (the accumulation suite's horovodrun run, which
-    sets none), the user's 1 ms. Compared by the 10th percentile (load only adds time; medians at 1 ms
-    ranged over 1-18 ms): in 14 rounds of the three launches under a load average of 6-7 on 2 cores,
-    49.2-49.5, 2.7-4.9 and 0.9-2.2 ms, ratios 10-17x and 2.0-5.1x; hence the margin 3x between the user's 50 ms
-    and the default. The default against the user's 1 ms is not asserted: a scalar all-reduce issued at a random
-    phase of a cycle c waits about c/2 plus the transfer, so their 10th percentiles differ by well under a
-    millisecond of cycle against milliseconds of load (a fresh run of 2e627cd: 3.70 ms against 3.45 ms). That the
-    default is 5 ms and set before ``hvd.init()`` is asserted in the ranks (the variable absent before the
-    facade's start and 5 after it); that Horovod takes a cycle from the variable at its start, by the 50 ms
-    launch."""
+    the launches: the user's 50 ms above the default launch (the accumulation suite's horovodrun run, which
+    sets none). Compared by the 10th percentile (load only adds time): in 14 rounds under a load average of 6-7
+    on 2 cores, 49.2-49.5 against 2.7-4.9 ms, ratios 10-17x; hence the margin 3x. That the default is 5 ms and
+    set before ``hvd.init()`` is asserted in the ranks (the variable absent before the facade's start and 5 after
+    it); that Horovod takes the user's cycle from the variable at its start, by the 50 ms launch.
+    A user's cycle below the default is not timed: a launch with 1 ms measured 0.9-2.2 ms quiet but 18.8 ms in
+    CI's run of 5dbc590 (both ranks' background threads must be scheduled every millisecond on 2 busy cores,
+    the cost docs/multinode.md gives for the 1 ms cycle), so its time says nothing about whose cycle was used."""
     result, default = runs.get("horovodrun", "accum")
     result.check()
     assert sorted(default) == [0, 1], result.output[-3000:]
     slow = _cycle_launch("50", tmp_path / "50ms")
-    fast = _cycle_launch("1", tmp_path / "1ms")
     assert [d["measured"]["HOROVOD_CYCLE_TIME"] for d in default.values()] == ["5", "5"], default
     assert [d["HOROVOD_CYCLE_TIME"] for d in slow.values()] == ["50", "50"], slow  # the user's value wins
-    assert [d["HOROVOD_CYCLE_TIME"] for d in fast.values()] == ["1", "1"], fast
-    p10 = {"50 ms": _p10_ms(slow), "default": _p10_ms({r: d["measured"] for r, d in default.items()}),
-           "1 ms": _p10_ms(fast)}
+    p10 = {"50 ms": _p10_ms(slow), "default": _p10_ms({r: d["measured"] for r, d in default.items()})}
     assert p10["50 ms"] > 3 * p10["default"], p10
-    assert p10["50 ms"] > 3 * p10["1 ms"], p10
 
 
 # srun and mpirun start processes that carry SLURM's or MPI's variables and no torch ones:
