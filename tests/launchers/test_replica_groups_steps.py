@@ -27,13 +27,14 @@ floating-point buffer), with an evaluation through a prepared loader (``model.ev
    job's start: nothing was lost) trains.
 5. **the example**: examples/bert_sentiment/train.py, unchanged, with the tiny flags of the example's own tests,
    under ``--replica-groups 2`` (2 x 1 process, batch 8: the global batch 16 of one process with batch 8 and 2
-   accumulation steps), group 1's process killed (SIGKILL) once step 2 of 5 is logged: the launcher starts it
+   accumulation steps), group 1's process killed (SIGKILL) once step 2 of 5 is committed: the launcher starts it
    again, it heals from the survivor at a step >= 2 and takes part in every later step, the launch exits 0, and it
    ends with the plain run's test accuracy within the noise the example's README states (the standard error of a
    test set of ``n`` examples), every evaluation on exactly the split's examples, both groups with the same final
-   metrics. The survivor is held (SIGSTOP) from the kill until the restarted group's first heartbeat reaches the
-   lighthouse, and the lighthouse's join timeout is 55 s (``--replica-join-timeout``): its next quorum waits for
-   the restarted group (:func:`example_with_a_group_killed` says why).
+   metrics. The survivor is held right before it asks for the quorum after step 2 (hold_before_quorum.py) from
+   before the kill until the restarted group's first heartbeat reaches the lighthouse, and the lighthouse's join
+   timeout is 55 s (``--replica-join-timeout``): its next quorum waits for the restarted group
+   (:func:`example_with_a_group_killed` says why).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -149,13 +151,15 @@ def test_a_healthy_group_waiting_for_a_slow_heal_is_not_ended_by_its_step_watchd
 
 
 # ------------------------------------------------------------------------------------------- groups by hand
-def by_hand(folder: Path, restarts: tuple) -> list:
+def by_hand(folder: Path, restarts: tuple, before_group: Callable[[int], None] = lambda index: None) -> list:
     """The recipe of docs/fault-tolerance.md for several hosts, on this one: a lighthouse, then one plain
-    ``python`` group per entry of ``restarts`` (its ``REPLICA_GROUP_RESTARTS``). Their exit statuses and output."""
+    ``python`` group per entry of ``restarts`` (its ``REPLICA_GROUP_RESTARTS``), each after ``before_group(index)``
+    returned. Their exit statuses and output."""
     groups = []
     with lighthouse_by_hand() as address:
         try:
             for index, count in enumerate(restarts):
+                before_group(index)
                 log = open(folder / f"group{index}.log", "w")
                 env = group_env(address, index, len(restarts), count)
                 groups.append(subprocess.Popen([str(BIN / "python"), str(SCRIPT), "--out", str(folder), "--steps",
@@ -182,6 +186,45 @@ def test_a_restarted_group_that_meets_a_first_start_at_step_0_trains_with_it(mod
     folder = module_dirs.mktemp("replica_restarted_with_first")
     ended = by_hand(folder, (0, 1))
     assert [code for code, _ in ended] == [0, 0], ended[1][1][-3000:]
+    ends = [of(folder, g, "end")[0] for g in (0, 1)]
+    assert ends[0]["step"] == ends[1]["step"] == 6 and ends[0]["params"] == ends[1]["params"]
+
+
+APART_S = 8
+"""How long group 1 starts after group 0 has joined the lighthouse (``ud.init`` done): group 0 alone takes its
+first quorum within a second of that, and its 6 unpaced steps take well under this on a loaded 2-core machine."""
+
+
+def started(folder: Path, group: int) -> bool:
+    """Whether ``group`` has written its start event (a line still being written is not read)."""
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+        return bool(of(folder, group, "start"))
+    return False
+
+
+def test_groups_started_apart_wait_for_each_other_and_train_as_one_job(module_dirs):
+    """The job's first step waits for every group. A fresh run (772b515) saw group 0 of a launch start 2.8 s before
+    group 1, train the whole job alone, and group 1 then train it again from step 0: two models, both exits 0.
+    Here group 1 starts :data:`APART_S` after group 0's ``ud.init``: group 0 commits nothing before group 1 comes,
+    every committed step of either group has both groups in it, and both end on the same weights."""
+    folder = module_dirs.mktemp("replica_started_apart")
+    alone = {}
+
+    def late(index: int) -> None:
+        if index == 1:
+            deadline = time.monotonic() + TIMEOUT
+            while not started(folder, 0):
+                assert time.monotonic() < deadline, "group 0 never started"
+                time.sleep(0.1)
+            time.sleep(APART_S)
+            alone["steps"] = [e["step"] for e in of(folder, 0, "step") if e["committed"]]
+
+    ended = by_hand(folder, (0, 0), before_group=late)
+    assert [code for code, _ in ended] == [0, 0], ended[0][1][-3000:] + ended[1][1][-3000:]
+    assert alone["steps"] == [], f"group 0 trained alone before group 1 started: {alone}"
+    for g in (0, 1):
+        steps = [(e["step"], e["dp"]) for e in of(folder, g, "step") if e["committed"]]
+        assert steps == [(step, 2) for step in range(1, 7)], (g, steps)
     ends = [of(folder, g, "end")[0] for g in (0, 1)]
     assert ends[0]["step"] == ends[1]["step"] == 6 and ends[0]["params"] == ends[1]["params"]
 
@@ -222,36 +265,40 @@ def logged_steps(out: Path) -> list:
     return [r["step"] for r in metrics(out) if r["type"] == "train"]
 
 
+HOLD = str(ROOT / "tests" / "launchers" / "workers" / "hold_before_quorum.py")
+
+
 def example_with_a_group_killed(folder: Path, model: str) -> dict:
-    """The example under ``--replica-groups 2``; once step :data:`KILLED_AFTER` is logged, group 1's process is
-    killed with SIGKILL and the launcher starts it again. The survivor is held (SIGSTOP) from just before the kill
-    until the restarted group sends the lighthouse its first heartbeat (a slow survivor; SIGCONT then): held, it
-    cannot finish the job's 5 steps alone before the restarted group comes up, which would end the job by the
-    late-restart rule with nothing healed; and once both send heartbeats again, the survivor's next quorum waits
-    for the restarted group's first one (the lighthouse issues no quorum to half of the groups that send
-    heartbeats), where the restarted group heals. Without the hold, how far the survivor gets alone would depend on
-    how fast this machine restarts a group. The survivor's next quorum then waits for the restarted group to ask for
-    one, up to the lighthouse's join timeout: 5 s by default, less than the restarted group's start-up (its data and
-    model) on a loaded 2-core machine, after which the survivor stepped alone, and either finished every step before
-    the restarted group's first quorum (nothing left to heal) or healed it only at the last step (no later step
-    logged by both). ``--replica-join-timeout`` :data:`JOIN_WAIT_S` makes it wait for the restarted group."""
+    """The example under ``--replica-groups 2``, run unchanged through tests/launchers/workers/hold_before_quorum.py:
+    once group 0 (the survivor) has committed step :data:`KILLED_AFTER`, it is held right before it asks for the
+    next step's quorum; group 1's process is then killed with SIGKILL and the launcher starts it again; the
+    survivor is let go once the restarted group sends the lighthouse its first heartbeat. Held, it cannot finish
+    the job's 5 steps alone before the restarted group comes up (which would end the job by the late-restart rule
+    with nothing healed); it has no quorum request pending (a request sent before the hold, as when a SIGSTOP
+    after a logged step held it, was answered with the survivor alone once the killed group's heartbeat expired:
+    a fresh run of 772b515); and once it asks, its quorum waits for the restarted group's first one (the lighthouse
+    issues no quorum to half of the groups that send heartbeats), where the restarted group heals. It then waits
+    for the restarted group to ask, up to the lighthouse's join timeout: 5 s by default, less than the restarted
+    group's start-up (its data and model) on a loaded 2-core machine, after which the survivor stepped alone, and
+    either finished every step before the restarted group's first quorum (nothing left to heal) or healed it only
+    at the last step (no later step logged by both). ``--replica-join-timeout`` :data:`JOIN_WAIT_S` makes it wait
+    for the restarted group."""
     out = folder / "run"
-    cmd = launch_command(example_args(out, model),
+    marker = folder / "survivor"
+    cmd = launch_command([HOLD, str(marker), "0", str(KILLED_AFTER), *example_args(out, model)],
                          flags=["--backend", "torch", "--replica-log-dir", str(folder / "groups"),
                                 "--replica-join-timeout", str(JOIN_WAIT_S)])
     started = time.monotonic()
     with Launch(cmd, folder / "launch.log") as launch:
-        launch.wait_for(lambda: max(logged_steps(out), default=0) >= KILLED_AFTER, TIMEOUT,
-                        f"step {KILLED_AFTER} in metrics.jsonl", every=0.05)
-        survivor, lost = launch.worker(0), launch.worker(1)
-        os.kill(survivor, signal.SIGSTOP)
+        launch.wait_for(lambda: Path(f"{marker}.held").exists(), TIMEOUT,
+                        f"the survivor held before the quorum after step {KILLED_AFTER}", every=0.05)
         killed = time.monotonic()
         try:
-            os.kill(lost, signal.SIGKILL)
+            os.kill(launch.worker(1), signal.SIGKILL)
             launch.wait_for(lambda: f"{RESTARTED_PREFIX}1:" in heartbeats(launch.lighthouse), TIMEOUT,
                             "heartbeat from the restarted group 1")
         finally:
-            os.kill(survivor, signal.SIGCONT)
+            Path(f"{marker}.go").touch()
         held = time.monotonic() - killed
         code = launch.wait(TIMEOUT)
         return {"code": code, "output": launch.output, "rows": metrics(out), "held_s": held,

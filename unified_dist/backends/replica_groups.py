@@ -20,7 +20,8 @@ Nothing runs across groups between two steps: an evaluation pass of a prepared l
 sharded over the group's own ranks (each group evaluates the whole split; ``unified_dist.session``). A
 :class:`StepWatchdog` times each step's own work, from its quorum to its commit, apart from the waits for the
 other groups, which torchft's own timeouts bound. A group started again commits nothing before it holds the
-job's state (:meth:`ReplicaGroups._refuse_to_train_without_the_jobs_state`).
+job's state (:meth:`ReplicaGroups._refuse_to_train_without_the_jobs_state`), and the job's first step waits
+for every group (:meth:`ReplicaGroups._wait_for_every_group_at_the_jobs_start`).
 
 Launcher contract (``unified-dist launch --replica-groups N`` sets it; docs/fault-tolerance.md for
 several hosts): ``TORCHFT_LIGHTHOUSE`` (the lighthouse's address), ``REPLICA_GROUP_ID`` (0 .. N-1) and
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import sys
 import threading
@@ -49,6 +51,9 @@ MAX_UNCOMMITTED = 10
 not last that long; a mismatch between groups, such as gradients for different parameters, would loop)."""
 QUORUM_TIMEOUT = datetime.timedelta(seconds=60)
 """The least a step's quorum waits (torchft's default): longer than the lighthouse's join timeout."""
+START_POLL_S = 0.5
+"""How often a group on its first start asks again for the job's first quorum while some group is missing from it
+(:meth:`ReplicaGroups._wait_for_every_group_at_the_jobs_start`)."""
 RESTARTS_VAR = "REPLICA_GROUP_RESTARTS"
 """Set by ``unified-dist launch --replica-groups`` to how many times this group was started again: a group
 started again must be healed from a live peer at its first step (else it would train from scratch)."""
@@ -217,6 +222,8 @@ class ReplicaGroups:
         self.manager._client = self._quorums
         self._timeout_s = timeout.total_seconds()
         self._may_commit = layout.restarts == 0  # a restarted group: only once it holds the job's state
+        self._started = layout.restarts > 0  # a group on its first start: once the job's start is behind it
+        self._quorum_timeout_s = max(timeout, QUORUM_TIMEOUT).total_seconds()
         self._watchdog = StepWatchdog(self._timeout_s, self._leave)
         self._watchdog.start()
 
@@ -256,6 +263,8 @@ class ReplicaGroups:
         work in the step from here (:class:`StepWatchdog`)."""
         if not self._open:
             self.manager.start_quorum()  # a copy to or from a restarted group happens in here: not timed
+            if not self._started:
+                self._wait_for_every_group_at_the_jobs_start()
             if not self._may_commit:
                 self._refuse_to_train_without_the_jobs_state()
             self._open = True
@@ -268,6 +277,33 @@ class ReplicaGroups:
         what the program does now (an evaluation, a save) is not the step's own work and is not timed; a fetch
         from the training loader times the step again."""
         self._watchdog.disarm()
+
+    def _wait_for_every_group_at_the_jobs_start(self) -> None:
+        """A group on its first start takes no step before a quorum has held every group, or one at a step above 0
+        (the job had started: torchft heals this group from it).
+
+        The lighthouse gives a quorum to the groups that send it heartbeats, and a group that has not started
+        yet sends none: without this wait, a group that starts first trains alone, and one that starts after it
+        finished trains the whole job again from scratch, each ending with status 0 and a model of its own. So the
+        quorum is asked for again every :data:`START_POLL_S` (the lighthouse gives no quorum to half or fewer of
+        the groups sending heartbeats, so a late group's first request waits for the next one) for at least the
+        quorum's timeout, then the group stops in one line. The number of tries is fixed, so every rank of the
+        group makes the same ones."""
+        tries = math.ceil(self._quorum_timeout_s / START_POLL_S)
+        for tried in range(tries + 1):
+            quorum = self._quorums.latest
+            if quorum is None or quorum.max_step > 0 or len(quorum.replica_ids) >= self.layout.groups:
+                self._started = True
+                return
+            if tried < tries:
+                time.sleep(START_POLL_S)
+                self.manager.start_quorum()
+        met = ", ".join(sorted(r.split(":")[0] for r in quorum.replica_ids)) or "none"
+        raise UnifiedDistError(
+            f"replica group {self.layout.group}: the job's first step needs all {self.layout.groups} replica groups, "
+            f"but after {self._quorum_timeout_s:g} s its quorum held {len(quorum.replica_ids)} ({met}): start every "
+            f"group against the lighthouse {self.layout.lighthouse} within that time (unified-dist launch "
+            f"--replica-groups N starts them together), or set {GROUPS_VAR} to the groups you start")
 
     def _holds_the_jobs_state(self) -> bool:
         """Whether this restarted group may train now: it took a live group's state at a step > 0, or the

@@ -1,12 +1,14 @@
 """Replica groups' steps without a launch (issue #58): the step watchdog's budget, a restarted group that must
-hold the job's state before it commits, the buffers averaged inside the step, and evaluation passes sharded over
-a group's own ranks. The launches are tests/launchers/test_replica_groups_steps.py."""
+hold the job's state before it commits, the job's first step that waits for every group, the buffers averaged
+inside the step, and evaluation passes sharded over a group's own ranks. The launches are
+tests/launchers/test_replica_groups_steps.py."""
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from unified_dist.backends import replica_groups
 from unified_dist.backends.replica_groups import ReplicaGroups, ReplicaLayout, StepWatchdog, first_start, replica_id
 from unified_dist.data.loaders import LoaderStack, PreparedDataLoader
 from unified_dist.errors import UnifiedDistError
@@ -87,6 +89,7 @@ def restarted(quorums):
     groups.healed_at = None
     groups._quorums = SimpleNamespace(latest=None)
     groups._may_commit = False
+    groups._started = True  # a restarted group is not held to the job's start (its own rule is stricter)
     groups._open = False
     groups._watchdog = StepWatchdog(60, leave=lambda: None)
     groups.manager = FakeManager(groups, quorums)
@@ -132,12 +135,51 @@ def test_a_group_started_again_at_the_jobs_start_trains_with_a_group_on_its_firs
     assert groups.manager.started == 1 and groups._open
 
 
-def test_a_group_on_its_first_start_alone_at_step_0_is_a_jobs_start():
-    groups = restarted([quorum(0, FIRST_0)])
-    groups.layout = ReplicaLayout(0, 2, "http://x")
-    groups._may_commit = True  # what __init__ sets for a first start
-    groups.begin_step()
-    assert groups._open
+# ------------------------------------------------------------------------------------------- the job's start
+def first(quorums, groups=2, timeout_s=60.0):
+    """Group 0 of ``groups`` on its first start, as __init__ leaves it, whose quorums answer ``quorums``."""
+    group = restarted(quorums)
+    group.layout = ReplicaLayout(0, groups, "http://x")
+    group._may_commit, group._started, group._quorum_timeout_s = True, False, timeout_s
+    return group
+
+
+@pytest.fixture
+def no_pause(monkeypatch):
+    """The pauses between tries, recorded instead of slept."""
+    slept = []
+    monkeypatch.setattr(replica_groups.time, "sleep", slept.append)
+    return slept
+
+
+def test_a_group_on_its_first_start_asks_again_until_every_group_is_in_the_jobs_first_quorum(no_pause):
+    """A fresh run (772b515) saw group 0 start 2.8 s before group 1, take a quorum of one, train the whole job
+    alone, and group 1 then train it again from step 0: two models, status 0."""
+    group = first([quorum(0, FIRST_0), quorum(0, FIRST_0), quorum(0, FIRST_0, "unified_dist_group_1")])
+    group.begin_step()
+    assert group.manager.started == 3 and group._open and no_pause == [0.5, 0.5]
+    group._open = False
+    group.manager.quorums.append(quorum(1, FIRST_0))  # the job has started: a later quorum of one is a survivor's
+    group.begin_step()
+    assert group.manager.started == 4 and group._open
+
+
+def test_a_group_that_never_comes_stops_the_first_start_in_one_line_after_the_quorums_timeout(no_pause):
+    group = first([quorum(0, FIRST_0)] * 3, timeout_s=1.0)  # 1 s / 0.5 s: two more tries
+    with pytest.raises(UnifiedDistError) as caught:
+        group.begin_step()
+    assert str(caught.value) == (
+        "replica group 0: the job's first step needs all 2 replica groups, but after 1 s its quorum held 1 "
+        "(unified_dist_group_0): start every group against the lighthouse http://x within that time (unified-dist "
+        "launch --replica-groups N starts them together), or set NUM_REPLICA_GROUPS to the groups you start")
+    assert group.manager.started == 3 and not group._open  # no step runs
+
+
+def test_a_group_on_its_first_start_that_meets_a_job_already_stepping_trains_at_once(no_pause):
+    """Group 2 of 3 comes late to a job at step 7 that lost group 1: torchft heals it from group 0."""
+    group = first([quorum(7, FIRST_0, "unified_dist_group_2")], groups=3)
+    group.begin_step()
+    assert group.manager.started == 1 and group._open
 
 
 # --------------------------------------------------------------------------------------------------- buffers
