@@ -43,7 +43,9 @@ class BackendSpec:
     starts ``ud.launch``'s workers (see :mod:`unified_dist.spawn`). The last three are
     ``"module:attribute"`` references. ``contract``: whether the whole contract suite (``unified-dist test``,
     ``tests/launchers/test_contract_under_launchers.py``) runs on it; a backend that does not yet pass it
-    has its own launch tests instead.
+    has its own launch tests instead. ``sharding``: whether torch's layouts (``sharding``, ``tp``,
+    ``dp_replicate``) run on it (its Backend class's ``supports_sharding`` is this; ``unified-dist launch`` reads it
+    here, without importing torch).
     """
 
     name: str
@@ -58,6 +60,7 @@ class BackendSpec:
     start: Optional[str] = None
     source: Optional[str] = None
     contract: bool = True
+    sharding: bool = True
 
     def load(self, field: str) -> Any:
         """The object the ``field`` reference (e.g. ``"command"``) names, imported now."""
@@ -89,7 +92,7 @@ SPECS: Dict[str, BackendSpec] = {spec.name: spec for spec in (
         install_fix=("build it against this torch with `make setup` "
                      "(tools/build_horovod.sh: horovod 0.28.1 patched to C++17)"),
         command=f"{_CLI}.launch:horovodrun_command", probe=f"{_CLI}.env_report:probe_horovod",
-        start="unified_dist.spawn:start_horovod", source=f"{_DETECT}:horovodrun"),
+        start="unified_dist.spawn:start_horovod", source=f"{_DETECT}:horovodrun", sharding=False),
     BackendSpec(
         name="deepspeed", backend_class="unified_dist.backends.deepspeed_backend:DeepSpeedBackend",
         library="deepspeed", launcher="deepspeed", launcher_keys=("CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE"),

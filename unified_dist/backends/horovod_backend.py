@@ -22,6 +22,7 @@ from ..errors import (
     peer_lost_message,
 )
 from ..parallel import sync_batchnorm
+from ..registry import SPECS
 from . import horovod_rendezvous
 from .base import Backend, Config
 from .buckets import HOROVOD_CYCLE_VAR, HOROVOD_VAR, horovod_env
@@ -132,7 +133,7 @@ class HorovodBackend(Backend):
     """Drives ``horovod.torch``: parameter/optimizer-state broadcast and ``DistributedOptimizer``."""
 
     name = "horovod"
-    supports_sharding = False
+    supports_sharding = SPECS["horovod"].sharding  # the backend's record says it
     gathers_uneven = True  # its coordinator exchanges dim 0 while negotiating; no state between calls
 
     def __init__(self, detection: Detection, config: Config) -> None:

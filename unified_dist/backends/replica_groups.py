@@ -37,11 +37,12 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from ..errors import LaunchError, UnifiedDistError
+
+if TYPE_CHECKING:  # torch is imported where it is used: the launcher reads this module's names without it
+    import torch
 
 LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
 GROUP_VAR = "REPLICA_GROUP_ID"
@@ -425,6 +426,8 @@ def refuse_layout(environ: Mapping[str, str], config: Any, backend: str, launche
 
 def refuse_objects(objs: Iterable[Any], optimizers_so_far: int) -> Optional[str]:
     """Why ``ud.prepare(*objs)`` cannot run with replica groups, in one line (``None``: it can)."""
+    import torch
+
     objs = list(objs)
     optimizers = optimizers_so_far + sum(isinstance(o, torch.optim.Optimizer) for o in objs)
     if optimizers > 1:

@@ -75,7 +75,7 @@ def check_plan(plan: Plan) -> None:
             settings.TABLE[name].from_code(value)
         except (SettingError, PrecisionError) as exc:
             raise UsageError(f"{settings.flag_name(name)}: {exc}") from None
-    if not _backend_class(plan.backend).supports_sharding:
+    if not SPECS[plan.backend].sharding:
         for flag, value, off in (("--sharding", plan.setting("sharding"), "no"), ("--tp", plan.setting("tp"), 1),
                                  ("--dp-replicate", plan.setting("dp_replicate"), 1)):
             if value not in (None, off):
@@ -110,12 +110,6 @@ def _socket_env(plan: Plan, cuda: bool) -> Dict[str, str]:
     if cuda:
         env["NCCL_SOCKET_IFNAME"] = plan.network_interface
     return env
-
-
-def _backend_class(name: str):
-    from ..backends import backend_class  # imports torch: only when a plan asks what the backend can do
-
-    return backend_class(name)
 
 
 def torchrun_command(plan: Plan, cuda: bool, environ: Mapping[str, str]) -> Command:
@@ -328,6 +322,20 @@ def _add_setting_flag(parser, setting: settings.Setting) -> None:
     parser.add_argument(settings.flag_name(setting.name), dest=setting.name, default=None, **options)
 
 
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+"""The device files a GPU's driver makes (NVIDIA's, ROCm's, WSL 2's): CUDA and HIP reach the GPU through them."""
+
+
+def gpu_count() -> int:
+    """How many GPUs torch sees here (``torch.cuda.device_count()``). Where none of :data:`GPU_DEVICE_FILES` exists
+    there is no GPU for torch to see, and torch is not imported to ask (2-3 CPU-seconds of a launcher's start)."""
+    if not any(os.path.exists(path) for path in GPU_DEVICE_FILES):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def main(args) -> int:
     """Build, check and print the command; run it unless ``--dry-run``."""
     plan = Plan(backend=_backend(args), script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
@@ -335,10 +343,8 @@ def main(args) -> int:
                 master_port=args.master_port, hosts=args.hosts, network_interface=args.network_interface,
                 settings={name: getattr(args, name) for name in settings.FLAGS if getattr(args, name) is not None})
     build(plan)  # every usage error (the builders check theirs too), and the machine's, before
-    check_machine(plan)  # torch's import (seconds): a mistake is answered at once
-    import torch  # only asked whether there is a GPU
-
-    cuda = torch.cuda.is_available()
+    check_machine(plan)  # before any import of torch (seconds): a mistake is answered at once
+    cuda = gpu_count() > 0
     check_precision(plan, cuda)
     command = build(plan, cuda=cuda)
     if args.horovod_api:
@@ -379,9 +385,7 @@ def _run_replica_groups(args, plan: Plan, command: Command, groups: int) -> int:
     if args.max_group_restarts < 0:
         raise UsageError(f"--max-group-restarts must be at least 0, got {args.max_group_restarts}")
     join_ms = replicas.join_timeout_ms(args.replica_join_timeout)
-    import torch
-
-    gpus = torch.cuda.device_count()
+    gpus = gpu_count()
     replicas.check_gpus(groups, plan.nproc, gpus)  # groups that would share GPUs: refused, also in a dry run
     if args.dry_run:
         print(replicas.describe(command, groups, join_ms))

@@ -189,3 +189,37 @@ def test_the_launcher_dry_run_prints_every_groups_command(cli_in_process, tmp_pa
     lines = result.stdout.splitlines()
     assert len(lines) == 3 and "REPLICA_GROUP_ID=0" in lines[1] and "REPLICA_GROUP_ID=1" in lines[2]
     assert all("torchrun --standalone --nproc_per_node 2 train.py" in line for line in lines[1:])
+
+
+# ------------------------------------------------------------------------------ no torch to ask for a GPU
+def test_where_no_gpu_driver_is_present_the_launcher_never_imports_torch(workdir):
+    """A GPU is reached through its driver's device files (NVIDIA's, ROCm's, WSL 2's); where none exists the
+    launcher answers without torch's import (2-3 CPU-seconds of every launch), for every backend and for replica
+    groups. The device files are pointed elsewhere, so a GPU machine checks the same path."""
+    import sys
+
+    program = (
+        "import sys\n"
+        "from unified_dist.cli import launch\n"
+        "from unified_dist.cli.main import main\n"
+        "launch.GPU_DEVICE_FILES = ('/nonexistent/nvidiactl',)\n"
+        "for args in (['--backend', b] for b in ('torch', 'accelerate', 'horovod', 'deepspeed')):\n"
+        "    assert main(['launch', '--dry-run', '--nproc', '2', *args, 'train.py']) == 0\n"
+        "assert main(['launch', '--dry-run', '--replica-groups', '2', 'train.py']) == 0\n"
+        "print('torch imported:', 'torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", program], cwd=workdir, env=child_env(), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "torch imported: False", result.stdout
+
+
+def test_where_a_gpu_driver_is_present_torch_counts_the_gpus(tmp_path, monkeypatch):
+    import torch
+
+    from unified_dist.cli import launch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(launch, "GPU_DEVICE_FILES", (str(tmp_path / "nvidiactl"),))
+    assert launch.gpu_count() == 0  # no driver: torch is not asked
+    (tmp_path / "nvidiactl").touch()
+    assert launch.gpu_count() == 3
