@@ -1,5 +1,6 @@
 """The README's first snippet (``## Use``), run as it is written under python, torchrun, accelerate
-launch and horovodrun, with a stop after one epoch and a resume.
+launch and horovodrun, with a stop after one epoch and a resume (under python, torchrun and accelerate launch the
+runs of a launcher share one launch: ``CHAINED``).
 
 The snippet is read from README.md at test time (an edit to it is what runs); the test prepends only
 what the snippet leaves to the reader: a small classifier with BatchNorm that returns ``.loss`` and
@@ -16,7 +17,9 @@ optimizer state or a restarted epoch moves weights by ~lr = 1e-2.
 """
 from __future__ import annotations
 
+import json
 import re
+import sys
 import textwrap
 from pathlib import Path
 from typing import Callable, Dict
@@ -25,6 +28,9 @@ import pytest
 import torch
 
 from unified_dist.testing.launchers import ROOT, child_env, command, run
+
+sys.path.insert(0, str(ROOT / "tests" / "docs" / "workers"))
+from runs_of_a_script import split_output  # noqa: E402  (the worker's own split of a launch's output by run)
 
 TIMEOUT = 180
 ACCURACY = re.compile(r"^(?:\[\d+\]<stdout>:)?accuracy ([0-9.]+)\s*$", re.M)  # horovodrun prefixes "[rank]<stdout>:"
@@ -78,10 +84,24 @@ def script(tmp_path_factory) -> Path:
     return path
 
 
+WRAPPER = ROOT / "tests" / "docs" / "workers" / "runs_of_a_script.py"
+CHAINED = {"python": ("straight", "first", "resumed"), "torchrun": ("straight", "first", "resumed"),
+           "accelerate": ("first", "resumed")}
+"""The runs each launcher makes in one launch (tests/docs/workers/runs_of_a_script.py: the second run resumes in
+the processes the first ran in, from the checkpoint alone, since the README's loop restores the generators too):
+python's and torchrun's uninterrupted runs are the references of 1 and 2 processes. Horovod cannot start twice
+in one process: horovodrun launches each run."""
+EPOCHS = {"straight": 2, "first": 1, "resumed": 2}
+
+
+def _accuracies(output: str) -> list:
+    return [float(a) for a in ACCURACY.findall(output)]
+
+
 def _run(launcher: str, script: Path, folder: Path, epochs: int) -> list:
     nproc = 1 if launcher == "python" else 2
     result = run(command(launcher, str(script), [str(epochs)], nproc=nproc), TIMEOUT, child_env(), cwd=folder).check()
-    return [float(a) for a in ACCURACY.findall(result.output)]
+    return _accuracies(result.output)
 
 
 def _weights(folder: Path) -> dict:
@@ -89,18 +109,44 @@ def _weights(folder: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(script, tmp_path_factory) -> Callable[[int], tuple]:
-    """The reference per world size: 2 epochs in one run (python for 1 process, torchrun for 2), each
-    launched once, by the first test that asks for it: (final weights, the two epochs' accuracies)."""
-    runs: Dict[int, tuple] = {}
+def runs(script, tmp_path_factory) -> Callable[[str], Dict[str, tuple]]:
+    """``runs(launcher)``: each run's (accuracies printed, folder), launched once by the first test that asks:
+    the uninterrupted 2 epochs (``straight``, python and torchrun only), 1 epoch (``first``), then 2 epochs in
+    the first one's folder (``resumed``, from its ckpt.pt)."""
+    done: Dict[str, Dict[str, tuple]] = {}
+
+    def of(launcher: str) -> Dict[str, tuple]:
+        if launcher in done:
+            return done[launcher]
+        base = tmp_path_factory.mktemp(f"readme-{launcher}")
+        folders = {"straight": base / "straight", "first": base / "stopped", "resumed": base / "stopped"}
+        for folder in set(folders.values()):
+            folder.mkdir()
+        if launcher not in CHAINED:
+            done[launcher] = {name: (_run(launcher, script, folders[name], EPOCHS[name]), folders[name])
+                              for name in ("first", "resumed")}
+            return done[launcher]
+        plan = [{"name": name, "args": [str(EPOCHS[name])], "cwd": str(folders[name])} for name in CHAINED[launcher]]
+        (base / "plan.json").write_text(json.dumps(plan))
+        result = run(command(launcher, str(WRAPPER), [str(script), str(base / "plan.json")],
+                             nproc=1 if launcher == "python" else 2), TIMEOUT, child_env(), cwd=base).check()
+        parts = split_output(result.output)
+        assert sorted(parts) == sorted(CHAINED[launcher]), result.output[-3000:]
+        done[launcher] = {name: (_accuracies(parts[name]), folders[name]) for name in CHAINED[launcher]}
+        return done[launcher]
+
+    return of
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(runs) -> Callable[[int], tuple]:
+    """The reference per world size: 2 epochs in one run (python for 1 process, torchrun for 2): (final
+    weights, the two epochs' accuracies)."""
 
     def of(nproc: int) -> tuple:
-        if nproc not in runs:
-            folder = tmp_path_factory.mktemp(f"straight{nproc}")
-            accuracies = _run("python" if nproc == 1 else "torchrun", script, folder, 2)
-            assert len(accuracies) == 2, accuracies
-            runs[nproc] = _weights(folder), accuracies
-        return runs[nproc]
+        accuracies, folder = runs("python" if nproc == 1 else "torchrun")["straight"]
+        assert len(accuracies) == 2, accuracies
+        return _weights(folder), accuracies
 
     return of
 
@@ -129,18 +175,17 @@ def test_the_snippet_is_the_readme_loop():
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["python", "torchrun", "accelerate", "horovodrun"])
-def test_snippet_runs_unchanged_and_resumes_to_the_uninterrupted_weights(launcher, script, tmp_path, uninterrupted):
+def test_snippet_runs_unchanged_and_resumes_to_the_uninterrupted_weights(launcher, runs, uninterrupted):
     expected, accuracies = uninterrupted(1 if launcher == "python" else 2)
-    first = _run(launcher, script, tmp_path, 1)
+    first, resumed, folder = runs(launcher)["first"][0], *runs(launcher)["resumed"]
     assert len(first) == 1 and 0 <= first[0] <= 1, first  # one line: ud.print prints on the main process only
     # every example counted once: the accuracy is a multiple of 1/37 ...
     assert abs(first[0] * 37 - round(first[0] * 37)) < 1e-6, first
     # ... and every launcher measures what the reference run measured at the same point
     assert first == accuracies[:1], (first, accuracies)
-    resumed = _run(launcher, script, tmp_path, 2)
     assert len(resumed) == 1, f"the resumed run trained {len(resumed)} epochs, expected only the second"
     assert resumed == accuracies[1:], (resumed, accuracies)
-    got = _weights(tmp_path)
+    got = _weights(folder)
     assert list(got) == list(expected), (list(got), list(expected))
     for name, value in expected.items():
         difference = (got[name].double() - value.double()).abs().max().item()

@@ -12,6 +12,7 @@ from ..errors import CheckpointError, LaunchError
 from ..parallel import pipeline
 from ..parallel.mesh import PP_DIM, Layout, machines
 from ..parallel.sharding import Sharding, blocks_to_shard, is_sharded, no_gradient_sync, point_optimizer_at, shard_model
+from ..parallel.tensor_parallel import resolve_plan
 from .precision import Precision
 from .process_group import host_names
 
@@ -56,15 +57,22 @@ class FsdpModels:
         :class:`~unified_dist.parallel.pipeline.PipelinedModel`; remember which parameter became which."""
         sharding, stage = self.sharding, self.layout.pp_rank(rank)
         whole_keys = list(model.state_dict()) if sharding.pp > 1 else []
+        stage_tp_plan = None
         if sharding.pp > 1:
+            if sharding.tp > 1:  # the plan is the whole model's, checked whole on every stage (one verdict)
+                whole_plan = resolve_plan(model, sharding.tp_plan, tp=sharding.tp)
             plan = pipeline.stage_units(model, sharding.pp, sharding.pp_split)
             for param in pipeline.keep_stage(model, stage, plan):
                 self._dropped[id(param)] = weakref.ref(param)
+            if sharding.tp > 1:  # each stage splits the planned layers it holds
+                held = dict(model.named_modules())
+                stage_tp_plan = {name: style for name, style in whole_plan.items()
+                                 if name in held and not isinstance(held[name], pipeline.OtherStage)}
         before = list(model.parameters())
         self._blocks[model] = blocks_to_shard(model, sharding.modules)  # before FSDP2 renames their classes
         mesh = self.mesh
         shard_model(model, sharding, Precision(self.mixed_precision),
-                    dp_mesh=self.layout.data_parallel_mesh(mesh), tp_mesh=mesh["tp"])
+                    dp_mesh=self.layout.data_parallel_mesh(mesh), tp_mesh=mesh["tp"], tp_plan=stage_tp_plan)
         for old, new in zip(before, model.parameters()):
             self._new_of[id(old)] = (weakref.ref(old), new)
         if sharding.pp > 1:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -137,20 +137,23 @@ def checkpoint_activations(blocks: Sequence[torch.nn.Module]) -> None:
 
 
 def shard_model(model: torch.nn.Module, sharding: Sharding, precision: Any = None,
-                dp_mesh: Any = None, tp_mesh: Any = None) -> torch.nn.Module:
+                dp_mesh: Any = None, tp_mesh: Any = None, tp_plan: Optional[Dict[str, str]] = None) -> torch.nn.Module:
     """Split ``model`` (already on its device) as ``sharding`` says, in the order that composes:
     tensor parallelism on ``tp_mesh`` (when ``sharding.tp > 1``), activation checkpointing of the
     blocks, then ``fully_shard`` of the blocks and the root on ``dp_mesh`` (when
     ``sharding.enabled``; 2-D for HSDP), with ``precision.fsdp_policy()`` (a
     :class:`~unified_dist.backends.precision.Precision`, given by the backend; ``None``: float32).
 
+    ``tp_plan``: the plan already resolved for this model (a pipeline stage's share of the whole model's, which
+    may be empty: a stage with no planned layer); ``None``: ``sharding.tp_plan`` is resolved here.
+
     Returns the same module object (FSDP2 changes its class in place). Afterwards its
     ``load_state_dict`` also takes full, unsharded tensors.
     """
-    if sharding.tp > 1:
+    if sharding.tp > 1 and tp_plan != {}:
         from .tensor_parallel import apply_tp_plan, resolve_plan
 
-        apply_tp_plan(model, resolve_plan(model, sharding.tp_plan), tp_mesh)
+        apply_tp_plan(model, tp_plan if tp_plan is not None else resolve_plan(model, sharding.tp_plan), tp_mesh)
     blocks = blocks_to_shard(model, sharding.modules)
     if sharding.activation_checkpointing:
         checkpoint_activations(blocks)

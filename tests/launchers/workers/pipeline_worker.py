@@ -55,8 +55,9 @@ CASES = {  # name -> (init keywords beyond pp=2, optimizer)
     "pp_split_1f1b_sgd": (dict(pp_schedule="1f1b", pp_microbatches=2, pp_split=["layers.3"]), "sgd"),
     "pp_fsdp_sgd": (dict(sharding="fsdp", pp_schedule="1f1b", pp_microbatches=2), "sgd"),
     "pp_fsdp_adamw": (dict(sharding="fsdp", pp_schedule="gpipe", pp_microbatches=2), "adamw"),
-    "pp_tp_adamw": (dict(tp=2, tp_plan={"layers.*.w1": "colwise", "layers.*.w2": "rowwise"}, pp_schedule="1f1b",
-                         pp_microbatches=2), "adamw"),
+    # the plan is the whole model's: "embed" names a unit only stage 0 holds (stage 1 skips it)
+    "pp_tp_adamw": (dict(tp=2, tp_plan={"embed": "colwise_gather_output", "layers.*.w1": "colwise",
+                                        "layers.*.w2": "rowwise"}, pp_schedule="1f1b", pp_microbatches=2), "adamw"),
 }
 
 
@@ -127,7 +128,8 @@ def run_case(name: str) -> dict:
         if keywords.get("sharding") == "fsdp":
             want_split = owned  # FSDP2 shards every parameter of the stage
         elif keywords.get("tp"):
-            want_split = [n for n in owned if n.startswith("layers.") and ".w" in n]  # the planned blocks
+            # the planned modules this stage holds: the embedding (stage 0 only) and the blocks' Linears
+            want_split = [n for n in owned if n.startswith("embed.") or (n.startswith("layers.") and ".w" in n)]
         else:
             want_split = []
         checks["stage_is_split_as_the_layout_says"] = "ok" if split == want_split else f"FAIL: {split}"

@@ -393,3 +393,43 @@ def test_plan_of_a_pipeline_holds_each_stage(plan, pipeline_held, rank):
     assert (report["saved_for_backward"], report["collectives"]) == (None, [])
     expected = pipeline_held[rank]
     assert report["bytes"] == {**expected, "total": sum(expected.values())}
+
+
+# (weight shape, bias shape) of PIPELINE's Linears per stage under the default split (the docstring above)
+PIPELINE_STAGES = {0: [((6, 5), (6,)), ((6, 6), (6,)), ((6, 6), (6,))],
+                   1: [((6, 6), (6,)), ((6, 6), (6,)), ((3, 6), (3,))]}
+
+
+@pytest.mark.parametrize("rank", (1, 2))  # both stages, both shards, and r // 2 told from r % 2
+def test_plan_of_a_pipeline_sharded_by_fsdp2_holds_each_ranks_shard_of_its_stage(plan, rank):
+    """``--pp 2 --sharding fsdp`` at world 4 (docs/pipeline.md: the stages are the mesh's outermost dimension, so
+    rank R holds stage R // 2, sharded by FSDP2 over the 2 ranks of the stage): each rank's bytes are its
+    torch.chunk rows of every parameter of its stage, counted here from the shapes (the head's 3 rows split 2 + 1)."""
+    stage, shard = rank // 2, rank % 2
+    code, report, err = plan(PIPELINE, "--pp", "2", "--sharding", "fsdp", world=(1, 4), rank=rank)
+    assert code == 0 and report["error"] is None, (report, err)
+    assert report["pipeline"] == {"stage": stage, "stages": 2, "schedule": "1f1b", "microbatches": 2}
+    numels = [rows(shape[0], 2, shard) * math.prod(shape[1:])
+              for weight, bias in PIPELINE_STAGES[stage] for shape in (weight, bias)]
+    assert report["bytes"] == expected_bytes(numels)
+
+
+PIPELINE_TP = PIPELINE.replace("ud.init(pp=2)", 'ud.init(pp=2, tp_plan={"layers.0": "colwise", "layers.1": "rowwise", '
+                                                '"layers.2": "colwise", "layers.3": "rowwise"})')
+"""PIPELINE with a TP plan: each stage's two layers a column-wise, row-wise pair (the tanh between them acts on
+each column's slice); the embedding and the head are not split."""
+
+
+@pytest.mark.parametrize("rank", (1, 2))  # both stages, both TP ranks, and r // 2 told from r % 2
+def test_plan_of_a_pipeline_split_by_tp_holds_each_ranks_slices_of_its_stage(plan, rank):
+    """``--pp 2 --tp 2`` at world 4: rank R holds stage R // 2; a column-wise layer keeps half its rows and half its
+    bias, a row-wise one half its columns and its whole bias (every rank adds it once after the sum), counted
+    here from the shapes."""
+    stage = rank // 2
+    code, report, err = plan(PIPELINE_TP, "--pp", "2", "--tp", "2", world=(1, 4), rank=rank)
+    assert code == 0 and report["error"] is None, (report, err)
+    assert report["pipeline"] == {"stage": stage, "stages": 2, "schedule": "1f1b", "microbatches": 2}
+    full = {0: [30, 6], 1: [18, 3]}[stage]  # the stage's unsplit Linear: the embedding's 6x5, or the head's 3x6
+    pair = [18, 3, 18, 6]  # column-wise 3x6 and 3 of the bias; row-wise 6x3 and the whole bias of 6
+    numels = full + pair if stage == 0 else pair + full
+    assert report["bytes"] == expected_bytes(numels)
