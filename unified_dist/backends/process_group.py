@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from typing import TYPE_CHECKING, Dict, Mapping, Optional
 
 if TYPE_CHECKING:
@@ -202,6 +203,16 @@ def destroy_at_exit(owns_group: bool) -> None:
     ("terminate called without an active exception") after all its Python code ran. Destroying the
     group from an ``atexit`` handler joins those threads first (pytorch/pytorch#179291 proposed the
     same inside torch). Local: it sends nothing, so a peer that already left cannot block it.
+
+    Where DeepSpeed's communication was set up in this process (its engine, or Accelerate's and the Trainer's
+    DeepSpeed path), the groups are destroyed through ``deepspeed.comm.destroy_process_group()``, which also
+    drops the references DeepSpeed keeps in module globals (``deepspeed.utils.groups``' world and data-parallel
+    groups): held there, a destroyed group lived on into finalization (a fresh run of c124a51: rank 1 of a
+    horovodrun launch of Accelerate's DeepSpeed path died of that SIGABRT after its work).
     """
     if owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+        deepspeed_comm = sys.modules.get("deepspeed.comm.comm")  # imported by DeepSpeed, never here
+        if deepspeed_comm is not None and getattr(deepspeed_comm, "cdb", None) is not None:
+            deepspeed_comm.destroy_process_group()  # torch's, then DeepSpeed's own references
+        else:
+            dist.destroy_process_group()

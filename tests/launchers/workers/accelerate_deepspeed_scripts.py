@@ -19,8 +19,12 @@ The main process appends one JSON line per part to ``--out``: the distributed ty
 the state its ``TrainingArguments`` built first), the number of processes, the ZeRO stage DeepSpeed's engine ran,
 and the final full weights by parameter name (``dummy``: also the optimizer and schedule DeepSpeed built, and each
 step's learning rate). ``--parts`` runs several in one process, each ``Accelerator`` the first of its state.
+Every process also writes ``--out.exit-rank<R>.json`` as it exits: the process groups DeepSpeed still references
+after unified_dist's exit handler ran (a group held there lives into the interpreter's finalization, where gloo's
+threads can abort the process after its work: "terminate called without an active exception").
 """
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -187,6 +191,16 @@ def run_sft(options, write):
 PARTS = {"plugin": run_plugin, "launcher": run_launcher, "dummy": run_dummy, "trainer": run_trainer, "sft": run_sft}
 
 
+def record_exit(out: str) -> None:
+    """Registered before any Accelerator, so it runs after unified_dist's exit handler (atexit runs the last
+    registered first): which of DeepSpeed's module-level group references still hold a group."""
+    groups = sys.modules.get("deepspeed.utils.groups")
+    held = sorted(name for name, value in vars(groups).items()
+                  if "GROUP" in name and value not in (None, {}, [])) if groups is not None else None
+    with open(f"{out}.exit-rank{os.environ.get('RANK', '0')}.json", "w") as f:
+        json.dump({"deepspeed_groups_held": held}, f)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -195,6 +209,7 @@ def main():
     parser.add_argument("--optimizer-config", help="the dummy part's DeepSpeed config file")
     parser.add_argument("--parts", default="plugin,trainer")
     options = parser.parse_args()
+    atexit.register(record_exit, options.out)
 
     def write(row):
         if int(os.environ.get("RANK", "0")) == 0:
