@@ -29,8 +29,8 @@ import torch
 
 from unified_dist.testing.launchers import ROOT, child_env, command, run
 
-sys.path.insert(0, str(ROOT / "tests" / "docs" / "workers"))
-from runs_of_a_script import split_output  # noqa: E402  (the worker's own split of a launch's output by run)
+sys.path.insert(0, str(ROOT / "tests" / "examples"))
+from runs_in_one_launch import split_output  # noqa: E402  (the marker runs_of_a_script.py prints is this module's)
 
 TIMEOUT = 180
 ACCURACY = re.compile(r"^(?:\[\d+\]<stdout>:)?accuracy ([0-9.]+)\s*$", re.M)  # horovodrun prefixes "[rank]<stdout>:"
