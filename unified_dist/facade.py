@@ -30,7 +30,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
          check_finite: Optional[bool] = None, compile: Optional[Any] = None,  # noqa: A002 - Accelerate's word
          compile_mode: Optional[str] = None, stop_signals: Optional[Any] = None, log_with: Optional[Any] = None,
          project_dir: Optional[str] = None, zero_stage: Optional[int] = None,
-         deepspeed_config: Optional[str] = None) -> None:
+         deepspeed_config: Optional[str] = None, offload_optimizer: Optional[str] = None,
+         offload_param: Optional[str] = None, gradient_clipping: Optional[float] = None) -> None:
     """Join the job's process group through the detected (or given) backend.
 
     Every keyword is a setting of :data:`unified_dist.settings.TABLE` (``unified-dist env`` lists
@@ -55,8 +56,9 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
     :func:`prepare` compile each model in place, after wrapping it (see ``docs/hot-path.md``).
     ``stop_signals`` (default SIGUSR1 and SIGTERM) are what :func:`should_stop` listens to
     (``docs/preemption.md``). ``log_with`` (tracker names, ``"all"`` or ``"none"``) and ``project_dir``
-    are where :func:`log` and :func:`log_hparams` write (``docs/trackers.md``). ``zero_stage`` and
-    ``deepspeed_config`` configure the ``deepspeed`` backend (``docs/deepspeed.md``); any other backend refuses them.
+    are where :func:`log` and :func:`log_hparams` write (``docs/trackers.md``). ``zero_stage``,
+    ``deepspeed_config``, ``offload_optimizer``, ``offload_param`` and ``gradient_clipping`` configure the
+    ``deepspeed`` backend (``docs/deepspeed.md``); any other backend refuses them.
     """
     given = dict(mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps,
                  timeout=timeout, debug=debug, sharding=sharding, shard_modules=shard_modules,
@@ -65,7 +67,8 @@ def init(backend: Optional[str] = None, *, mixed_precision: Optional[str] = None
                  check_finite=check_finite, dp_replicate=dp_replicate, tp=tp, tp_plan=tp_plan, cpu_offload=cpu_offload,
                  activation_checkpointing=activation_checkpointing, pp=pp, pp_schedule=pp_schedule,
                  pp_microbatches=pp_microbatches, pp_split=pp_split, compile=compile, compile_mode=compile_mode,
-                 stop_signals=stop_signals, zero_stage=zero_stage, deepspeed_config=deepspeed_config)
+                 stop_signals=stop_signals, zero_stage=zero_stage, deepspeed_config=deepspeed_config,
+                 offload_optimizer=offload_optimizer, offload_param=offload_param, gradient_clipping=gradient_clipping)
     trackers.resolve_choice(log_with, project_dir)  # a tracker name that does not read fails before joining
     session.init(backend, given)
     trackers.choose(log_with, project_dir)

@@ -26,6 +26,7 @@ import torch
 
 from . import settings
 from .backends import Backend, Config, backend_class, replica_groups
+from .backends.base import DEEPSPEED_SETTINGS
 from .backends.precision import Precision
 from .checkpoint import background as background_save, rng
 from .collectives import ops as collectives
@@ -453,10 +454,10 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     if name == "single" and replica_groups.layout_from(os.environ) is not None:
         name = "torch"  # a replica group of one process (python, srun -n 1) is a torch world of one: torchft needs it
     cls = backend_class(name)
-    if not cls.reads_deepspeed_settings and (config.zero_stage is not None or config.deepspeed_config):
-        what = f"zero_stage={config.zero_stage}" if config.zero_stage is not None else "deepspeed_config"
-        raise UnifiedDistError(f"{what} is the deepspeed backend's setting and {cls.name} would ignore it; add "
-                               "backend='deepspeed' (UNIFIED_DIST_BACKEND=deepspeed), or drop it")
+    said = [name for name in DEEPSPEED_SETTINGS if config.value(name) is not None]
+    if not cls.reads_deepspeed_settings and said:
+        raise UnifiedDistError(f"{said[0]}={config.value(said[0])!r} is the deepspeed backend's setting and {cls.name} "
+                               "would ignore it; add backend='deepspeed' (UNIFIED_DIST_BACKEND=deepspeed), or drop it")
     refusal = replica_groups.refuse_layout(os.environ, config, cls.name, detection.launcher)
     if refusal:
         raise UnifiedDistError(refusal)

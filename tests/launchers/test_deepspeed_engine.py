@@ -3,12 +3,14 @@
 One torchrun launch (``PHYSICS``) trains the tiny model of tests/launchers/workers/deepspeed_worker.py through
 the facade's loop for ZeRO stages 0-3 x (SGD with momentum, AdamW) x gradient accumulation 1 and 2
 (``ud.init(backend="deepspeed", zero_stage=S, gradient_accumulation_steps=K)``, one session after another in
-the same processes), then the same loop on the torch backend (DDP). 2 ranks x batch 4 must give the weights of
+the same processes), ZeRO 1-3 with the optimizer (and ZeRO-3's parameters) offloaded, then the same loop on the
+torch backend (DDP). 2 ranks x batch 4 must give the weights of
 1 process x batch 8 computed here with plain torch in float64 (not through the library), and the torch
 backend's numbers. The selector launches run one case each, with the backend and stage left to the launcher
 and the environment: ``UNIFIED_DIST_BACKEND=deepspeed`` under mpirun (stage from ``UNIFIED_DIST_ZERO_STAGE``),
 ``accelerate launch --use_deepspeed --deepspeed_config_file`` with a Trainer-style file of stage 3 (which
-trained plain DDP without a word before this backend) and ``unified-dist launch --backend deepspeed --zero-stage 3``
+trained plain DDP without a word before this backend) and Accelerate's offload and clipping flags, and
+``unified-dist launch --backend deepspeed --zero-stage 3``
 (DeepSpeed's own launcher). The mpirun
 selector launch then runs, in the same processes, the portable checkpoints' reshard chain (DDP -> ZeRO-1 -> ZeRO-2
 -> ZeRO-3 -> FSDP2, then one process in the test itself) and a plain DeepSpeed script's ``engine.save_checkpoint``.
@@ -55,7 +57,8 @@ def launch_command(name: str, out: Path) -> list:
     if name == "accelerate":  # what a user types: Accelerate's DeepSpeed flags and a config file (on a CPU, no --cpu)
         config = out.parent / "accelerate_deepspeed_config.json"
         config.write_text(json.dumps(ACCELERATE_CONFIG))
-        return command("accelerate-deepspeed", WORKER, args, launcher_flags=["--deepspeed_config_file", str(config)])
+        return command("accelerate-deepspeed", WORKER, args,
+                       launcher_flags=["--deepspeed_config_file", str(config), *ACCELERATE_WORDS])
     if name == "unified-dist":
         return [str(BIN / "unified-dist"), "launch", "--backend", "deepspeed", "--nproc", "2", "--zero-stage", "3",
                 "--master-port", str(free_port()), WORKER, *args]
@@ -69,6 +72,11 @@ ACCELERATE_CONFIG = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_
 """The config file the accelerate launch names (``--deepspeed_config_file``), as a Trainer user writes one: its stage
 is not the one ``--use_deepspeed`` gives without a file (2), so the stage the engine runs at says the file was read;
 what it leaves to ``"auto"`` comes from the settings."""
+ACCELERATE_WORDS = ["--offload_optimizer_device", "cpu", "--offload_param_device", "cpu",
+                    "--gradient_clipping", str(worker.CLIP)]
+"""Accelerate's other DeepSpeed words on that command line, as a user of ZeRO-3 with offload types them: its file leaves
+``gradient_clipping`` to ``"auto"``, and says nothing of offload. The engine must offload both and clip each step's
+gradients to ``worker.CLIP`` (below every step's norm here) inside its step, though the loop never clips."""
 STAGE = {"variable": 1, "accelerate": 3, "unified-dist": 3}
 LAUNCHER = {"variable": "mpirun", "accelerate": "accelerate", "unified-dist": "deepspeed"}
 CODE_STAGE = {"horovodrun": 2, "srun": 3}
@@ -201,6 +209,30 @@ def test_clip_grad_norm_means_torchs_clip_under_every_stage(launches, stage):
     assert max_difference(case["weights"], weights) <= bound("sgd", 1, G, g_min, W)
 
 
+@pytest.mark.parametrize("stage", [s for s in worker.STAGES if s])
+def test_offload_trains_like_one_process_and_saves_a_portable_file(launches, stage):
+    """``ud.init(backend="deepspeed", zero_stage=S, offload_optimizer="cpu")`` (and ``offload_param="cpu"`` at
+    ZeRO-3), AdamW with accumulation 2: the engine offloads what was asked, the user's torch AdamW steps the
+    partitions in CPU memory, and 2 ranks x batch 4 give 1 process x batch 8 (float64) within :func:`bound`.
+    ``ud.save`` of the offloaded model and optimizer writes the portable format: the final weights, and torch's
+    AdamW state (a step count and two moments of each parameter's shape) for each of the model's parameters."""
+    ranks = finished(launches, "physics")
+    case = ranks[0][f"deepspeed-zero{stage}-offload"]
+    assert (case["backend"], case["stage"]) == ("deepspeed", stage)
+    assert case["offload"] == {"optimizer": "cpu", "param": "cpu" if stage == 3 else None}
+    weights, G, g_min, W = reference("adamw", 2)
+    assert max_difference(case["weights"], weights) <= bound("adamw", 2, G, g_min, W)
+    assert ranks[1][f"deepspeed-zero{stage}-offload"]["weights"] == case["weights"]
+    saved = torch.load(case["offloaded_file"], weights_only=True)
+    assert max_difference(case["weights"], {n: t.double().flatten() for n, t in saved["model"].items()}) == 0
+    state = saved["optimizer"]["state"]
+    shapes = [tuple(p.shape) for p in worker.model().parameters()]
+    assert sorted(state) == list(range(len(shapes)))
+    assert [(tuple(state[i]["exp_avg"].shape), tuple(state[i]["exp_avg_sq"].shape)) for i in range(len(shapes))] == \
+        [(shape, shape) for shape in shapes]
+    assert {float(state[i]["step"]) for i in state} == {worker.ROWS // (2 * worker.BATCH * 2)}
+
+
 @pytest.mark.parametrize("stage", worker.STAGES)
 @pytest.mark.parametrize("opt_name", worker.OPTIMIZERS)
 def test_each_stage_shards_what_it_says(launches, stage, opt_name):
@@ -219,15 +251,22 @@ def test_each_stage_shards_what_it_says(launches, stage, opt_name):
 def test_each_selector_runs_the_engine_at_the_stage_it_says(launches, name):
     """UNIFIED_DIST_BACKEND=deepspeed under mpirun (stage from UNIFIED_DIST_ZERO_STAGE=1); accelerate launch
     --use_deepspeed --deepspeed_config_file (stage 3 from the file, which the settings table's launcher column
-    reads: without it --use_deepspeed gives stage 2); unified-dist
+    reads: without it --use_deepspeed gives stage 2) with :data:`ACCELERATE_WORDS` (offload and clipping, which
+    the engine takes too: its weights are 1 process's with torch's clip at every step); unified-dist
     launch --backend deepspeed --zero-stage 3, which runs DeepSpeed's own launcher (detected by its
     CROSS_RANK/CROSS_SIZE/LOCAL_SIZE): the backend and the stage each names, and the physics of the global batch."""
     ranks = finished(launches, name)
+    words = name == "accelerate"  # ACCELERATE_WORDS: offload both, clip to worker.CLIP in the engine's step
+    norms: list = []
+    weights, G, g_min, W = reference("sgd", 1, worker.CLIP, norms) if words else reference("sgd", 1)
+    assert not words or min(norms) > worker.CLIP  # the launcher's clip bites at every step
     for r in (0, 1):
         case = ranks[r]["detected-sgd-k1"]
         assert (case["backend"], case["launcher"], case["world_size"], case["stage"]) == (
             "deepspeed", LAUNCHER[name], 2, STAGE[name])
-        weights, G, g_min, W = reference("sgd", 1)
+        assert case["offload"] == ({"optimizer": "cpu", "param": "cpu"} if words else
+                                   {"optimizer": None, "param": None})
+        assert case["clipping"] == (worker.CLIP if words else 0.0) and case["norms"] == []  # the loop never clips
         assert max_difference(case["weights"], weights) <= bound("sgd", 1, G, g_min, W)
     if name == "variable":  # one gloo group of mpirun's processes, each at the rank mpirun gave it
         assert [(ranks[r]["detected-sgd-k1"]["group"], ranks[r]["detected-sgd-k1"]["launcher_ranks"][

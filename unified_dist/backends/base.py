@@ -79,6 +79,9 @@ class Config:
     stop_signals: Tuple[str, ...] = TABLE["stop_signals"].default  # what ud.should_stop() listens to
     zero_stage: Optional[int] = TABLE["zero_stage"].default  # the deepspeed backend's ZeRO stage (None: not said)
     deepspeed_config: Optional[str] = TABLE["deepspeed_config"].default  # a DeepSpeed config file (deepspeed backend)
+    offload_optimizer: Optional[str] = TABLE["offload_optimizer"].default  # ZeRO-Offload's device (deepspeed backend)
+    offload_param: Optional[str] = TABLE["offload_param"].default  # ZeRO-3's parameter offload device (deepspeed)
+    gradient_clipping: Optional[float] = TABLE["gradient_clipping"].default  # DeepSpeed's clip in its step (deepspeed)
 
     def value(self, name: str) -> Any:
         """The value of setting ``name`` as ``init`` takes it (the sharding keywords from
@@ -88,6 +91,10 @@ class Config:
         if name in SHARDING_KEYWORDS:
             return self.sharding.field(name)
         return getattr(self, name)
+
+
+DEEPSPEED_SETTINGS = ("zero_stage", "deepspeed_config", "offload_optimizer", "offload_param", "gradient_clipping")
+"""The settings only the deepspeed backend reads (another backend would ignore them, so it refuses them)."""
 
 
 def weighted(loss: torch.Tensor, weight: Fraction) -> torch.Tensor:
@@ -111,7 +118,7 @@ class Backend(ABC):
     supports_pipeline: bool = False
     """Whether ``pp > 1`` can run on this stack (torch's own backend only: :mod:`unified_dist.parallel.pipeline`)."""
     reads_deepspeed_settings: bool = False
-    """Whether this stack honours ``zero_stage`` and ``deepspeed_config`` (the others refuse them at ``init``)."""
+    """Whether this stack honours :data:`DEEPSPEED_SETTINGS` (the others refuse them at ``init``)."""
     zero_stage: Optional[int] = None
     """The ZeRO stage this stack shards with (the deepspeed backend: 0-3), ``None`` on stacks without ZeRO."""
 

@@ -13,9 +13,11 @@ loop keeps its meaning by telling the engine, not by undoing it:
 - ``ud.backward`` gives the engine the loss already weighted by the facade (``scale_wrt_gas=False``: the
   engine divides by nothing more);
 - the prepared optimizer's ``step`` is the engine's ``step``, called once per optimizer step;
-- the configuration is built once from the settings table (ZeRO stage, accumulation, mixed precision), on top
-  of the user's DeepSpeed config file where one is given, and DeepSpeed's own default gradient clipping (1.0)
-  is turned off: the facade clips only when ``ud.clip_grad_norm_`` asks, on every backend alike.
+- the configuration is built once from the settings table (ZeRO stage, accumulation, mixed precision, offload,
+  gradient clipping), on top of the user's DeepSpeed config file where one is given, and DeepSpeed's own default
+  gradient clipping (1.0) is turned off unless the settings or the file ask for it (``accelerate launch
+  --gradient_clipping`` does): otherwise the facade clips only when ``ud.clip_grad_norm_`` asks, on every backend
+  alike.
 
 DeepSpeed runs on torch's default process group (joined as the torch backend joins it: gloo on a CPU, nccl on
 GPUs), so the collectives are the torch backend's.
@@ -91,10 +93,15 @@ def _said(value: Any) -> bool:
 
 
 def engine_config(file: Dict[str, Any], path: Optional[str], stage: int, accumulation: int, mixed_precision: str,
-                  micro_batch: int) -> Dict[str, Any]:
+                  micro_batch: int, offload_optimizer: Optional[str] = None, offload_param: Optional[str] = None,
+                  gradient_clipping: Optional[float] = None) -> Dict[str, Any]:
     """The config ``deepspeed.initialize`` gets: the file's, with the settings' values filled in where it leaves them
     out (or says ``"auto"``). Where it says another value than the settings, a one-line :class:`SettingError`.
-    Pure."""
+
+    Offload (the settings' or the file's): the optimizer's at ZeRO 1-3, the parameters' at ZeRO-3 only, else a
+    one-line :class:`SettingError` (DeepSpeed would leave it out without a word). With the optimizer offloaded the
+    user's own torch optimizer steps DeepSpeed's partitions in CPU memory (``zero_force_ds_cpu_optimizer`` off,
+    unless the file says otherwise). Pure."""
     config = copy.deepcopy(file)
 
     def agree(keys: List[str], value: Any, setting: str) -> None:
@@ -112,6 +119,21 @@ def engine_config(file: Dict[str, Any], path: Optional[str], stage: int, accumul
     agree(["train_micro_batch_size_per_gpu"], micro_batch, "the prepared DataLoader's batch_size")
     agree(["bf16", "enabled"], mixed_precision == "bf16", f"mixed_precision={mixed_precision!r}")
     agree(["fp16", "enabled"], mixed_precision == "fp16", f"mixed_precision={mixed_precision!r}")
+    for key, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
+        if device is not None:
+            agree(["zero_optimization", key, "device"], device, key)
+    if gradient_clipping is not None:
+        agree(["gradient_clipping"], float(gradient_clipping), "gradient_clipping")
+    offloaded = {key: device for key in ("offload_optimizer", "offload_param")
+                 if _said(device := (config["zero_optimization"].get(key) or {}).get("device")) and device != "none"}
+    if "offload_param" in offloaded and stage != 3:
+        raise SettingError(f"offload_param={offloaded['offload_param']!r} offloads ZeRO-3's parameter partitions, and "
+                           f"ZeRO stage {stage} keeps whole parameters on every rank: use zero_stage=3, or drop it")
+    if "offload_optimizer" in offloaded:
+        if stage == 0:
+            raise SettingError(f"offload_optimizer={offloaded['offload_optimizer']!r} offloads ZeRO's optimizer "
+                               "partitions, and stage 0 has none: use zero_stage=1, 2 or 3, or drop it")
+        config.setdefault("zero_force_ds_cpu_optimizer", False)  # the user's torch optimizer steps on the CPU
     if not _said(config.get("train_batch_size")):
         config.pop("train_batch_size", None)  # DeepSpeed derives it: micro batch x accumulation x world size
     if not _said(config.get("gradient_clipping")):
@@ -174,7 +196,8 @@ class DeepSpeedBackend(TorchBackend):
         optimizer = self._pending["optimizer"]
         config = engine_config(self._file, self.config.deepspeed_config, self.zero_stage,
                                self.config.gradient_accumulation_steps, self.config.mixed_precision,
-                               self._pending["micro_batch"])
+                               self._pending["micro_batch"], self.config.offload_optimizer, self.config.offload_param,
+                               self.config.gradient_clipping)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config,
                                                     dist_init_required=False)
         return self.engine

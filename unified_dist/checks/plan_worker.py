@@ -63,12 +63,18 @@ class PlanLimit(UnifiedDistError):
     """What the simulation cannot plan (reported as a ``PlanError``, the plan's limit, not the job's error)."""
 
 
-def zero_plan_limit(file: Dict[str, Any], mixed_precision: Optional[str]) -> Optional[str]:
+def zero_plan_limit(file: Dict[str, Any], mixed_precision: Optional[str],
+                    offload: Optional[Dict[str, Optional[str]]] = None) -> Optional[str]:
     """Why a plan cannot model a deepspeed job whose DeepSpeed config is ``file`` (a dict, ``{}`` without one) and
     whose ``mixed_precision`` setting is given, in one line; ``None``: float32 without offload, which it models.
-    Pure."""
+    ``offload``: the ``offload_optimizer`` and ``offload_param`` settings. Pure."""
     zero = file.get("zero_optimization", {})
-    unmodelled = [key for key in ("offload_optimizer", "offload_param") if _said(zero.get(key))] + \
+    said = {key: device for key, device in (offload or {}).items() if device is not None}
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero.get(key) or {}).get("device")
+        if key not in said and _said(device) and device != "none":
+            said[key] = device
+    unmodelled = [f"{key}={device!r}" for key, device in said.items()] + \
         [key for key in ("optimizer", "scheduler") if _said(file.get(key))] + \
         [key for key in ("bf16", "fp16") if file.get(key, {}).get("enabled") not in (None, False, "auto")]
     if mixed_precision not in (None, "no"):
@@ -92,7 +98,8 @@ class PlannedDeepSpeed(TorchBackend):
         if problem:
             raise UnifiedDistError(problem)
         file = read_config_file(config.deepspeed_config)
-        limit = zero_plan_limit(file, config.mixed_precision)
+        limit = zero_plan_limit(file, config.mixed_precision,
+                                {"offload_optimizer": config.offload_optimizer, "offload_param": config.offload_param})
         if limit:
             raise PlanLimit(limit)
         self.zero_stage = zero_stage_of(config, file, detection.launcher)

@@ -82,11 +82,12 @@ def plan_of(args) -> launch.Plan:
 def deepspeed_refusal(plan: launch.Plan) -> None:
     """Raise :class:`UsageError` for DeepSpeed flags without ``--backend deepspeed``, and, with it, for what the
     deepspeed backend refuses (its own one-line reason) or runs without a pipeline (``--pp``)."""
+    from ..backends.base import DEEPSPEED_SETTINGS
     from ..backends.deepspeed_backend import refusal
     from ..session import config_from
 
     if plan.backend != "deepspeed":
-        given = [name for name in ("zero_stage", "deepspeed_config") if plan.setting(name) is not None]
+        given = [name for name in DEEPSPEED_SETTINGS if plan.setting(name) is not None]
         if given:
             raise UsageError(f"{settings.flag_name(given[0])} is the deepspeed backend's: add --backend deepspeed")
         return

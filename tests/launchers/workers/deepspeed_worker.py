@@ -2,9 +2,10 @@
 
 One launch (2 ranks) trains the same tiny model through the facade's loop for every case: ZeRO stage 0-3 x
 (SGD with momentum, AdamW) x gradient accumulation 1 and 2, each in its own ``ud.init(backend="deepspeed",
-zero_stage=S, gradient_accumulation_steps=K)`` ... ``ud.shutdown()`` session, then the same loop on the torch
-backend (DDP). Each rank writes the final full weights of every case (read with DeepSpeed's own
-``safe_get_full_fp32_param``, independent of the facade) to ``--out/rank{r}.json``; the test compares them with
+zero_stage=S, gradient_accumulation_steps=K)`` ... ``ud.shutdown()`` session, ZeRO 1-3 once more with the optimizer
+offloaded (and ZeRO-3's parameters), then the same loop on the torch backend (DDP). Each rank writes the final
+full weights of every case (read with DeepSpeed's own ``safe_get_full_fp32_param``, independent of the facade) to
+``--out/rank{r}.json``; the test compares them with
 plain single-process torch computed in the test process. Data and model are literal functions of a seed, so the
 test rebuilds them exactly (:func:`data`, :func:`model`). With ``--checkpoints`` the launch then runs the portable
 checkpoints' reshard chain (:func:`chain_leg`) and a plain DeepSpeed script's checkpoint
@@ -53,14 +54,16 @@ LAUNCHER_RANKS = ("RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"
 
 
 def train(ud, backend: Optional[str], stage: Optional[int], opt_name: str, k: int,
-          clip: Optional[float] = None, checkpoint: bool = False) -> dict:
+          clip: Optional[float] = None, checkpoint: bool = False, offload: bool = False) -> dict:
     """The facade's loop; returns the final full weights by parameter name (flattened lists), which backend,
     launcher and ZeRO stage ran it, the rank the session gave this process and those its launcher's variables
     said, torch.distributed's backend and whether Horovod's library was started, and the optimizer state this rank
     holds. ``backend``/``stage`` ``None``: whatever the launcher and the environment say; ``clip``:
     ``ud.clip_grad_norm_(..., clip)`` before each step (its norms are returned too); ``checkpoint``: then
-    :func:`save_and_load`."""
-    ud.init(backend=backend, gradient_accumulation_steps=k, zero_stage=stage)
+    :func:`save_and_load`; ``offload``: ``offload_optimizer="cpu"`` (and ``offload_param="cpu"`` at ZeRO-3), then
+    :func:`save_offloaded`. Also returned: where the engine offloads and the clipping it applies in its step."""
+    ud.init(backend=backend, gradient_accumulation_steps=k, zero_stage=stage,
+            offload_optimizer="cpu" if offload else None, offload_param="cpu" if offload and stage == 3 else None)
     x, y = data()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=False)
     net = model()
@@ -85,7 +88,12 @@ def train(ud, backend: Optional[str], stage: Optional[int], opt_name: str, k: in
     else:
         weights = {n: p.detach().cpu() for n, p in inner.named_parameters()}
     horovod = sys.modules.get("horovod.torch")
+    engine = prepared if ud.backend_name() == "deepspeed" else None
     out = {"checkpoint": save_and_load(ud, prepared, opt, stage) if checkpoint else None,
+           "offloaded_file": save_offloaded(ud, prepared, opt, stage) if offload else None,
+           "offload": {what: getattr(getattr(engine, f"zero_offload_{what}")() if engine else None, "device", None)
+                       for what in ("optimizer", "param")},
+           "clipping": engine.gradient_clipping() if engine else None,
            "backend": ud.backend_name(), "launcher": ud.launcher(), "world_size": ud.world_size(),
            "rank": ud.rank(), "launcher_ranks": {k: os.environ.get(k) for k in LAUNCHER_RANKS},
            "group": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
@@ -117,6 +125,13 @@ def save_and_load(ud, model, optimizer, stage: int) -> dict:
     outcome["file"] = str(path)
     outcome["optimizer_file"] = str(optimizer_path)
     return outcome
+
+
+def save_offloaded(ud, model, optimizer, stage: int) -> str:
+    """``ud.save`` of the model and optimizer whose state the engine keeps offloaded: the file's path."""
+    path = OUT / f"zero{stage}-offload.pt"
+    ud.save({"model": model, "optimizer": optimizer}, str(path))
+    return str(path)
 
 
 CHAIN = {  # the reshard chain's legs in these processes, in order; the test runs the last leg, 1 process
@@ -264,6 +279,8 @@ def main() -> None:
                     results[case_name("deepspeed", stage, opt_name, k)] = train(
                         ud, "deepspeed", stage, opt_name, k, checkpoint=opt_name == "sgd" and k == 1)
             results[f"deepspeed-zero{stage}-clip"] = train(ud, "deepspeed", stage, "sgd", 1, clip=CLIP)
+            if stage:  # ZeRO-Offload: the optimizer's partitions (and ZeRO-3's parameters) in CPU memory
+                results[f"deepspeed-zero{stage}-offload"] = train(ud, "deepspeed", stage, "adamw", 2, offload=True)
         for opt_name in OPTIMIZERS:
             for k in ACCUMULATIONS:
                 results[case_name("torch", 0, opt_name, k)] = train(ud, "torch", None, opt_name, k)

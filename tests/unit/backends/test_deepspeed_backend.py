@@ -110,6 +110,61 @@ def test_a_config_file_is_filled_where_it_says_auto_and_refused_where_it_disagre
     assert "\n" not in str(err.value)
 
 
+def test_offload_and_clipping_come_from_the_settings_and_agree_with_the_file():
+    """The settings' offload devices and clipping go where DeepSpeed reads them; the user's torch optimizer steps
+    the offloaded partitions (``zero_force_ds_cpu_optimizer`` off unless the file says it); a file that says the same
+    is taken, one that says otherwise is refused in one line."""
+    config = engine_config({}, None, 3, 1, "no", 4, offload_optimizer="cpu", offload_param="cpu", gradient_clipping=0.5)
+    assert config["zero_optimization"] == {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                           "offload_param": {"device": "cpu"}}
+    assert config["gradient_clipping"] == 0.5 and config["zero_force_ds_cpu_optimizer"] is False
+    plain = engine_config({}, None, 2, 1, "no", 4)
+    assert "offload_optimizer" not in plain["zero_optimization"] and "zero_force_ds_cpu_optimizer" not in plain
+    file = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+            "zero_force_ds_cpu_optimizer": True, "gradient_clipping": "auto"}
+    config = engine_config(file, "ds.json", 2, 1, "no", 4, offload_optimizer="cpu", gradient_clipping=1.0)
+    assert config["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert config["zero_force_ds_cpu_optimizer"] is True and config["gradient_clipping"] == 1.0  # the file's word
+    disagreements = (({"offload_optimizer": "cpu"}, "offload_optimizer.device='none' but offload_optimizer says 'cpu'"),
+                     ({"gradient_clipping": 0.5}, "ds.json says gradient_clipping=1.0 but gradient_clipping says 0.5"))
+    for said, words in disagreements:
+        with pytest.raises(SettingError, match=words) as err:
+            engine_config({"zero_optimization": {"offload_optimizer": {"device": "none"}}, "gradient_clipping": 1.0},
+                          "ds.json", 2, 1, "no", 4, **said)
+        assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("file, stage, settings_said, words", [
+    ({}, 2, {"offload_param": "cpu"}, "offload_param='cpu' offloads ZeRO-3's parameter partitions, and ZeRO stage 2"),
+    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, 1, {}, "use zero_stage=3, or drop it"),
+    ({}, 0, {"offload_optimizer": "cpu"}, "offload_optimizer='cpu' offloads ZeRO's optimizer partitions, and stage 0"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, 0, {}, "use zero_stage=1, 2 or 3"),
+])
+def test_offload_a_stage_has_nothing_for_is_refused_in_one_line(file, stage, settings_said, words):
+    """DeepSpeed offloads parameters at ZeRO-3 only and optimizer partitions at ZeRO 1-3; elsewhere it would run
+    without the offload the user asked for, without a word."""
+    with pytest.raises(SettingError, match=words) as err:
+        engine_config(file, "ds.json", stage, 1, "no", 4, **settings_said)
+    assert "\n" not in str(err.value)
+
+
+def test_accelerates_offload_and_clipping_words_reach_the_settings():
+    """``accelerate launch --use_deepspeed --offload_optimizer_device cpu --offload_param_device cpu
+    --gradient_clipping 0.5`` (the variables it exports); ``none`` is its default and says nothing; a device the
+    backend does not offload to (``nvme``) is one line naming what it takes."""
+    words = dict(ACCELERATE_DS, ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE="cpu",
+                 ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE="cpu", ACCELERATE_GRADIENT_CLIPPING="0.5")
+    assert [settings.resolve(name, None, words) for name in ("offload_optimizer", "offload_param",
+                                                              "gradient_clipping")] == ["cpu", "cpu", 0.5]
+    silent = dict(ACCELERATE_DS, ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE="none")
+    assert settings.resolve("offload_optimizer", None, silent) is None
+    assert settings.resolve("offload_optimizer", None, {"UNIFIED_DIST_OFFLOAD_OPTIMIZER": "cpu"}) == "cpu"
+    with pytest.raises(SettingError, match="nvme.*use one of cpu, none") as err:
+        settings.resolve("offload_optimizer", None, dict(ACCELERATE_DS,
+                                                         ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE="nvme"))
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("config, words", [
     (Config(sharding=Sharding("fsdp")), "sharding='fsdp' is torch's FSDP2/TP/pipeline layout"),
     (Config(sharding=Sharding(pp=2)), "pp=2 is torch's FSDP2/TP/pipeline layout; the deepspeed backend shards"),
@@ -128,10 +183,11 @@ def test_other_backends_refuse_the_deepspeed_settings(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     ud.shutdown()
     try:
-        for kwargs in ({"zero_stage": 2}, {"deepspeed_config": "ds.json"}):
+        for kwargs in ({"zero_stage": 2}, {"deepspeed_config": "ds.json"}, {"offload_optimizer": "cpu"},
+                       {"offload_param": "cpu"}, {"gradient_clipping": 1.0}):
             with pytest.raises(ud.UnifiedDistError, match="backend='deepspeed'") as err:
                 ud.init(**kwargs)
-            assert "\n" not in str(err.value)
+            assert "\n" not in str(err.value) and str(err.value).startswith(next(iter(kwargs)))
     finally:
         ud.shutdown()
 

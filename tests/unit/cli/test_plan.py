@@ -288,6 +288,8 @@ ZERO_REFUSED = {  # flags -> the one line plan prints (status 2), before anythin
     "dp-replicate": (("--backend", "deepspeed", "--zero-stage", "2", "--dp-replicate", "2"),
                      "--backend deepspeed: dp_replicate=2 applies to the blocks FSDP2 shards"),
     "no-backend": (("--zero-stage", "2"), "--zero-stage is the deepspeed backend's: add --backend deepspeed"),
+    "offload-no-backend": (("--offload-optimizer", "cpu"),
+                           "--offload-optimizer is the deepspeed backend's: add --backend deepspeed"),
 }
 
 
@@ -308,8 +310,8 @@ def test_plan_says_what_it_does_not_model_of_deepspeed(plan):
 
 
 @pytest.mark.parametrize("file, what", [
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
-    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "offload_param"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer='cpu'"),
+    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "offload_param='cpu'"),
     ({"optimizer": {"type": "AdamW"}}, "optimizer"), ({"scheduler": {"type": "WarmupLR"}}, "scheduler"),
     ({"bf16": {"enabled": True}}, "bf16"), ({"fp16": {"enabled": True}}, "fp16"),
 ])
@@ -318,6 +320,17 @@ def test_plan_names_each_deepspeed_config_it_does_not_model(file, what):
 
     assert f"; {what} is not modelled" in zero_plan_limit(file, "no")
     assert zero_plan_limit({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}, "no") is None
+
+
+def test_plan_names_the_offload_settings_it_does_not_model():
+    """The offload settings (``--offload-optimizer cpu``, ``accelerate launch --offload_optimizer_device cpu``) are
+    not modelled either; a config file's device ``"none"`` offloads nothing."""
+    from unified_dist.checks.plan_worker import zero_plan_limit
+
+    limit = zero_plan_limit({}, "no", {"offload_optimizer": "cpu", "offload_param": None})
+    assert limit.endswith("; offload_optimizer='cpu' is not modelled (plan the float32 job, or measure one real step)")
+    assert zero_plan_limit({"zero_optimization": {"offload_optimizer": {"device": "none"}}}, "no",
+                           {"offload_optimizer": None, "offload_param": None}) is None
 
 
 # ------------------------------------------------------------------------------------------ pipeline stages
