@@ -73,10 +73,11 @@ ACCELERATE_CONFIG = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_
 is not the one ``--use_deepspeed`` gives without a file (2), so the stage the engine runs at says the file was read;
 what it leaves to ``"auto"`` comes from the settings."""
 ACCELERATE_WORDS = ["--offload_optimizer_device", "cpu", "--offload_param_device", "cpu",
-                    "--gradient_clipping", str(worker.CLIP)]
+                    "--gradient_clipping", str(worker.CLIP), "--zero3_init_flag", "true"]
 """Accelerate's other DeepSpeed words on that command line, as a user of ZeRO-3 with offload types them: its file leaves
 ``gradient_clipping`` to ``"auto"``, and says nothing of offload. The engine must offload both and clip each step's
-gradients to ``worker.CLIP`` (below every step's norm here) inside its step, though the loop never clips."""
+gradients to ``worker.CLIP`` (below every step's norm here) inside its step, though the loop never clips; each
+process says once that it does not build the model inside ``deepspeed.zero.Init``."""
 STAGE = {"variable": 1, "accelerate": 3, "unified-dist": 3}
 LAUNCHER = {"variable": "mpirun", "accelerate": "accelerate", "unified-dist": "deepspeed"}
 CODE_STAGE = {"horovodrun": 2, "srun": 3}
@@ -257,6 +258,8 @@ def test_each_selector_runs_the_engine_at_the_stage_it_says(launches, name):
     CROSS_RANK/CROSS_SIZE/LOCAL_SIZE): the backend and the stage each names, and the physics of the global batch."""
     ranks = finished(launches, name)
     words = name == "accelerate"  # ACCELERATE_WORDS: offload both, clip to worker.CLIP in the engine's step
+    said = launches.get(name)[0].output.count("accelerate launch --zero3_init_flag true: a facade script builds")
+    assert said == (2 if words else 0), launches.get(name)[0].output[-3000:]
     norms: list = []
     weights, G, g_min, W = reference("sgd", 1, worker.CLIP, norms) if words else reference("sgd", 1)
     assert not words or min(norms) > worker.CLIP  # the launcher's clip bites at every step

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import warnings
 from fractions import Fraction
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,6 +64,30 @@ def refusal(config: Config) -> Optional[str]:
         return (f"compile={config.compile!r}: the deepspeed backend does not compile yet; leave compile off, or use "
                 "backend='torch'")
     return None
+
+
+def accelerate_words(environ: Mapping[str, str], stage: int) -> Tuple[Optional[str], List[str]]:
+    """What ``accelerate launch --use_deepspeed``'s words that are not settings mean for a facade script: a one-line
+    refusal (or ``None``) and one-line warnings. ``--deepspeed_moe_layer_cls_names`` (ZeRO-3 leaf modules) is refused:
+    this backend does not mark them; ``--zero3_init_flag true`` (build the model partitioned, inside
+    ``deepspeed.zero.Init``) and ``--zero3_save_16bit_model true`` (save 16-bit weights) are said once each: the
+    facade's script builds its model whole before ``ud.prepare`` partitions it, and ``ud.save`` writes the float32
+    weights gathered from the partitions. Pure."""
+    moe = environ.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES", "").strip()
+    refusal = (f"accelerate launch --deepspeed_moe_layer_cls_names {moe}: the deepspeed backend does not mark MoE "
+               "layers as ZeRO-3 leaf modules; drop it, or run the script with Accelerate's API "
+               "(python -m unified_dist.accelerate)") if moe and moe.lower() != "none" else None
+    said = {name: environ.get(f"ACCELERATE_DEEPSPEED_{name}", "").strip().lower() in ("true", "1", "yes")
+            for name in ("ZERO3_INIT", "ZERO3_SAVE_16BIT_MODEL")}
+    notes = []
+    if said["ZERO3_INIT"] and stage == 3:
+        notes.append("accelerate launch --zero3_init_flag true: a facade script builds its model whole, and "
+                     "ud.prepare partitions it; build it inside deepspeed.zero.Init() yourself where one process "
+                     "cannot hold it")
+    if said["ZERO3_SAVE_16BIT_MODEL"] and stage == 3:
+        notes.append("accelerate launch --zero3_save_16bit_model true: ud.save writes the float32 weights gathered "
+                     "from ZeRO-3's partitions (the portable format), not 16-bit ones")
+    return refusal, notes
 
 
 def zero_stage_of(config: Config, file: Dict[str, Any], launcher: str) -> int:
@@ -161,6 +187,12 @@ class DeepSpeedBackend(TorchBackend):
                 "(DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8, after torch)") from None
         self._file = read_config_file(config.deepspeed_config)
         self.zero_stage = zero_stage_of(config, self._file, detection.launcher)
+        if detection.launcher == "accelerate":
+            problem, notes = accelerate_words(os.environ, self.zero_stage)
+            if problem:
+                raise UnifiedDistError(problem)
+            for note in notes:
+                warnings.warn(f"unified_dist: {note}", UserWarning, stacklevel=4)
         super().__init__(detection, config)  # joins the default group: gloo on a CPU, nccl on GPUs
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
         self.engine: Any = None

@@ -165,6 +165,27 @@ def test_accelerates_offload_and_clipping_words_reach_the_settings():
     assert "\n" not in str(err.value)
 
 
+def test_accelerates_deepspeed_words_that_are_not_settings_are_refused_or_said():
+    """``--deepspeed_moe_layer_cls_names`` is refused in one line; ``--zero3_init_flag true`` and
+    ``--zero3_save_16bit_model true`` at ZeRO-3 are said in one line each (Accelerate's defaults, false or unset,
+    say nothing; below ZeRO-3 Accelerate ignores both too)."""
+    from unified_dist.backends.deepspeed_backend import accelerate_words
+
+    assert accelerate_words(ACCELERATE_DS, 3) == (None, [])
+    moe = dict(ACCELERATE_DS, ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES="MixtralSparseMoeBlock")
+    problem, _ = accelerate_words(moe, 3)
+    assert problem.startswith("accelerate launch --deepspeed_moe_layer_cls_names MixtralSparseMoeBlock: the deepspeed "
+                              "backend does not mark MoE layers") and "\n" not in problem
+    both = dict(ACCELERATE_DS, ACCELERATE_DEEPSPEED_ZERO3_INIT="true",
+                ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL="true")
+    problem, notes = accelerate_words(both, 3)
+    assert problem is None and len(notes) == 2 and all("\n" not in note for note in notes)
+    assert notes[0].startswith("accelerate launch --zero3_init_flag true: a facade script builds its model whole")
+    assert notes[1].startswith("accelerate launch --zero3_save_16bit_model true: ud.save writes the float32 weights")
+    assert accelerate_words(both, 2) == (None, [])
+    assert accelerate_words(dict(ACCELERATE_DS, ACCELERATE_DEEPSPEED_ZERO3_INIT="false"), 3) == (None, [])
+
+
 @pytest.mark.parametrize("config, words", [
     (Config(sharding=Sharding("fsdp")), "sharding='fsdp' is torch's FSDP2/TP/pipeline layout"),
     (Config(sharding=Sharding(pp=2)), "pp=2 is torch's FSDP2/TP/pipeline layout; the deepspeed backend shards"),
