@@ -403,7 +403,7 @@ def tokenised_splits(args: Any, tokenizer: Any, cache_dir: str) -> TokenisedSpli
 def make_loaders(args: Any, splits: TokenisedSplits, tokenizer: Any, global_batch: int, whole_batches: bool = False):
     """Train loader (length-grouped, shuffled, in order, or a stream) and longest-first evaluation
     loaders, padded per batch. ``whole_batches``: the training loader drops a last batch it cannot fill
-    (--pp: a pipeline cuts each batch into equal microbatches).
+    (--pp: a pipeline cuts each batch into equal microbatches), a stream's last global batch too.
 
     They are plain DataLoaders over the whole split: ``ud.prepare`` shards them across processes.
     With ``--streaming`` the training loader reads :func:`stream_training_csv`'s stream, through
@@ -423,7 +423,7 @@ def make_loaders(args: Any, splits: TokenisedSplits, tokenizer: Any, global_batc
             import unified_dist as ud
 
             stream = ud.stream(stream, shuffle_buffer=args.shuffle_buffer)
-        train = torch.utils.data.DataLoader(stream, args.batch_size, collate_fn=collator)
+        train = torch.utils.data.DataLoader(stream, args.batch_size, collate_fn=collator, drop_last=whole_batches)
     elif args.group_by_length:
         order = LengthGroupedOrder(token_lengths(splits.train), global_batch, args.seed)
         train = torch.utils.data.DataLoader(splits.train, args.batch_size, sampler=order, collate_fn=collator,

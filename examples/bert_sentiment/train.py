@@ -109,7 +109,6 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     checkpoints = os.path.join(out, "checkpoints")
     resume_path = ud.latest_checkpoint(checkpoints) if args.resume in ("auto", "latest") else args.resume
     model_name = modeling.resolve_model(args.model)
-    refuse_what_a_pipeline_cannot_do_yet(args)
     global_batch = args.batch_size * ud.data_parallel_world_size() * args.grad_accum
     logs.print_launch(args, threads, global_batch)
     ud.seed_everything(args.seed)  # before the model (classifier head init) and the loaders (shuffle order)
@@ -323,17 +322,6 @@ def finish(r: Run) -> Dict[str, Any]:
              f"{results['test_examples']} examples) after {results['steps']} steps in {results['wall_time_s']:.0f} s; "
              f"model saved to {final_dir}")
     return results
-
-
-def refuse_what_a_pipeline_cannot_do_yet(args: argparse.Namespace) -> None:
-    """--pp (or the launcher's): --streaming is refused (its last batch may be ragged, which the microbatches do
-    not divide). Checkpoints are written and resumed as without --pp (--resume, --save-every, --stop-after):
-    ``ud.save`` gathers every stage's weights and optimizer state by the whole model's names and ``ud.load`` gives
-    each stage its part (docs/pipeline.md, "Checkpoints")."""
-    pp = ud.pipeline_stages()
-    if pp > 1 and args.streaming:
-        raise UserError(f"--streaming with pipeline parallelism (pp={pp}) is not supported yet: a stream's last "
-                        "batch may be ragged, which the microbatches do not divide; drop it or run without --pp")
 
 
 def set_threads(requested: int) -> int:

@@ -823,27 +823,6 @@ def test_non_finite_loss_stops_with_the_step(tmp_path: Path, tiny_bert: str) -> 
     assert "loss is not finite" in line and "at optimizer step" in line
 
 
-def test_what_a_pipeline_cannot_do_yet_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under --pp (or the launcher's pp) --streaming (a ragged last batch) is one UserError naming it; the flags that
-    need a checkpoint (--resume, --save-every, --stop-after) are not refused: a pipeline's checkpoint holds every
-    stage's weights and optimizer state (test_pipeline_run_stopped_and_resumed_ends_on_the_uninterrupted_...)."""
-    import unified_dist as ud
-
-    spec = importlib.util.spec_from_file_location("bert_sentiment_train", SCRIPT)
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    monkeypatch.setattr(ud, "pipeline_stages", lambda: 2)
-    train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args([]))
-    train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args(["--resume", "auto", "--save-every", "2",
-                                                                 "--stop-after", "3"]))
-    with pytest.raises(train.UserError) as caught:
-        train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args(["--streaming", "--resume", "auto"]))
-    assert str(caught.value).startswith("--streaming with pipeline parallelism (pp=2)"), str(caught.value)
-    assert "\n" not in str(caught.value)
-    monkeypatch.setattr(ud, "pipeline_stages", lambda: 1)
-    train.refuse_what_a_pipeline_cannot_do_yet(train.parse_args(["--streaming"]))
-
-
 # --------------------------------------------------------------------------- data helpers, in process
 def _data_module():
     path = ROOT / "examples" / "bert_sentiment" / "data.py"

@@ -1,7 +1,7 @@
 """The example's ``--streaming`` (issue 27): its training split read as a ``datasets`` stream from CSV
 trains exactly like the map-style run, resumes, and refuses what cannot work.
 
-Three runs in two launches, shared by the tests below (module fixture ``runs``), in tiny settings: 57
+Five runs in two launches, shared by the tests below (module fixture ``runs``), in tiny settings: 57
 training examples (so each epoch ends with a ragged global batch of 9: 5 + 4 over two ranks), 2 epochs of 4
 steps, global batch 16, no dropout, 1 thread per process.
 
@@ -10,6 +10,8 @@ steps, global batch 16, no dropout, 1 thread per process.
   stream; ``ud.prepare``'s map-style path).
 * ``stream``: torchrun x 2, ``--streaming --no-shuffle``, with the progress bar on (the loader's
   length is unknown) and a checkpoint at step 6 (mid-epoch 2).
+* ``stream_pp`` and ``map_pp``: the same two, with ``--pp 2 --batch-size 16`` (two pipeline stages), in the same
+  launch after them.
 * ``resumed``: python x 1 with ``--batch-size 16`` (the same global batch), ``--streaming``, continuing
   ``stream``'s step-6 checkpoint: the stream's position crosses from 2 ranks to 1.
 
@@ -36,6 +38,8 @@ TINY = ["--limit-train", str(ROWS), "--limit-eval", str(EVAL), "--max-length", "
         "--eval-batch-size", "16", "--epochs", "2", "--no-dropout", "--threads", "1", "--eval-every", "0",
         "--no-shuffle", "--no-plots"]
 STEPS = 8  # ceil(57 / 16) = 4 optimizer steps per epoch, 2 epochs
+PIPELINE = ["--batch-size", "16", "--pp", "2"]  # 2 stages of one data-parallel rank: global batches of 16
+PIPELINE_STEPS = 6  # floor(57 / 16) = 3 whole batches per epoch (a pipeline's microbatches divide whole ones)
 
 
 class Run(NamedTuple):
@@ -75,10 +79,12 @@ def runs(module_dirs, tiny_bert) -> Dict[str, Run]:
     plan = [{"name": name, "argv": [*tiny, *args, "--output-dir", str(base / name)]} for name, args in (
         ("stream", ["--batch-size", "8", "--streaming", "--save-every", "6"]),
         ("map", ["--batch-size", "8", "--no-progress"]),
+        ("stream_pp", [*PIPELINE, "--streaming"]),
+        ("map_pp", [*PIPELINE, "--no-progress"]),
     )]
-    both, outputs = launch_plan("torchrun", plan, base, 2, 2 * TIMEOUT)
+    both, outputs = launch_plan("torchrun", plan, base, 2, 4 * TIMEOUT)
     done: Dict[str, Run] = {}
-    for name in ("stream", "map"):  # a run the launch did not reach fails its tests with the launch's output
+    for name in ("stream", "map", "stream_pp", "map_pp"):  # a run the launch did not reach fails with its output
         done[name] = Run(Result(both.cmd, both.returncode, outputs.get(name, both.output), both.timed_out),
                          base / name)
     checkpoint = done["stream"].out / "checkpoints" / "checkpoint-000000006.pt"
@@ -118,6 +124,32 @@ def test_streaming_without_shuffle_logs_the_map_style_runs_losses(runs: Dict[str
     assert evals == [(r["step"], r["split"], r["accuracy"], r["eval_examples"]) for r in _metrics(runs["map"].out)
                      if r["type"] == "eval"]
     assert [(step, split) for step, split, _, _ in evals] == [(4, "validation"), (8, "validation"), (8, "test")]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_streaming_under_a_pipeline_logs_the_map_style_pipelines_losses(runs: Dict[str, Run]) -> None:
+    """torchrun x 2 with ``--pp 2`` (two stages, one data-parallel rank, global batches of 16): ``--streaming
+    --no-shuffle`` logs the map-style ``--pp 2 --no-shuffle`` run's losses and learning rates, bitwise, ends on its
+    weights and evaluates at the same steps. Both drop each epoch's ragged last 9 rows (a pipeline's microbatches
+    divide whole batches only): 3 steps per epoch, which the stream's schedule also counts from the known number of
+    training rows. Bitwise for the reason above: the same batches, microbatches and stages, the same operations."""
+    reference = runs["map_pp"].result.check()
+    result = runs["stream_pp"].result.check()
+    first = result.output[result.output.index("launcher "):].splitlines()[0]
+    assert first.endswith("| mesh pp 2 x dp_replicate 1 x dp_shard 1 x tp 1"), first
+    assert "training data: streamed from 1 CSV file(s)" in result.output, result.output[-3000:]
+    expected, got = _train(runs["map_pp"].out, "loss"), _train(runs["stream_pp"].out, "loss")
+    assert sorted(expected) == list(range(1, PIPELINE_STEPS + 1)), reference.output[-3000:]
+    assert got == expected, (got, expected)
+    assert _train(runs["stream_pp"].out, "lr") == _train(runs["map_pp"].out, "lr")
+    assert _max_weight_difference(runs["stream_pp"].out, runs["map_pp"].out) == 0.0
+    evals = [(r["step"], r["split"], r["accuracy"], r["eval_examples"]) for r in _metrics(runs["stream_pp"].out)
+             if r["type"] == "eval"]
+    assert evals == [(r["step"], r["split"], r["accuracy"], r["eval_examples"]) for r in _metrics(runs["map_pp"].out)
+                     if r["type"] == "eval"]
+    assert [(step, split, n) for step, split, _, n in evals] == [(3, "validation", EVAL), (6, "validation", EVAL),
+                                                                 (6, "test", EVAL)]
 
 
 @pytest.mark.distributed
