@@ -16,7 +16,10 @@ side by side; absolute times are for this machine only. Per configuration:
   for a message); ``bubble_theory``: ``(P - 1) / (M + P - 1)``, the idle share of a balanced pipeline
   of P stages and M microbatches with free messages (GPipe's and 1F1B's alike: 1F1B holds fewer
   activations, not fewer bubbles);
-- ``parameter_bytes_per_rank``: what each stage holds, against the whole model's bytes.
+- ``parameter_bytes_per_rank``: what each stage holds, against the whole model's bytes;
+- ``activation_peak_bytes_per_rank``: the most bytes of activations autograd held for backward at once on each
+  rank during one step (the worker's ``SavedBytes``), and ``activation_peak_vs_gpipe_per_rank`` that over GPipe's
+  at the same microbatch count, beside its theory ``in_flight / M`` (:func:`in_flight`).
 
 Results carry their provenance (commit, command, load, steal; bench/shared/provenance.py).
 """
@@ -50,20 +53,36 @@ def summarise(raw: dict) -> dict:
         rows.append({**row, "step_s_median": step, "ratio_to_unpipelined": step / plain,
                      "bubble_measured": 1 - busy / step, "bubble_theory": (STAGES - 1) / (m + STAGES - 1),
                      "parameter_share_per_rank": [b / whole for b in row["parameter_bytes_per_rank"]]})
+    for row in rows:  # each schedule's activation peak against GPipe's at the same microbatches, per rank
+        gpipe = next(r for r in rows if r["schedule"] == "gpipe" and r["microbatches"] == row["microbatches"])
+        row["activation_peak_vs_gpipe_per_rank"] = [mine / theirs for mine, theirs in zip(
+            row["activation_peak_bytes_per_rank"], gpipe["activation_peak_bytes_per_rank"])]
+        row["activation_peak_vs_gpipe_theory"] = [in_flight(row["schedule"], row["microbatches"], i) /
+                                                  row["microbatches"] for i in range(STAGES)]
     return {"stages": STAGES, "model": raw["model"], "unpipelined_step_s": raw["unpipelined_step_s"],
             "unpipelined_step_s_median": plain, "configs": rows}
+
+
+def in_flight(schedule: str, microbatches: int, stage: int) -> int:
+    """Microbatches whose activations stage ``stage`` (of :data:`STAGES`) holds at once: GPipe runs every forward
+    before any backward (all M); torch's 1F1B runs ``min(M, P - stage)`` forwards, then a backward before each
+    further forward (``Schedule1F1B``'s warm-up), so it never holds more."""
+    return microbatches if schedule == "gpipe" else min(microbatches, STAGES - stage)
 
 
 def report(record: dict) -> list:
     """The results as Markdown lines (a table per configuration)."""
     lines = [f"unpipelined step (1 process, whole model and batch): {record['unpipelined_step_s_median']:.3f} s",
              "", "| schedule | microbatches | step (s) | / unpipelined | bubble measured | bubble theory |"
-             " parameters per rank |", "|---|---|---|---|---|---|---|"]
+             " parameters per rank | activations at peak per rank (MiB) | / GPipe's |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in record["configs"]:
         share = ", ".join(f"{s:.0%}" for s in row["parameter_share_per_rank"])
+        peaks = ", ".join(f"{b / 2**20:.1f}" for b in row["activation_peak_bytes_per_rank"])
+        versus = ", ".join(f"{r:.3g}" for r in row["activation_peak_vs_gpipe_per_rank"])
         lines.append(f"| {row['schedule']} | {row['microbatches']} | {row['step_s_median']:.3f} | "
                      f"{row['ratio_to_unpipelined']:.2f} | {row['bubble_measured']:.0%} | {row['bubble_theory']:.0%} |"
-                     f" {share} |")
+                     f" {share} | {peaks} | {versus} |")
     return lines
 
 

@@ -10,7 +10,9 @@ batch of ROWS rows, float32, SGD. Per configuration ``ud.init(pp=2, pp_schedule=
 each between two barriers, timed on every rank (a step's time: the slowest rank's). Then each rank runs
 its stage alone, M microbatches' forward and backward with no communication (its *busy* time per step):
 the rest of the step it waits for the other stage or for a message, the measured bubble fraction
-``1 - busy / step``. The unpipelined step: rank 0 alone runs the whole model on the whole batch (plain
+``1 - busy / step``. One more step, untimed, counts the bytes of activations autograd holds for backward on each
+rank (:class:`SavedBytes`): their peak during the step, and what is left after it (0: every graph freed).
+The unpipelined step: rank 0 alone runs the whole model on the whole batch (plain
 torch, the step one process takes), while rank 1 waits at a barrier.
 """
 from __future__ import annotations
@@ -95,6 +97,42 @@ def unpipelined(steps: int) -> list:
         ud.shutdown()
 
 
+class SavedBytes:
+    """Bytes of activations autograd holds for backward, alive now and at the peak: every tensor a forward saves
+    (``torch.autograd.graph.saved_tensors_hooks``) counts from its save until its graph is freed by that
+    microbatch's backward; tensors that share a parameter's storage (a weight, or its transpose) are not
+    activations and do not count."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.alive = self.peak = 0
+        self._weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(self, tensor: torch.Tensor) -> "_Held":
+        size = 0 if tensor.untyped_storage().data_ptr() in self._weights else tensor.numel() * tensor.element_size()
+        self.alive += size
+        self.peak = max(self.peak, self.alive)
+        return _Held(tensor, size, self)
+
+    @staticmethod
+    def unpack(held: "_Held") -> torch.Tensor:
+        return held.tensor
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+class _Held:
+    """One saved tensor; its bytes leave the count when autograd drops it (the graph freed after backward)."""
+
+    __slots__ = ("tensor", "size", "owner")
+
+    def __init__(self, tensor: torch.Tensor, size: int, owner: SavedBytes) -> None:
+        self.tensor, self.size, self.owner = tensor, size, owner
+
+    def __del__(self) -> None:
+        self.owner.alive -= self.size
+
+
 def pipelined(schedule: str, microbatches: int, steps: int) -> dict:
     ud.init(pp=2, pp_schedule=schedule, pp_microbatches=microbatches)
     try:
@@ -109,6 +147,9 @@ def pipelined(schedule: str, microbatches: int, steps: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         step_s = timed(step, steps)
+        saved = SavedBytes(model)
+        with saved.hooks():  # one more step, untimed: the activations this stage holds at its peak
+            step()
         stage = ud.unwrap(model)  # this rank's stage alone: the other stage's units pass their input through
         held = sum(p.numel() * p.element_size() for p in stage.parameters())
         rows = ROWS // microbatches
@@ -125,12 +166,14 @@ def pipelined(schedule: str, microbatches: int, steps: int) -> dict:
             start = time.perf_counter()
             busy()
             busy_s.append(time.perf_counter() - start)
-        mine = torch.tensor([statistics.median(busy_s), held], dtype=torch.float64)
-        every = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+        mine = torch.tensor([statistics.median(busy_s), held, saved.peak, saved.alive], dtype=torch.float64)
+        every = [torch.zeros(4, dtype=torch.float64) for _ in range(dist.get_world_size())]
         dist.all_gather(every, mine)
         return {"schedule": schedule, "microbatches": microbatches, "step_s": step_s,
                 "busy_s_per_rank": [float(t[0]) for t in every],
-                "parameter_bytes_per_rank": [int(t[1]) for t in every]}
+                "parameter_bytes_per_rank": [int(t[1]) for t in every],
+                "activation_peak_bytes_per_rank": [int(t[2]) for t in every],
+                "activation_bytes_after_step_per_rank": [int(t[3]) for t in every]}
     finally:
         ud.shutdown()
 
