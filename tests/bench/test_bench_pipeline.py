@@ -50,13 +50,17 @@ def test_the_recorded_results_cover_every_configuration_in_one_launch():
 def test_1f1b_holds_the_activations_of_the_microbatches_its_warm_up_keeps_in_flight():
     """docs/pipeline.md: at the same microbatch count M, each rank's peak of activations held for backward under
     1F1B is GPipe's times min(M, P - stage) / M (GPipe holds all M microbatches' activations before its first
-    backward; 1F1B at most its warm-up's): measured, to the byte, at M = 2, 4 and 8 on both stages; GPipe's
-    peak is the same at every M (the global batch is the same, cut finer); and no activation outlives the step."""
+    backward; 1F1B at most its warm-up's): measured, to the byte, at M = 2, 4 and 8 on both stages. GPipe's
+    peak is the same at every M (the global batch is the same, cut finer) but for 4 bytes per microbatch on the last
+    stage (a 0-dim float32 its loss saves for each microbatch: measured 3642880 + 4 M). No activation outlives the
+    step."""
     record = json.loads(RESULTS.read_text())
     rows = {(r["schedule"], r["microbatches"]): r for r in record["configs"]}
     for m in (2, 4, 8):
         peaks = rows[("1f1b", m)]["activation_peak_bytes_per_rank"]
         gpipe = rows[("gpipe", m)]["activation_peak_bytes_per_rank"]
         assert [a * m for a in peaks] == [g * min(m, 2 - stage) for stage, g in enumerate(gpipe)], (m, peaks, gpipe)
-        assert gpipe == rows[("gpipe", 2)]["activation_peak_bytes_per_rank"] and min(gpipe) > 0
+        at_2 = rows[("gpipe", 2)]["activation_peak_bytes_per_rank"]
+        assert all(0 <= g - g2 <= 4 * (m - 2) for g, g2 in zip(gpipe, at_2)), (m, gpipe, at_2)
+        assert min(gpipe) > 0
     assert all(r["activation_bytes_after_step_per_rank"] == [0, 0] for r in record["configs"])
