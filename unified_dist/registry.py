@@ -41,9 +41,11 @@ class BackendSpec:
     (``(Plan, cuda, environ) -> Command``, see :mod:`unified_dist.cli.launch`); ``probe`` reports
     whether it works here (``environ -> dict``, see :mod:`unified_dist.cli.env_report`); ``start``
     starts ``ud.launch``'s workers (see :mod:`unified_dist.spawn`). The last three are
-    ``"module:attribute"`` references. ``contract``: whether the whole contract suite (``unified-dist test``,
-    ``tests/launchers/test_contract_under_launchers.py``) runs on it; a backend that does not yet pass it
-    has its own launch tests instead. ``sharding``: whether torch's layouts (``sharding``, ``tp``,
+    ``"module:attribute"`` references. ``selftest``: whether ``unified-dist test`` (the contract's checks,
+    :data:`unified_dist.checks.contract.CHECKS`) runs on it by default; ``contract``: whether the tests' whole
+    contract suite (``tests/launchers/test_contract_under_launchers.py``: accumulation, loaders, checkpoints across
+    backends, adoption) runs under its launcher; a backend that does not run that suite has its own launch tests.
+    ``sharding``: whether torch's layouts (``sharding``, ``tp``,
     ``dp_replicate``) run on it (its Backend class's ``supports_sharding`` is this; ``unified-dist launch`` reads it
     here, without importing torch).
     """
@@ -59,6 +61,7 @@ class BackendSpec:
     command: Optional[str] = None
     start: Optional[str] = None
     source: Optional[str] = None
+    selftest: bool = True
     contract: bool = True
     sharding: bool = True
 
@@ -100,7 +103,7 @@ SPECS: Dict[str, BackendSpec] = {spec.name: spec for spec in (
                      "deepspeed==0.19.8, after torch)"),
         command=f"{_CLI}.launch:deepspeed_command", probe=f"{_CLI}.env_report:probe_deepspeed",
         start="unified_dist.spawn:start_torch", source=f"{_DETECT}:deepspeed",
-        contract=False),  # its own launch tests (tests/launchers/test_deepspeed_engine.py) until #59 is done
+        contract=False),  # its own launch tests (tests/launchers/test_deepspeed_engine.py): the engine's loop
     BackendSpec(
         name="single", backend_class="unified_dist.backends.single:SingleProcessBackend",
         probe=f"{_CLI}.env_report:probe_single"),

@@ -24,9 +24,9 @@ DEFAULT_TIMEOUT_S = 240.0
 
 def choose_backends(requested: Optional[Sequence[str]]) -> List[str]:
     """``--backend`` values (repeatable, comma lists) in the order given, or every installed backend that runs
-    the whole contract (:attr:`~unified_dist.registry.BackendSpec.contract`)."""
+    the self-test (:attr:`~unified_dist.registry.BackendSpec.selftest`)."""
     if not requested:
-        return [b for b in launch.BACKENDS if installed(b) and SPECS[b].contract]
+        return [b for b in launch.BACKENDS if installed(b) and SPECS[b].selftest]
     chosen: List[str] = []
     for name in (part.strip() for item in requested for part in item.split(",")):
         if name not in launch.BACKENDS:

@@ -5,7 +5,7 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 WITHOUT_HOROVOD = os.environ.get("UNIFIED_DIST_WITHOUT_HOROVOD") == "1"  # deliberately left out (make setup)
-BACKENDS = ["torch", "accelerate"] + ([] if WITHOUT_HOROVOD else ["horovod"])
+BACKENDS = ["torch", "accelerate"] + ([] if WITHOUT_HOROVOD else ["horovod"]) + ["deepspeed"]  # DeepSpeed's launcher
 CHECKS = ["launch", "init", "identity", "all_reduce_sum", "all_reduce_mean", "all_reduce_max", "all_reduce_min",
           "all_gather_even", "all_gather_uneven", "all_gather_0d", "broadcast_tensor", "broadcast_object",
           "barrier", "gather_for_metrics", "training_step", "dtype_matrix"]
@@ -13,7 +13,7 @@ CHECKS = ["launch", "init", "identity", "all_reduce_sum", "all_reduce_mean", "al
 
 def _table(stdout):
     rows = [line.split() for line in stdout.splitlines() if line and not line.startswith("backend")]
-    return {(r[0], r[1]): r[2] for r in rows if len(r) >= 3 and r[0] in ("torch", "accelerate", "horovod")}
+    return {(r[0], r[1]): r[2] for r in rows if len(r) >= 3 and r[0] in ("torch", "accelerate", "horovod", "deepspeed")}
 
 
 @pytest.mark.slow
