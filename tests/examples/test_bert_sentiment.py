@@ -132,6 +132,7 @@ class Ring:
         self._uninterrupted: Dict[str, Launch] = {}
         self._layouts: Dict[str, Launch] = {}
         self._pipeline: Optional[tuple] = None
+        self._pipeline_resumed: Optional[tuple] = None
 
     def stopped(self, name: str) -> Launch:
         if name in IN_ONE_LAUNCH and name not in self._stopped:
@@ -210,6 +211,8 @@ class Ring:
         :meth:`pipeline`'s launch."""
         if launcher == PIPELINE[0] and launcher not in self._uninterrupted:
             self.pipeline(env)
+        if launcher == PIPELINE_RESUME[0] and launcher not in self._uninterrupted:
+            self.pipeline_resumed(env)
         if launcher not in self._uninterrupted:
             out = self._factory.mktemp(f"bert-{launcher}") / "run"
             result = launch(launcher, SCRIPT, [*self.tiny, "--batch-size", "8", "--output-dir", str(out)], nproc=2,
@@ -248,27 +251,39 @@ class Ring:
             self._layouts[name] = _launched(Result(result.cmd, result.returncode, parts.get(name, result.output),
                                                    result.timed_out), base / name)
 
+    def _pipeline_launch(self, launcher: str, runs: tuple, env: Dict[str, str]) -> tuple:
+        """``runs`` (``--pp 2``) in one launch of ``launcher`` (checked; ``env``: its fixture's), then
+        :meth:`uninterrupted`'s run of that launcher (no pipeline, its own backend: last, since a run's variables stay
+        set) into ``plain/``: (the folder, {run: its own part of the output}). The stopped run writes into
+        ``resumed/``, which the resumed run continues."""
+        _, nproc, args = PIPELINE
+        base = self._factory.mktemp(f"bert-pp-{launcher}")
+        plan = [{"name": name, "argv": [*self.tiny, *args, *extra, "--output-dir",
+                                        str(base / ("uninterrupted" if name == "uninterrupted" else "resumed"))]}
+                for name, extra in runs]
+        plain = [*self.tiny, "--batch-size", "8", "--output-dir", str(base / "plain")]
+        plan.append({"name": "plain", "argv": plain, "env": self._backend_env(launcher)})
+        result, parts = runs_in_one_launch.launch_plan(launcher, plan, base, nproc, (1 + len(runs)) * TIMEOUT, env)
+        result.check()
+        assert sorted(parts) == sorted(run["name"] for run in plan), result.output[-3000:]
+        self._uninterrupted[launcher] = _launched(Result(result.cmd, result.returncode, parts.pop("plain"),
+                                                         result.timed_out), base / "plain")
+        return base, {name: Result(result.cmd, result.returncode, part, result.timed_out)
+                      for name, part in parts.items()}
+
     def pipeline(self, env: Dict[str, str]) -> tuple:
-        """``PIPELINE_RUNS`` in one launch of ``PIPELINE`` (checked; ``env``: its launcher fixture's): (its folder,
-        {run: its own part of the output}); the runs write to ``uninterrupted/`` and ``resumed/`` there (the stopped
-        run's, which the resumed one continues). The same launch then runs :meth:`uninterrupted`'s run of its
-        launcher (no pipeline, its own backend: last, since a run's variables stay set), into ``plain/``."""
+        """The uninterrupted ``--pp 2`` run in one launch of ``PIPELINE``'s launcher, with that launcher's plain run
+        (:meth:`_pipeline_launch`)."""
         if self._pipeline is None:
-            launcher, nproc, args = PIPELINE
-            base = self._factory.mktemp("bert-pp")
-            plan = [{"name": name, "argv": [*self.tiny, *args, *extra, "--output-dir",
-                                            str(base / ("uninterrupted" if name == "uninterrupted" else "resumed"))]}
-                    for name, extra in PIPELINE_RUNS]
-            plain = [*self.tiny, "--batch-size", "8", "--output-dir", str(base / "plain")]
-            plan.append({"name": "plain", "argv": plain, "env": self._backend_env(launcher)})
-            result, parts = runs_in_one_launch.launch_plan(launcher, plan, base, nproc, 3 * TIMEOUT, env)
-            result.check()
-            assert sorted(parts) == sorted(run["name"] for run in plan), result.output[-3000:]
-            self._uninterrupted[launcher] = _launched(Result(result.cmd, result.returncode, parts.pop("plain"),
-                                                             result.timed_out), base / "plain")
-            self._pipeline = (base, {name: Result(result.cmd, result.returncode, part, result.timed_out)
-                                     for name, part in parts.items()})
+            self._pipeline = self._pipeline_launch(PIPELINE[0], PIPELINE_RUNS, env)
         return self._pipeline
+
+    def pipeline_resumed(self, env: Dict[str, str]) -> tuple:
+        """The ``--pp 2`` run stopped after step 3 and its resumption, in one launch of ``PIPELINE_RESUME``'s launcher,
+        with that launcher's plain run (:meth:`_pipeline_launch`)."""
+        if self._pipeline_resumed is None:
+            self._pipeline_resumed = self._pipeline_launch(PIPELINE_RESUME[0], PIPELINE_RESUME[1], env)
+        return self._pipeline_resumed
 
     def reference(self) -> Launch:
         """The uninterrupted legacy launch: torch backend, 2 processes."""
@@ -558,13 +573,17 @@ def test_zero_stage_3_trains_like_the_unsharded_reference(ring: Ring) -> None:
 
 # Pipeline parallelism from the example's own flag: 2 stages under Open MPI's mpirun x 2 (embeddings and layer 0;
 # layer 1, pooler and classifier), both reading each batch of 16, cut into 2 microbatches of 8: the reference's
-# arithmetic (2 processes x 8), as one schedule. One launch (tests/examples/runs_in_one_launch.py), three runs of
-# main() in it: 5 uninterrupted steps, then a run stopped after step 3 (--stop-after 3 saves it) and that run
-# resumed to step 5 (--resume auto). mpirun, not torchrun: the library's pipelines run under torchrun with 2 and 4
-# processes in tests/launchers/test_pipeline_under_launchers.py; here the example's flag meets a launcher that
-# exports no torch variables (the facade makes the group), the reference being the legacy torch launcher's run.
+# arithmetic (2 processes x 8), as one schedule. 5 uninterrupted steps in mpirun's launch, and in srun's a run stopped
+# after step 3 (--stop-after 3 saves it) and that run resumed to step 5 (--resume auto), each launch running its
+# launcher's plain run after them (tests/examples/runs_in_one_launch.py). mpirun and srun, not torchrun: the
+# library's pipelines run under torchrun with 2 and 4 processes in tests/launchers/test_pipeline_under_launchers.py;
+# here the example's flag meets launchers that export no torch variables (the facade makes the group), the reference
+# being the legacy torch launcher's run.
 PIPELINE = ("mpirun", 2, ["--batch-size", "16", "--pp", "2"])
-PIPELINE_RUNS = (("uninterrupted", []), ("stopped", ["--stop-after", "3"]), ("resumed", ["--resume", "auto"]))
+PIPELINE_RUNS = (("uninterrupted", []),)
+PIPELINE_RESUME = ("srun", (("stopped", ["--stop-after", "3"]), ("resumed", ["--resume", "auto"])))
+"""The stopped and resumed ``--pp 2`` runs, under a real srun: the pipeline under a third launcher that exports no
+torch variables, and a checkpoint written and resumed there that must end on mpirun's uninterrupted run's weights."""
 
 
 @pytest.mark.distributed
@@ -612,20 +631,24 @@ def test_pipeline_stages_train_like_the_unsharded_reference(ring: Ring, mpirun_a
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_pipeline_run_stopped_and_resumed_ends_on_the_uninterrupted_pipeline_runs_weights(ring: Ring,
-                                                                                          mpirun_available) -> None:
-    """``--pp 2``: a run stopped after step 3 (``--stop-after 3``, which writes checkpoint 3 with every stage's
-    weights and optimizer state) and resumed (``--resume auto``) takes steps 4-5 as the uninterrupted ``--pp 2``
-    run does and ends on its weights, bitwise: the same layout sums every gradient in the same order, and the
-    checkpoint gives back the weights, AdamW's moments and step, the schedule, the loader's position and the
-    generators exactly (float32 values copied, not recomputed); a lost optimizer state (AdamW's moments or bias
-    correction restarting) moves an element by up to lr at step 4 (4e-5), a wrong loader position by a whole
-    step. The checkpoint holds the whole model's optimizer state, numbered as one process's (41 parameters of
-    the tests' BERT, every stage's), not one stage's."""
+def test_pipeline_run_stopped_and_resumed_ends_on_the_uninterrupted_pipeline_runs_weights(
+        ring: Ring, mpirun_available, slurm_cluster) -> None:
+    """``--pp 2`` under srun x 2: a run stopped after step 3 (``--stop-after 3``, which writes checkpoint 3 with every
+    stage's weights and optimizer state) and resumed (``--resume auto``) takes steps 4-5 as the uninterrupted
+    ``--pp 2`` run under mpirun does and ends on its weights, bitwise: the same layout sums every gradient in the
+    same order under either launcher, and the checkpoint gives back the weights, AdamW's moments and step, the
+    schedule, the loader's position and the generators exactly (float32 values copied, not recomputed); a lost
+    optimizer state (AdamW's moments or bias correction restarting) moves an element by up to lr at step 4 (4e-5),
+    a wrong loader position by a whole step. The checkpoint holds the whole model's optimizer state, numbered as
+    one process's (41 parameters of the tests' BERT, every stage's), not one stage's."""
     import torch
 
-    # the launch of test_pipeline_stages_train_like_the_unsharded_reference
-    base, outputs = ring.pipeline(mpirun_available or {})
+    # mpirun's launch is test_pipeline_stages_train_like_the_unsharded_reference's
+    uninterrupted, _ = ring.pipeline(mpirun_available or {})
+    base, outputs = ring.pipeline_resumed(slurm_cluster or {})
+    first = outputs["stopped"].output[outputs["stopped"].output.index("launcher "):].splitlines()[0]
+    assert first.startswith("launcher srun | backend torch | world size 2 |"), first
+    assert first.endswith("| mesh pp 2 x dp_replicate 1 x dp_shard 1 x tp 1"), first
     assert "stopped after step 3 (--stop-after)" in outputs["stopped"].output, outputs["stopped"].output[-2000:]
     resumed_out = base / "resumed"
     assert f"resumed from {resumed_out / 'checkpoints' / 'checkpoint-000000003.pt'}: step 3" in \
@@ -636,8 +659,8 @@ def test_pipeline_run_stopped_and_resumed_ends_on_the_uninterrupted_pipeline_run
     parameters = len(list(tests_bert.build()[0].parameters()))  # the plain model's, as transformers builds it
     assert sorted(optimizer["state"]) == list(range(parameters)), sorted(optimizer["state"])
     assert sorted(i for group in optimizer["param_groups"] for i in group["params"]) == list(range(parameters))
-    worst = max_weight_difference(resumed_out, base / "uninterrupted")
-    print(f"pp stopped and resumed: max |weight - uninterrupted pp| {worst:.2e}")
+    worst = max_weight_difference(resumed_out, uninterrupted / "uninterrupted")
+    print(f"pp stopped and resumed under srun: max |weight - uninterrupted pp under mpirun| {worst:.2e}")
     assert worst == 0.0, worst
 
 
