@@ -37,7 +37,17 @@ from typing import Dict, List, NamedTuple, Optional, Set
 import pytest
 
 from unified_dist.testing import tiny_bert as tests_bert
-from unified_dist.testing.launchers import BACKEND_OF, LAUNCHER_NAME, ROOT, Result, launch, unavailable
+from unified_dist.testing.launchers import (
+    BACKEND_OF,
+    LAUNCHER_NAME,
+    ROOT,
+    Result,
+    child_env,
+    command,
+    launch,
+    run,
+    unavailable,
+)
 
 SCRIPT = str(ROOT / "examples" / "bert_sentiment" / "train.py")
 TIMEOUT = 240  # seconds per launch; the whole process group is killed after it
@@ -235,8 +245,9 @@ class Ring:
         if name not in self._layouts:
             launcher, nproc, args, env = {**LAYOUTS, **ZERO, **PP_FSDP}[name]
             out = self._factory.mktemp(f"bert-{name}") / "run"
-            result = launch(launcher, SCRIPT, [*self.tiny, *args, "--output-dir", str(out)], nproc=nproc,
-                            timeout=TIMEOUT, env=env)
+            cmd = command(launcher, SCRIPT, [*self.tiny, *args, "--output-dir", str(out)], nproc,
+                          launcher_flags=ZERO_LAUNCHER_FLAGS.get(name, ()))
+            result = run(cmd, TIMEOUT, child_env(env))
             self._layouts[name] = _launched(result, out)
         return self._layouts[name]
 
@@ -527,14 +538,19 @@ def test_device_mesh_layouts_train_like_the_unsharded_reference(name: str, ring:
 # DeepSpeed's engine from the example's own flag (--zero-stage 3: parameters, gradients and optimizer state sharded
 # over 2 processes) under `accelerate launch --use_deepspeed` (no --zero_stage: without the flag Accelerate's default,
 # stage 2, would hold), 5 uninterrupted steps of 2 x 8 like the reference (DDP, legacy launch)
-ZERO = {"zero3": ("accelerate-deepspeed", 2, ["--batch-size", "8", "--zero-stage", "3"], {})}
+ZERO = {"zero3": ("accelerate-deepspeed", 2, ["--batch-size", "8"], {}),
+        "zero2": ("deepspeed", 2, ["--batch-size", "8", "--zero-stage", "2"], {})}
+ZERO_LAUNCHER_FLAGS = {"zero3": ["--zero_stage", "3"]}
+"""``zero3``: the example unchanged under ``accelerate launch --use_deepspeed --zero_stage 3`` (the stage is the
+launcher's word, not a flag of the script); ``zero2``: ``deepspeed --num_gpus 2 train.py --zero-stage 2``, DeepSpeed's
+own launcher as a user types it (it passes ``--local_rank`` to the script)."""
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_zero_stage_3_trains_like_the_unsharded_reference(ring: Ring) -> None:
-    """``--zero-stage 3`` under accelerate launch --use_deepspeed x 2: the first line names the launcher, the engine
-    and its stage (the flag's 3, not Accelerate's default 2), each rank holds half
+    """The example unchanged under ``accelerate launch --use_deepspeed --zero_stage 3`` x 2: the first line names the
+    launcher, the engine and its stage (the launcher's 3, not Accelerate's default 2), each rank holds half
     of the parameter elements (DeepSpeed's partition of each, padded to a size 2 divides), and the run logs the
     reference's losses and ends on its weights.
 
@@ -544,7 +560,7 @@ def test_zero_stage_3_trains_like_the_unsharded_reference(ring: Ring) -> None:
     ``adamw_rounding_bound(1..5)`` = 1.0e-5 (derived there: every one of the 5 steps may round otherwise); seen
     5.6e-9 (2026-11-29, AMD EPYC, load 9)."""
     if importlib.util.find_spec("deepspeed") is None:
-        unavailable("--zero-stage needs deepspeed (make setup)")
+        unavailable("--use_deepspeed needs deepspeed (make setup)")
     run = ring.layout("zero3")
     result = run.result.check()
     first = next(line for line in result.output.splitlines() if line.startswith("launcher "))
@@ -568,6 +584,33 @@ def test_zero_stage_3_trains_like_the_unsharded_reference(ring: Ring) -> None:
     assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), (losses, ref_losses)
     worst = max_weight_difference(run.out, reference.out)
     print(f"zero3: max |weight - reference| {worst:.2e}")
+    assert worst <= adamw_rounding_bound(range(1, 6)), worst
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepspeeds_own_launcher_runs_the_example_at_the_stage_it_asks(ring: Ring) -> None:
+    """``deepspeed --num_gpus 2 train.py --zero-stage 2``, DeepSpeed's launcher as a user types it (it passes
+    ``--local_rank`` to the script): the first line names that launcher, the engine and the stage; ZeRO-2 keeps whole
+    parameters on every rank (it partitions gradients and optimizer state); the run logs the reference's losses and
+    ends on its weights. Tolerances as for ZeRO-3 above: ZeRO-2 reduces the gradients in its own buckets and order."""
+    if importlib.util.find_spec("deepspeed") is None:
+        unavailable("--zero-stage needs deepspeed (make setup)")
+    launched = ring.layout("zero2")
+    result = launched.result.check()
+    first = next(line for line in result.output.splitlines() if line.startswith("launcher "))
+    assert first.startswith("launcher deepspeed | backend deepspeed | world size 2 |"), first
+    assert first.endswith("| ZeRO stage 2"), first
+    assert _identity(launched.rows) == {("deepspeed", "deepspeed", 2)}
+    assert [r["step"] for r in launched.rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
+    assert all(r["eval_examples"] == LIMIT_EVAL for r in launched.rows if r["type"] == "eval")
+    assert_parameters_held(result.output, 2, sharded=False)
+    reference = ring.reference()
+    losses = [r["loss"] for r in launched.rows if r["type"] == "train"]
+    ref_losses = [r["loss"] for r in reference.rows if r["type"] == "train"]
+    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), (losses, ref_losses)
+    worst = max_weight_difference(launched.out, reference.out)
+    print(f"zero2 under deepspeed: max |weight - reference| {worst:.2e}")
     assert worst <= adamw_rounding_bound(range(1, 6)), worst
 
 
