@@ -12,7 +12,9 @@ The script is tests/launchers/workers/accelerate_deepspeed_scripts.py (it never 
 - ``trainer``: transformers' ``Trainer`` with ``TrainingArguments(deepspeed="deepspeed_auto.json")``, a config whose
   batch sizes, accumulation and clipping say ``"auto"``;
 - ``sft``: TRL's ``SFTTrainer`` with ``SFTConfig(deepspeed="deepspeed_auto.json")`` on a tiny ``LlamaForCausalLM``
-  (run in torchrun's launch only: its path is the Trainer's, which every other launcher but srun runs).
+  (run in torchrun's launch only: its path is the Trainer's, which every other launcher but srun runs);
+- ``dpo``: TRL's ``DPOTrainer`` with ``DPOConfig(deepspeed="deepspeed_auto.json")``, the same tiny causal LM as the
+  policy and its frozen reference, which TRL puts in a second DeepSpeed engine (run in horovodrun's launch).
 
 Five launches, 2 processes each, one per launcher, each running the parts it needs (LAUNCHES), shared by every
 assertion: ``torchrun -m unified_dist.accelerate``, ``horovodrun ... python -m unified_dist.accelerate``, ``accelerate
@@ -34,7 +36,9 @@ process; DeepSpeed runs float32, so the bounds are :func:`test_deepspeed_engine.
 - ``dummy``: torch's AdamW with the config's hyper-parameters and WarmupLR's learning rates, at most 0.01 (the AdamW
   bound's learning rate, so that bound holds);
 - ``sft``: SGD with momentum on the causal LM's loss, the mean over the global batch's target tokens, clipped as
-  ``trainer``; the same derivation with the longer chain of that model (:data:`SFT_ROUNDINGS`, :func:`sft_bound`).
+  ``trainer``; the same derivation with the longer chain of that model (:data:`SFT_ROUNDINGS`, :func:`sft_bound`);
+- ``dpo``: DPO's sigmoid loss over the global batch's 8 triples, from the policy's and the reference's summed
+  log-probabilities of each completion, clipped as ``trainer``; the bound of ``sft`` (:func:`dpo_bound`).
 """
 from __future__ import annotations
 
@@ -59,7 +63,7 @@ TIMEOUT = 420  # a launch took 58-75 s on 2 shared cores at load 2-7, 136-232 s 
 SCRIPT = ROOT / "tests" / "launchers" / "workers" / "accelerate_deepspeed_scripts.py"
 CONFIG = ROOT / "tests" / "launchers" / "workers" / "deepspeed_auto.json"
 OPTIMIZER_CONFIG = ROOT / "tests" / "launchers" / "workers" / "deepspeed_optimizer.json"
-LAUNCHES = {"torchrun": ("plugin", "trainer", "dummy", "sft"), "horovodrun": ("plugin", "trainer"),
+LAUNCHES = {"torchrun": ("plugin", "trainer", "dummy", "sft"), "horovodrun": ("plugin", "trainer", "dpo"),
             "accelerate": ("launcher",), "srun": ("plugin",), "mpirun": ("trainer",)}
 """The parts each launch runs: every part once, each launcher both an ``Accelerator`` built first (``plugin`` or
 ``launcher``) and, but for ``accelerate launch`` and srun, the ``TrainingArguments`` state built first (``trainer``);
@@ -228,14 +232,81 @@ def sft_physics():
     return weights, sft_tokens(), sft_bound(G, W, len(norms))
 
 
+def dpo_tokens() -> dict:
+    """Each triple's token ids as DPO trains on them, without TRL: trainer_family's tokenizer on the prompt, and on
+    each completion with its EOS appended."""
+    from trainer_family import word_tokenizer
+
+    tokenizer, rows = word_tokenizer(), scripts.dpo_rows()
+    eos = [tokenizer.eos_token_id]
+    return {"prompt_ids": [tokenizer(text)["input_ids"] for text in rows["prompt"]],
+            "chosen_ids": [tokenizer(text)["input_ids"] + eos for text in rows["chosen"]],
+            "rejected_ids": [tokenizer(text)["input_ids"] + eos for text in rows["rejected"]]}
+
+
+def dpo_reference(ids: dict) -> tuple:
+    """The dpo part on 1 process x batch 8 in float64, plain torch: each step's loss the mean over the global batch's
+    triples of ``-logsigmoid(beta ((pc - rc) - (pr - rr)))``, with ``pc``/``pr`` the policy's and ``rc``/``rr`` the
+    frozen reference's summed log-probabilities of the chosen and rejected completion's tokens after the prompt
+    (each sequence alone, unpadded), clipped to ``worker.CLIP``, SGD with momentum 0.9 at ``DPO_LR``; the weights,
+    the clip's norms, the largest gradient entry G and the largest |weight| W."""
+    from trainer_family import causal_lm
+
+    policy, frozen = causal_lm().double(), causal_lm().double()
+    opt = torch.optim.SGD(policy.parameters(), lr=scripts.DPO_LR, momentum=0.9)
+
+    def logp(model, prompt: list, completion: list) -> torch.Tensor:
+        sequence = torch.tensor([prompt + completion])
+        logits = torch.log_softmax(model(input_ids=sequence).logits[0], dim=-1)
+        return sum(logits[j - 1, sequence[0, j]] for j in range(len(prompt), sequence.shape[1]))
+
+    batch, norms, big = 2 * worker.BATCH, [], 0.0
+    for start in range(0, scripts.DPO_ROWS, batch):
+        losses = []
+        for i in range(start, start + batch):
+            prompt, chosen, rejected = (ids[key][i] for key in ("prompt_ids", "chosen_ids", "rejected_ids"))
+            with torch.no_grad():
+                margin = logp(frozen, prompt, chosen) - logp(frozen, prompt, rejected)
+            losses.append(-torch.nn.functional.logsigmoid(
+                scripts.DPO_BETA * (logp(policy, prompt, chosen) - logp(policy, prompt, rejected) - margin)))
+        torch.stack(losses).mean().backward()
+        big = max(big, max(p.grad.abs().max().item() for p in policy.parameters()))
+        norms.append(torch.nn.utils.clip_grad_norm_(policy.parameters(), worker.CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    weights = {n: p.detach().flatten() for n, p in policy.named_parameters()}
+    return weights, norms, big, max(p.abs().max().item() for p in policy.parameters())
+
+
+def dpo_bound(G: float, W: float, steps: int) -> float:
+    """:func:`sft_bound`'s derivation at ``DPO_LR``: a gradient entry's chain is the same model's forward and backward
+    (2 decoder layers, the head, the log-softmax over 64 words), summed over fewer terms (8 triples x 2 completions x
+    at most 5 tokens, against sft's 104 target tokens), plus the log-sigmoid and beta's scaling (a few u): within
+    :data:`SFT_ROUNDINGS` u G. The reference's own log-probabilities enter only through the sigmoid's argument, where
+    their float32 error (the forward half of that chain) scales the gradient by less than it."""
+    return steps * (scripts.DPO_LR * 10 * SFT_ROUNDINGS * U * G + 4 * U * W)
+
+
+@pytest.fixture(scope="module")
+def dpo_physics():
+    """The dpo part's float64 reference (1 process x batch 8), the token ids it takes, and its bound."""
+    ids = dpo_tokens()
+    weights, norms, G, W = dpo_reference(ids)
+    assert min(norms) > worker.CLIP  # the "auto" clipping acts on every step: it must have become max_grad_norm
+    return weights, ids, dpo_bound(G, W, len(norms))
+
+
 @pytest.mark.parametrize("launcher, part", CASES)
 def test_deepspeed_runs_through_accelerates_own_path_on_two_cpu_processes(runs, launcher, part):
     row = runs(launcher)[part]
     assert (row["distributed_type"], row["num_processes"]) == ("DistributedType.DEEPSPEED", 2)
     assert (row["engine"], row["zero_stage"]) == ("DeepSpeedEngine", 2)
-    if part in ("trainer", "sft"):  # TrainingArguments' (SFTConfig's) own state is DeepSpeed's too, as on GPUs
+    if part in ("trainer", "sft", "dpo"):  # TrainingArguments' (SFTConfig's, DPOConfig's) state is DeepSpeed's too
         assert row["arguments_state"] == "DistributedType.DEEPSPEED"
-        assert row["global_step"] == worker.ROWS // (2 * worker.BATCH)
+        rows = scripts.DPO_ROWS if part == "dpo" else worker.ROWS
+        assert row["global_step"] == rows // (2 * worker.BATCH)
+    if part == "dpo":  # DPO's frozen reference model runs in a DeepSpeed engine of its own
+        assert row["reference_engine"] == "DeepSpeedEngine"
     if part == "launcher":  # the plugin Accelerate built from accelerate launch's flags
         assert row["gradient_clipping"] == worker.CLIP
     if part == "dummy":  # DeepSpeed built the config's optimizer and schedule, not the script
@@ -264,6 +335,9 @@ def test_two_ranks_give_one_process_on_the_global_batch(runs, physics, adamw_phy
     if part == "sft":
         weights, tokens, limit = request.getfixturevalue("sft_physics")
         assert row["input_ids"] == tokens  # TRL trained on the tokens the reference takes
+    elif part == "dpo":
+        weights, tokens, limit = request.getfixturevalue("dpo_physics")
+        assert row["ids"] == tokens  # TRL trained on the tokens the reference takes
     elif part == "dummy":
         weights, lrs, limit = adamw_physics
         assert row["lrs"] == pytest.approx(lrs, rel=1e-12, abs=0)  # each step's lr, as the engine applied it

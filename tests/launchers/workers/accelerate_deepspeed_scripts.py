@@ -13,7 +13,9 @@
   ``max_grad_norm=CLIP``), the same model behind a ``forward(x, labels)`` that returns the loss, SGD with the
   same momentum through ``optim="sgd"``, a constant learning rate and the data in order;
 - ``sft``: TRL's ``SFTTrainer`` with ``SFTConfig(deepspeed=<the same config>)`` on a tiny ``LlamaForCausalLM`` and
-  ragged texts of tests/launchers/workers/trainer_family.py's word-level tokenizer, otherwise as ``trainer``.
+  ragged texts of tests/launchers/workers/trainer_family.py's word-level tokenizer, otherwise as ``trainer``;
+- ``dpo``: TRL's ``DPOTrainer`` with ``DPOConfig(deepspeed=<the same config>)``, the same model as policy and a second
+  one as its frozen reference (TRL puts that one in a DeepSpeed engine of its own), on ragged preference triples.
 
 The main process appends one JSON line per part to ``--out``: the distributed type (for the Trainer also that of
 the state its ``TrainingArguments`` built first), the number of processes, the ZeRO stage DeepSpeed's engine ran,
@@ -188,7 +190,53 @@ def run_sft(options, write):
            "seconds": time.perf_counter() - started})
 
 
-PARTS = {"plugin": run_plugin, "launcher": run_launcher, "dummy": run_dummy, "trainer": run_trainer, "sft": run_sft}
+DPO_ROWS, DPO_LR, DPO_BETA = 16, 0.1, 0.1  # the dpo part: preference triples, SGD's learning rate, DPO's beta
+
+
+def dpo_rows() -> dict:
+    """``DPO_ROWS`` triples of trainer_family's words: a prompt of 3-6 words, a chosen and a rejected completion of
+    2-4 (each starting with a space, so the tokenizer splits it from the prompt's last word)."""
+    generator = torch.Generator().manual_seed(7)
+
+    def words(n: int) -> str:
+        return " ".join(f"w{i}" for i in torch.randint(0, 60, (n,), generator=generator).tolist())
+    return {"prompt": [words(3 + i % 4) for i in range(DPO_ROWS)],
+            "chosen": [" " + words(2 + i % 3) for i in range(DPO_ROWS)],
+            "rejected": [" " + words(2 + (i + 1) % 3) for i in range(DPO_ROWS)]}
+
+
+def run_dpo(options, write):
+    """TRL's ``DPOTrainer`` with ``DPOConfig(deepspeed=<the auto config>)``: trainer_family's causal LM as the policy
+    and a second one (the same weights) as the frozen reference, the default sigmoid loss at ``DPO_BETA``, SGD with
+    momentum, a constant learning rate, the data in order, the "auto" clipping transformers' ``max_grad_norm``
+    (``worker.CLIP``). Its row holds both models' engines and stages, the token ids TRL trained on and the policy's
+    final weights."""
+    from datasets import Dataset
+    from trainer_family import causal_lm, word_tokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    config = DPOConfig(
+        output_dir=options.output_dir + "-dpo", deepspeed=options.deepspeed, per_device_train_batch_size=worker.BATCH,
+        num_train_epochs=1, optim="sgd", optim_args="momentum=0.9", learning_rate=DPO_LR, weight_decay=0.0,
+        lr_scheduler_type="constant", max_grad_norm=worker.CLIP, train_sampling_strategy="sequential", beta=DPO_BETA,
+        bf16=False, gradient_checkpointing=False, max_length=32, save_strategy="no", report_to="none",
+        disable_tqdm=True, seed=0)
+    model = causal_lm()
+    trainer = DPOTrainer(model=model, ref_model=causal_lm(), args=config, train_dataset=Dataset.from_dict(dpo_rows()),
+                         processing_class=word_tokenizer())
+    result = trainer.train()
+    engine, data = trainer.model_wrapped, trainer.train_dataset
+    write({"part": "dpo", "distributed_type": str(trainer.accelerator.distributed_type),
+           "arguments_state": str(config.distributed_state.distributed_type),
+           "num_processes": trainer.accelerator.num_processes, "engine": type(engine).__name__,
+           "zero_stage": getattr(engine, "zero_optimization_stage", lambda: None)(),
+           "reference_engine": type(trainer.ref_model).__name__, "global_step": result.global_step,
+           "ids": {key: [list(ids) for ids in data[key]] for key in ("prompt_ids", "chosen_ids", "rejected_ids")},
+           "weights": weights(model)})
+
+
+PARTS = {"plugin": run_plugin, "launcher": run_launcher, "dummy": run_dummy, "trainer": run_trainer, "sft": run_sft,
+         "dpo": run_dpo}
 
 
 def record_exit(out: str) -> None:
