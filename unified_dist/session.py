@@ -454,7 +454,7 @@ def init(backend: Optional[str], given: Mapping[str, Any]) -> None:
     if name == "single" and replica_groups.layout_from(os.environ) is not None:
         name = "torch"  # a replica group of one process (python, srun -n 1) is a torch world of one: torchft needs it
     cls = backend_class(name)
-    said = [name for name in DEEPSPEED_SETTINGS if config.value(name) is not None]
+    said = [setting for setting in DEEPSPEED_SETTINGS if config.value(setting) is not None]
     if not cls.reads_deepspeed_settings and said:
         raise UnifiedDistError(f"{said[0]}={config.value(said[0])!r} is the deepspeed backend's setting and {cls.name} "
                                "would ignore it; add backend='deepspeed' (UNIFIED_DIST_BACKEND=deepspeed), or drop it")

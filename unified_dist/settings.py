@@ -547,7 +547,8 @@ TABLE: Dict[str, Setting] = _declare(
     Setting("gradient_clipping", "UNIFIED_DIST_GRADIENT_CLIPPING", Number("max norm", "gradient_clipping"), None,
             "the deepspeed backend clips every optimizer step's gradients to this 2-norm inside DeepSpeed's step "
             "(on every backend, ud.clip_grad_norm_ clips where the loop calls it)",
-            launcher=LauncherWord("ACCELERATE_GRADIENT_CLIPPING", "accelerate launch --gradient_clipping"),
+            launcher=LauncherWord("ACCELERATE_GRADIENT_CLIPPING", "accelerate launch --gradient_clipping",
+                                  silent=("auto", "none", "0", "0.0")),
             default_text="the DeepSpeed config's, else none"),
     Setting("slurm", "UNIFIED_DIST_SLURM", Switch(), True,
             "detection reads srun's variables (off: srun -n N without torchrun is refused)",

@@ -64,3 +64,5 @@ def test_1f1b_holds_the_activations_of_the_microbatches_its_warm_up_keeps_in_fli
         assert all(0 <= g - g2 <= 4 * (m - 2) for g, g2 in zip(gpipe, at_2)), (m, gpipe, at_2)
         assert min(gpipe) > 0
     assert all(r["activation_bytes_after_step_per_rank"] == [0, 0] for r in record["configs"])
+    for row in record["configs"]:  # the recorded ratios are the file's own theory column too
+        assert row["activation_peak_vs_gpipe_per_rank"] == row["activation_peak_vs_gpipe_theory"], row

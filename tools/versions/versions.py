@@ -12,7 +12,8 @@ Each cell ``PYTHON:TORCH`` (e.g. ``3.12:2.15.0``) gets its own virtual environme
    version); against a CUDA build of torch, Horovod's CMake wants a CUDA toolkit, which the build is pointed
    at (``HOROVOD_CUDA_HOME``, see :meth:`Cell.horovod_env`). If it does not build, the row records
    ``"not built: <first error line>"`` and the cell goes on with ``UNIFIED_DIST_WITHOUT_HOROVOD=1``;
-4. the project itself, ``pip install --no-deps -e`` of a ``git archive HEAD`` copy (the row's commit).
+4. the project itself, ``pip install --no-deps -e`` of a ``git archive HEAD`` copy (the row's commit), then
+   DeepSpeed's CPU collectives op built into the environment, as ``make setup`` builds it.
 
 Then, in that environment: ``python -m unified_dist test`` (the contract under torchrun, accelerate launch
 and horovodrun, 2 processes each: one count per backend and check) and ``pytest tests/unit`` of the same
@@ -64,7 +65,8 @@ TOOLING = ("pip==26.3", "wheel==0.48.0", "setuptools==84.2.1")
 LIBRARIES = ("accelerate", "transformers", "datasets")
 """The libraries a row names; each is kept at its pin unless it refuses the cell's torch."""
 BACKENDS = ("torch", "accelerate", "horovod", "deepspeed")
-"""The backends ``unified-dist test`` runs in a cell: Horovod where it built, DeepSpeed where it installed."""
+"""The backends ``unified-dist test`` runs in a cell: Horovod where it built; DeepSpeed where the pins name it (a
+DeepSpeed that does not install stops the cell)."""
 CONTRACT_TIMEOUT_S = 1200
 UNIT_TIMEOUT_S = 3600
 FALLBACK_TRIES = 8
@@ -314,6 +316,11 @@ class Cell:
         code, out = self.pip("install", "--quiet", "--no-deps", "-e", str(self.source))
         if code != 0:
             return self.stop("unified_dist", out)
+        if self.row.get("deepspeed") or "deepspeed" in pins():  # as make setup does: no test builds DeepSpeed's op
+            code, out = run([str(self.py), "-c", "from unified_dist.testing.launchers import prebuild_deepspeed_ops; "
+                             "prebuild_deepspeed_ops()"], clean_env(self.venv), timeout=900, log_path=self.log_path)
+            if code != 0:
+                return self.stop("DeepSpeed's CPU collectives op", out)
         return True
 
     def horovod_env(self) -> Dict[str, str]:

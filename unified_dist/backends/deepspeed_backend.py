@@ -68,15 +68,15 @@ def refusal(config: Config) -> Optional[str]:
 
 def accelerate_words(environ: Mapping[str, str], stage: int) -> Tuple[Optional[str], List[str]]:
     """What ``accelerate launch --use_deepspeed``'s words that are not settings mean for a facade script: a one-line
-    refusal (or ``None``) and one-line warnings. ``--deepspeed_moe_layer_cls_names`` (ZeRO-3 leaf modules) is refused:
-    this backend does not mark them; ``--zero3_init_flag true`` (build the model partitioned, inside
-    ``deepspeed.zero.Init``) and ``--zero3_save_16bit_model true`` (save 16-bit weights) are said once each: the
-    facade's script builds its model whole before ``ud.prepare`` partitions it, and ``ud.save`` writes the float32
-    weights gathered from the partitions. Pure."""
+    refusal (or ``None``) and one-line warnings. ``--deepspeed_moe_layer_cls_names`` (ZeRO-3 leaf modules) is refused
+    at ZeRO-3 (the only stage that reads it): this backend does not mark them; ``--zero3_init_flag true`` (build the
+    model partitioned, inside ``deepspeed.zero.Init``) and ``--zero3_save_16bit_model true`` (save 16-bit weights)
+    are said once each: the facade's script builds its model whole before ``ud.prepare`` partitions it, and
+    ``ud.save`` writes the float32 weights gathered from the partitions. Pure."""
     moe = environ.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES", "").strip()
-    refusal = (f"accelerate launch --deepspeed_moe_layer_cls_names {moe}: the deepspeed backend does not mark MoE "
-               "layers as ZeRO-3 leaf modules; drop it, or run the script with Accelerate's API "
-               "(python -m unified_dist.accelerate)") if moe and moe.lower() != "none" else None
+    problem = (f"accelerate launch --deepspeed_moe_layer_cls_names {moe}: the deepspeed backend does not mark MoE "
+               "layers as ZeRO-3 leaf modules; call deepspeed.utils.set_z3_leaf_modules(model, [those classes]) "
+               "before ud.prepare, and drop the flag") if moe and moe.lower() != "none" and stage == 3 else None
     said = {name: environ.get(f"ACCELERATE_DEEPSPEED_{name}", "").strip().lower() in ("true", "1", "yes")
             for name in ("ZERO3_INIT", "ZERO3_SAVE_16BIT_MODEL")}
     notes = []
@@ -87,7 +87,39 @@ def accelerate_words(environ: Mapping[str, str], stage: int) -> Tuple[Optional[s
     if said["ZERO3_SAVE_16BIT_MODEL"] and stage == 3:
         notes.append("accelerate launch --zero3_save_16bit_model true: ud.save writes the float32 weights gathered "
                      "from ZeRO-3's partitions (the portable format), not 16-bit ones")
-    return refusal, notes
+    return problem, notes
+
+
+OFFLOADS = ("offload_optimizer", "offload_param")
+"""What ZeRO can offload, as both the settings and a DeepSpeed config file's ``zero_optimization`` name it."""
+
+
+def offload_devices(file: Dict[str, Any], config: Config) -> Dict[str, str]:
+    """Where the job offloads each of :data:`OFFLOADS` (only those it offloads): the setting's device where it is
+    given, else the DeepSpeed config ``file``'s (a dict) where it says one (``"none"``, ``"auto"`` or nothing: no
+    offload). Pure; whether the two agree is :func:`engine_config`'s to check."""
+    zero = file.get("zero_optimization") or {}
+    devices = {}
+    for key in OFFLOADS:
+        entry = zero.get(key)
+        said = entry.get("device") if isinstance(entry, dict) else None
+        device = getattr(config, key) or (said if _said(said) and said != "none" else None)
+        if device:
+            devices[key] = device
+    return devices
+
+
+def offload_problem(devices: Dict[str, str], stage: int) -> Optional[str]:
+    """Why ZeRO ``stage`` cannot offload ``devices`` (:func:`offload_devices`), in one line, or ``None``: parameters
+    only at ZeRO-3, optimizer partitions at ZeRO 1-3 (elsewhere DeepSpeed would run without the offload, without a
+    word). Pure."""
+    if "offload_param" in devices and stage != 3:
+        return (f"offload_param={devices['offload_param']!r} offloads ZeRO-3's parameter partitions, and ZeRO stage "
+                f"{stage} keeps whole parameters on every rank: use zero_stage=3, or drop it")
+    if "offload_optimizer" in devices and stage == 0:
+        return (f"offload_optimizer={devices['offload_optimizer']!r} offloads ZeRO's optimizer partitions, and stage "
+                "0 has none: use zero_stage=1, 2 or 3, or drop it")
+    return None
 
 
 def zero_stage_of(config: Config, file: Dict[str, Any], launcher: str) -> int:
@@ -133,7 +165,9 @@ def engine_config(file: Dict[str, Any], path: Optional[str], stage: int, accumul
     def agree(keys: List[str], value: Any, setting: str) -> None:
         holder = config
         for key in keys[:-1]:
-            holder = holder.setdefault(key, {})
+            if not isinstance(holder.get(key), dict):  # absent, or null in the file
+                holder[key] = {}
+            holder = holder[key]
         said = holder.get(keys[-1])
         if _said(said) and said != value:
             raise SettingError(f"the DeepSpeed config {path} says {'.'.join(keys)}={said!r} but {setting} says "
@@ -150,15 +184,11 @@ def engine_config(file: Dict[str, Any], path: Optional[str], stage: int, accumul
             agree(["zero_optimization", key, "device"], device, key)
     if gradient_clipping is not None:
         agree(["gradient_clipping"], float(gradient_clipping), "gradient_clipping")
-    offloaded = {key: device for key in ("offload_optimizer", "offload_param")
-                 if _said(device := (config["zero_optimization"].get(key) or {}).get("device")) and device != "none"}
-    if "offload_param" in offloaded and stage != 3:
-        raise SettingError(f"offload_param={offloaded['offload_param']!r} offloads ZeRO-3's parameter partitions, and "
-                           f"ZeRO stage {stage} keeps whole parameters on every rank: use zero_stage=3, or drop it")
+    offloaded = offload_devices(config, Config())  # what the filled-in config offloads
+    problem = offload_problem(offloaded, stage)
+    if problem:
+        raise SettingError(problem)
     if "offload_optimizer" in offloaded:
-        if stage == 0:
-            raise SettingError(f"offload_optimizer={offloaded['offload_optimizer']!r} offloads ZeRO's optimizer "
-                               "partitions, and stage 0 has none: use zero_stage=1, 2 or 3, or drop it")
         config.setdefault("zero_force_ds_cpu_optimizer", False)  # the user's torch optimizer steps on the CPU
     if not _said(config.get("train_batch_size")):
         config.pop("train_batch_size", None)  # DeepSpeed derives it: micro batch x accumulation x world size
@@ -187,6 +217,9 @@ class DeepSpeedBackend(TorchBackend):
                 "(DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8, after torch)") from None
         self._file = read_config_file(config.deepspeed_config)
         self.zero_stage = zero_stage_of(config, self._file, detection.launcher)
+        problem = offload_problem(offload_devices(self._file, config), self.zero_stage)
+        if problem:  # at ud.init, before the model and data are built (engine_config checks it again, whole)
+            raise SettingError(problem)
         if detection.launcher == "accelerate":
             problem, notes = accelerate_words(os.environ, self.zero_stage)
             if problem:

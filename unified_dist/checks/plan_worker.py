@@ -52,10 +52,17 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..backends.deepspeed_backend import _said, read_config_file, refusal, zero_stage_of
+from ..backends.deepspeed_backend import (
+    _said,
+    offload_devices,
+    offload_problem,
+    read_config_file,
+    refusal,
+    zero_stage_of,
+)
 from ..backends.torch_ddp import TorchBackend
 from ..compat import enable_fake_collectives
-from ..errors import UnifiedDistError
+from ..errors import SettingError, UnifiedDistError
 from ..parallel.accounting import CollectiveCounter, SavedBytes, group_labels, rank_bytes, zero_rank_bytes
 
 
@@ -64,17 +71,11 @@ class PlanLimit(UnifiedDistError):
 
 
 def zero_plan_limit(file: Dict[str, Any], mixed_precision: Optional[str],
-                    offload: Optional[Dict[str, Optional[str]]] = None) -> Optional[str]:
+                    offload: Optional[Dict[str, str]] = None) -> Optional[str]:
     """Why a plan cannot model a deepspeed job whose DeepSpeed config is ``file`` (a dict, ``{}`` without one) and
     whose ``mixed_precision`` setting is given, in one line; ``None``: float32 without offload, which it models.
-    ``offload``: the ``offload_optimizer`` and ``offload_param`` settings. Pure."""
-    zero = file.get("zero_optimization", {})
-    said = {key: device for key, device in (offload or {}).items() if device is not None}
-    for key in ("offload_optimizer", "offload_param"):
-        device = (zero.get(key) or {}).get("device")
-        if key not in said and _said(device) and device != "none":
-            said[key] = device
-    unmodelled = [f"{key}={device!r}" for key, device in said.items()] + \
+    ``offload``: where the job offloads (:func:`~unified_dist.backends.deepspeed_backend.offload_devices`). Pure."""
+    unmodelled = [f"{key}={device!r}" for key, device in (offload or {}).items()] + \
         [key for key in ("optimizer", "scheduler") if _said(file.get(key))] + \
         [key for key in ("bf16", "fp16") if file.get(key, {}).get("enabled") not in (None, False, "auto")]
     if mixed_precision not in (None, "no"):
@@ -98,11 +99,14 @@ class PlannedDeepSpeed(TorchBackend):
         if problem:
             raise UnifiedDistError(problem)
         file = read_config_file(config.deepspeed_config)
-        limit = zero_plan_limit(file, config.mixed_precision,
-                                {"offload_optimizer": config.offload_optimizer, "offload_param": config.offload_param})
+        self.zero_stage = zero_stage_of(config, file, detection.launcher)
+        offload = offload_devices(file, config)
+        problem = offload_problem(offload, self.zero_stage)
+        if problem:  # the job's own refusal, not the plan's limit
+            raise SettingError(problem)
+        limit = zero_plan_limit(file, config.mixed_precision, offload)
         if limit:
             raise PlanLimit(limit)
-        self.zero_stage = zero_stage_of(config, file, detection.launcher)
         super().__init__(detection, config)
 
 

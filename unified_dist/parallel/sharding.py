@@ -81,8 +81,10 @@ class Sharding:
             for name, value, off in (("dp_replicate", self.dp_replicate, 1), ("cpu_offload", self.cpu_offload, False),
                                      ("activation_checkpointing", self.activation_checkpointing, False)):
                 if value != off:
+                    deepspeed = ("; under the deepspeed backend, offload_optimizer='cpu' (and offload_param='cpu' at "
+                                 "ZeRO-3)") if name == "cpu_offload" else ""
                     return (f"{name}={value!r} applies to the blocks FSDP2 shards; add sharding='fsdp' "
-                            f"(UNIFIED_DIST_SHARDING=fsdp, accelerate launch --use_fsdp --fsdp_version 2)")
+                            f"(UNIFIED_DIST_SHARDING=fsdp, accelerate launch --use_fsdp --fsdp_version 2){deepspeed}")
         return None
 
     def field(self, name: str) -> Any:

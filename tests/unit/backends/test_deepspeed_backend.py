@@ -134,6 +134,34 @@ def test_offload_and_clipping_come_from_the_settings_and_agree_with_the_file():
         assert "\n" not in str(err.value)
 
 
+def test_an_offload_the_stage_cannot_do_stops_ud_init_before_any_model_is_built(monkeypatch):
+    """``ud.init(backend="deepspeed", zero_stage=2, offload_param="cpu")``: the one line at ``ud.init``, before the
+    group is joined, not at ``ud.prepare`` after the model and data are built."""
+    for name in ("UNIFIED_DIST_BACKEND", "UNIFIED_DIST_ZERO_STAGE", "RANK", "WORLD_SIZE", "ACCELERATE_USE_DEEPSPEED"):
+        monkeypatch.delenv(name, raising=False)
+    ud.shutdown()
+    try:
+        with pytest.raises(SettingError, match="offload_param='cpu' offloads ZeRO-3's parameter partitions"):
+            ud.init(backend="deepspeed", zero_stage=2, offload_param="cpu")
+        import torch.distributed as dist
+
+        assert not dist.is_initialized()
+    finally:
+        ud.shutdown()
+
+
+def test_offload_comes_from_the_setting_else_the_file_and_a_null_entry_is_filled():
+    from unified_dist.backends.deepspeed_backend import offload_devices
+
+    file = {"zero_optimization": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "none"}}}
+    assert offload_devices(file, Config()) == {"offload_optimizer": "cpu"}
+    assert offload_devices({}, Config(offload_param="cpu")) == {"offload_param": "cpu"}
+    assert offload_devices({"zero_optimization": {"offload_optimizer": None}}, Config()) == {}
+    config = engine_config({"zero_optimization": {"offload_optimizer": None}}, "ds.json", 2, 1, "no", 4,
+                           offload_optimizer="cpu")
+    assert config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+
+
 @pytest.mark.parametrize("file, stage, settings_said, words", [
     ({}, 2, {"offload_param": "cpu"}, "offload_param='cpu' offloads ZeRO-3's parameter partitions, and ZeRO stage 2"),
     ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, 1, {}, "use zero_stage=3, or drop it"),
@@ -142,10 +170,14 @@ def test_offload_and_clipping_come_from_the_settings_and_agree_with_the_file():
 ])
 def test_offload_a_stage_has_nothing_for_is_refused_in_one_line(file, stage, settings_said, words):
     """DeepSpeed offloads parameters at ZeRO-3 only and optimizer partitions at ZeRO 1-3; elsewhere it would run
-    without the offload the user asked for, without a word."""
+    without the offload the user asked for, without a word. The same line at ``ud.init`` (before the model and data
+    are built: :func:`offload_problem` of what the settings and the file say) and at ``ud.prepare``."""
+    from unified_dist.backends.deepspeed_backend import offload_devices, offload_problem
+
     with pytest.raises(SettingError, match=words) as err:
         engine_config(file, "ds.json", stage, 1, "no", 4, **settings_said)
     assert "\n" not in str(err.value)
+    assert offload_problem(offload_devices(file, Config(**settings_said)), stage) == str(err.value)
 
 
 def test_accelerates_offload_and_clipping_words_reach_the_settings():
@@ -158,6 +190,9 @@ def test_accelerates_offload_and_clipping_words_reach_the_settings():
                                                               "gradient_clipping")] == ["cpu", "cpu", 0.5]
     silent = dict(ACCELERATE_DS, ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE="none")
     assert settings.resolve("offload_optimizer", None, silent) is None
+    for unsaid in ("auto", "0.0"):  # Accelerate's own default, and --gradient_clipping 0 (no clipping)
+        assert settings.resolve("gradient_clipping", None, dict(ACCELERATE_DS, ACCELERATE_GRADIENT_CLIPPING=unsaid)) \
+            is None
     assert settings.resolve("offload_optimizer", None, {"UNIFIED_DIST_OFFLOAD_OPTIMIZER": "cpu"}) == "cpu"
     with pytest.raises(SettingError, match="nvme.*use one of cpu, none") as err:
         settings.resolve("offload_optimizer", None, dict(ACCELERATE_DS,
@@ -176,6 +211,8 @@ def test_accelerates_deepspeed_words_that_are_not_settings_are_refused_or_said()
     problem, _ = accelerate_words(moe, 3)
     assert problem.startswith("accelerate launch --deepspeed_moe_layer_cls_names MixtralSparseMoeBlock: the deepspeed "
                               "backend does not mark MoE layers") and "\n" not in problem
+    assert "deepspeed.utils.set_z3_leaf_modules(model, [those classes]) before ud.prepare" in problem
+    assert accelerate_words(moe, 2) == (None, [])  # leaf modules are ZeRO-3's: below it DeepSpeed reads none
     both = dict(ACCELERATE_DS, ACCELERATE_DEEPSPEED_ZERO3_INIT="true",
                 ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL="true")
     problem, notes = accelerate_words(both, 3)

@@ -311,26 +311,39 @@ def test_plan_says_what_it_does_not_model_of_deepspeed(plan):
 
 @pytest.mark.parametrize("file, what", [
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer='cpu'"),
-    ({"zero_optimization": {"offload_param": {"device": "cpu"}}}, "offload_param='cpu'"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, "offload_param='cpu'"),
     ({"optimizer": {"type": "AdamW"}}, "optimizer"), ({"scheduler": {"type": "WarmupLR"}}, "scheduler"),
     ({"bf16": {"enabled": True}}, "bf16"), ({"fp16": {"enabled": True}}, "fp16"),
 ])
 def test_plan_names_each_deepspeed_config_it_does_not_model(file, what):
+    from unified_dist.backends.base import Config
+    from unified_dist.backends.deepspeed_backend import offload_devices
     from unified_dist.checks.plan_worker import zero_plan_limit
 
-    assert f"; {what} is not modelled" in zero_plan_limit(file, "no")
+    assert f"; {what} is not modelled" in zero_plan_limit(file, "no", offload_devices(file, Config()))
     assert zero_plan_limit({"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}, "no") is None
+
+
+def test_plan_of_an_offload_the_stage_cannot_do_is_the_jobs_refusal_not_its_limit(plan):
+    """``--offload-param cpu`` at ZeRO-2: the job itself would stop at ``ud.init`` (DeepSpeed offloads parameters at
+    ZeRO-3 only), so the plan reports that one line, not "not modelled: measure one real step"."""
+    code, report, _ = plan(ZERO, "--backend", "deepspeed", "--zero-stage", "2", "--offload-param", "cpu", world=(1, 2))
+    assert code == 1 and report["error"]["type"] == "SettingError", report
+    assert report["error"]["message"].startswith("offload_param='cpu' offloads ZeRO-3's parameter partitions, and ZeRO "
+                                                 "stage 2 keeps whole parameters"), report
 
 
 def test_plan_names_the_offload_settings_it_does_not_model():
     """The offload settings (``--offload-optimizer cpu``, ``accelerate launch --offload_optimizer_device cpu``) are
     not modelled either; a config file's device ``"none"`` offloads nothing."""
+    from unified_dist.backends.base import Config
+    from unified_dist.backends.deepspeed_backend import offload_devices
     from unified_dist.checks.plan_worker import zero_plan_limit
 
-    limit = zero_plan_limit({}, "no", {"offload_optimizer": "cpu", "offload_param": None})
+    limit = zero_plan_limit({}, "no", offload_devices({}, Config(offload_optimizer="cpu")))
     assert limit.endswith("; offload_optimizer='cpu' is not modelled (plan the float32 job, or measure one real step)")
-    assert zero_plan_limit({"zero_optimization": {"offload_optimizer": {"device": "none"}}}, "no",
-                           {"offload_optimizer": None, "offload_param": None}) is None
+    file = {"zero_optimization": {"offload_optimizer": {"device": "none"}}}
+    assert zero_plan_limit(file, "no", offload_devices(file, Config())) is None
 
 
 # ------------------------------------------------------------------------------------------ pipeline stages

@@ -16,6 +16,19 @@ def _table(stdout):
     return {(r[0], r[1]): r[2] for r in rows if len(r) >= 3 and r[0] in ("torch", "accelerate", "horovod", "deepspeed")}
 
 
+def test_the_self_test_runs_deepspeed_where_the_tests_contract_suite_does_not():
+    """``unified-dist test`` (no ``--backend``) runs every installed backend whose record says ``selftest``: DeepSpeed
+    among them; the tests' launcher suite (its ``contract`` flag) runs under the other stacks' launchers only."""
+    import importlib.util
+
+    from unified_dist.cli.selftest import choose_backends
+    from unified_dist.testing.launchers import LAUNCHERS
+
+    chosen = choose_backends(None)
+    assert ("deepspeed" in chosen) == (importlib.util.find_spec("deepspeed") is not None), chosen
+    assert "deepspeed" not in LAUNCHERS and {"torchrun", "accelerate"} <= set(LAUNCHERS), LAUNCHERS
+
+
 @pytest.mark.slow
 def test_every_installed_backend_passes_with_two_processes(cli):
     choice = ["--backend", ",".join(BACKENDS)] if WITHOUT_HOROVOD else []  # else: the default, every installed one

@@ -356,7 +356,16 @@ def test_datasets_streaming_csv_splits_by_file_and_reads_whole_with_one_file(tmp
             ds = datasets.load_dataset("csv", data_files=data_files, streaming=True, split="train")
             loader = loader_for(ds, rank, world, ex, batch_size=2, collate_fn=lambda b: [e["x"] for e in b])
             return [(batch, loader.batch_info.mine) for batch in loader]
-        return run_ranks(world, body)
+        results = run_ranks(world, body)
+        for result in results:  # a rank's exception, not a TypeError about it
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
+    # the ranks are threads here: a process's first load_dataset("csv") imports the builder, which two threads at
+    # once did not survive in a fresh process (AttributeError, seen in the version matrix's unit run); a rank of a
+    # real job is a process of its own
+    datasets.load_dataset("csv", data_files=files[:1], streaming=True, split="train")
 
     split = rows_of(files, 2)
     assert [b for b, _ in split[0]] == [[0, 1], [2, 3], [4, 5], [6]]

@@ -69,7 +69,9 @@ def test_launcher_words_for_offload_and_checkpointing():
 
 @pytest.mark.parametrize("given,words", [
     ({"dp_replicate": 2}, "dp_replicate=2 applies to the blocks FSDP2 shards; add sharding='fsdp'"),
-    ({"cpu_offload": True}, "cpu_offload=True applies to the blocks FSDP2 shards"),
+    ({"cpu_offload": True}, "cpu_offload=True applies to the blocks FSDP2 shards; add sharding='fsdp' "
+                            "(UNIFIED_DIST_SHARDING=fsdp, accelerate launch --use_fsdp --fsdp_version 2); under the "
+                            "deepspeed backend, offload_optimizer='cpu'"),
     ({"activation_checkpointing": True}, "activation_checkpointing=True applies"),
     ({"tp": 2, "gradient_compression": "bf16"}, "use one of the two"),
 ])
