@@ -18,7 +18,7 @@ side by side; absolute times are for this machine only. Per configuration:
   activations, not fewer bubbles);
 - ``parameter_bytes_per_rank``: what each stage holds, against the whole model's bytes;
 - ``activation_peak_bytes_per_rank``: the most bytes of activations autograd held for backward at once on each
-  rank during one step (the worker's ``SavedBytes``), and ``activation_peak_vs_gpipe_per_rank`` that over GPipe's
+  rank during one step (the worker's ``ActivationBytes``), and ``activation_peak_vs_gpipe_per_rank`` that over GPipe's
   at the same microbatch count, beside its theory ``in_flight / M`` (:func:`in_flight`).
 
 Results carry their provenance (commit, command, load, steal; bench/shared/provenance.py).

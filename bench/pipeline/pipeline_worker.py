@@ -11,7 +11,7 @@ each between two barriers, timed on every rank (a step's time: the slowest rank'
 its stage alone, M microbatches' forward and backward with no communication (its *busy* time per step):
 the rest of the step it waits for the other stage or for a message, the measured bubble fraction
 ``1 - busy / step``. One more step, untimed, counts the bytes of activations autograd holds for backward on each
-rank (:class:`SavedBytes`): their peak during the step, and what is left after it (0: every graph freed).
+rank (:class:`ActivationBytes`): their peak during the step, and what is left after it (0: every graph freed).
 The unpipelined step: rank 0 alone runs the whole model on the whole batch (plain
 torch, the step one process takes), while rank 1 waits at a barrier.
 """
@@ -97,11 +97,13 @@ def unpipelined(steps: int) -> list:
         ud.shutdown()
 
 
-class SavedBytes:
+class ActivationBytes:
     """Bytes of activations autograd holds for backward, alive now and at the peak: every tensor a forward saves
     (``torch.autograd.graph.saved_tensors_hooks``) counts from its save until its graph is freed by that
     microbatch's backward; tensors that share a parameter's storage (a weight, or its transpose) are not
-    activations and do not count."""
+    activations and do not count. Each save counts, a tensor two operations save twice (the library's
+    ``unified_dist.parallel.accounting.SavedBytes``, which ``unified-dist plan`` uses, counts a storage once): for
+    this MLP, whose operations save distinct tensors, the two agree."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.alive = self.peak = 0
@@ -126,7 +128,7 @@ class _Held:
 
     __slots__ = ("tensor", "size", "owner")
 
-    def __init__(self, tensor: torch.Tensor, size: int, owner: SavedBytes) -> None:
+    def __init__(self, tensor: torch.Tensor, size: int, owner: ActivationBytes) -> None:
         self.tensor, self.size, self.owner = tensor, size, owner
 
     def __del__(self) -> None:
@@ -147,7 +149,7 @@ def pipelined(schedule: str, microbatches: int, steps: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         step_s = timed(step, steps)
-        saved = SavedBytes(model)
+        saved = ActivationBytes(model)
         with saved.hooks():  # one more step, untimed: the activations this stage holds at its peak
             step()
         stage = ud.unwrap(model)  # this rank's stage alone: the other stage's units pass their input through
