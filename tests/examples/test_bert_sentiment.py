@@ -559,17 +559,7 @@ def test_zero_stage_3_trains_like_the_unsharded_reference(ring: Ring) -> None:
     get ``assert_losses_agree``'s bound for another order (1e-4 relative) and the weights
     ``adamw_rounding_bound(1..5)`` = 1.0e-5 (derived there: every one of the 5 steps may round otherwise); seen
     5.6e-9 (2026-11-29, AMD EPYC, load 9)."""
-    if importlib.util.find_spec("deepspeed") is None:
-        unavailable("--use_deepspeed needs deepspeed (make setup)")
-    run = ring.layout("zero3")
-    result = run.result.check()
-    first = next(line for line in result.output.splitlines() if line.startswith("launcher "))
-    assert first.startswith("launcher accelerate | backend deepspeed | world size 2 |"), first
-    assert first.endswith("| ZeRO stage 3"), first
-    assert "x 2 process(es) x 1 grad-accum = 16 examples per optimizer step" in result.output
-    assert _identity(run.rows) == {("accelerate", "deepspeed", 2)}
-    assert [r["step"] for r in run.rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
-    assert all(r["eval_examples"] == LIMIT_EVAL for r in run.rows if r["type"] == "eval")
+    result = _deepspeed_run_trains_like_the_reference(ring, "zero3", "accelerate", 3)
     held = {int(rank): (int(mine), int(total)) for rank, mine, total in
             re.findall(r"rank (\d+) holds (\d+) of the model's (\d+) parameter elements", result.output)}
     assert sorted(held) == [0, 1], (held, result.output[-3000:])
@@ -578,13 +568,32 @@ def test_zero_stage_3_trains_like_the_unsharded_reference(ring: Ring) -> None:
     # each rank holds ceil(n / 2) of every parameter of n elements: half, plus at most one padding element per
     # parameter (41 parameters in the tests' BERT: far below 1 %)
     assert all(total / 2 <= mine <= total / 2 + total / 100 for mine, _ in held.values()), held
+
+
+def _deepspeed_run_trains_like_the_reference(ring: Ring, name: str, launcher: str, stage: int) -> Result:
+    """``ZERO[name]``'s run, checked: its first line names ``launcher``, DeepSpeed's engine and ZeRO ``stage``; it
+    takes 5 steps of 2 processes x 8, counts every evaluation example once, logs the reference's losses (another
+    order of the same sums: 1e-4 relative) and ends within ``adamw_rounding_bound(1..5)`` of its weights. The run's
+    result, for each test's own checks."""
+    if importlib.util.find_spec("deepspeed") is None:
+        unavailable("the example's ZeRO runs need deepspeed (make setup)")
+    run = ring.layout(name)
+    result = run.result.check()
+    first = next(line for line in result.output.splitlines() if line.startswith("launcher "))
+    assert first.startswith(f"launcher {launcher} | backend deepspeed | world size 2 |"), first
+    assert first.endswith(f"| ZeRO stage {stage}"), first
+    assert "x 2 process(es) x 1 grad-accum = 16 examples per optimizer step" in result.output
+    assert _identity(run.rows) == {(launcher, "deepspeed", 2)}
+    assert [r["step"] for r in run.rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
+    assert all(r["eval_examples"] == LIMIT_EVAL for r in run.rows if r["type"] == "eval")
     reference = ring.reference()
     losses = [r["loss"] for r in run.rows if r["type"] == "train"]
     ref_losses = [r["loss"] for r in reference.rows if r["type"] == "train"]
     assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), (losses, ref_losses)
     worst = max_weight_difference(run.out, reference.out)
-    print(f"zero3: max |weight - reference| {worst:.2e}")
+    print(f"{name}: max |weight - reference| {worst:.2e}")
     assert worst <= adamw_rounding_bound(range(1, 6)), worst
+    return result
 
 
 @pytest.mark.distributed
@@ -594,24 +603,8 @@ def test_deepspeeds_own_launcher_runs_the_example_at_the_stage_it_asks(ring: Rin
     ``--local_rank`` to the script): the first line names that launcher, the engine and the stage; ZeRO-2 keeps whole
     parameters on every rank (it partitions gradients and optimizer state); the run logs the reference's losses and
     ends on its weights. Tolerances as for ZeRO-3 above: ZeRO-2 reduces the gradients in its own buckets and order."""
-    if importlib.util.find_spec("deepspeed") is None:
-        unavailable("--zero-stage needs deepspeed (make setup)")
-    launched = ring.layout("zero2")
-    result = launched.result.check()
-    first = next(line for line in result.output.splitlines() if line.startswith("launcher "))
-    assert first.startswith("launcher deepspeed | backend deepspeed | world size 2 |"), first
-    assert first.endswith("| ZeRO stage 2"), first
-    assert _identity(launched.rows) == {("deepspeed", "deepspeed", 2)}
-    assert [r["step"] for r in launched.rows if r["type"] == "train"] == [1, 2, 3, 4, 5]
-    assert all(r["eval_examples"] == LIMIT_EVAL for r in launched.rows if r["type"] == "eval")
+    result = _deepspeed_run_trains_like_the_reference(ring, "zero2", "deepspeed", 2)
     assert_parameters_held(result.output, 2, sharded=False)
-    reference = ring.reference()
-    losses = [r["loss"] for r in launched.rows if r["type"] == "train"]
-    ref_losses = [r["loss"] for r in reference.rows if r["type"] == "train"]
-    assert losses == pytest.approx(ref_losses, rel=1e-4, abs=1e-6), (losses, ref_losses)
-    worst = max_weight_difference(launched.out, reference.out)
-    print(f"zero2 under deepspeed: max |weight - reference| {worst:.2e}")
-    assert worst <= adamw_rounding_bound(range(1, 6)), worst
 
 
 # Pipeline parallelism from the example's own flag: 2 stages under Open MPI's mpirun x 2 (embeddings and layer 0;
