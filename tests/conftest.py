@@ -7,7 +7,10 @@ import tempfile
 
 import pytest
 
-from unified_dist.testing.launchers import ROOT, TORCH_EXTENSIONS_DIR, LaunchWatch, unavailable
+from unified_dist.testing.launchers import ROOT, TORCH_EXTENSIONS_DIR, ZYGOTE, LaunchWatch, unavailable
+
+ZYGOTE_ALLOWED = os.environ.get("UNIFIED_DIST_TEST_ZYGOTE", "1") != "0"
+"""``UNIFIED_DIST_TEST_ZYGOTE=0``: every launch starts fresh interpreters (the suite as it ran before the zygote)."""
 
 # DeepSpeed's JIT ops for this environment, built by make setup (in this process too: its in-process engines)
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
@@ -27,7 +30,10 @@ def pytest_collection_modifyitems(config, items):
 
 def _refuse_unmarked_launches(item):
     """Run a test's setup or body under a :class:`LaunchWatch` unless it is marked ``distributed``: a test
-    that launches without the marker fails, so ``-m "not distributed"`` stays the one-process tests."""
+    that launches without the marker fails, so ``-m "not distributed"`` stays the one-process tests. The test's
+    launches may start their ``python`` processes as forks of the zygote (unified_dist/testing/zygote.py) unless it
+    is marked ``fresh_python``."""
+    ZYGOTE["enabled"] = ZYGOTE_ALLOWED and not item.get_closest_marker("fresh_python")
     if item.get_closest_marker("distributed"):
         return (yield)
     with LaunchWatch() as watch:

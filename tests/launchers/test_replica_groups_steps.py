@@ -306,6 +306,7 @@ def example_with_a_group_killed(folder: Path, model: str) -> dict:
 
 
 @pytest.mark.example
+@pytest.mark.fresh_python  # Launch.worker finds group 1's process among the launcher's descendants by its variables
 @pytest.mark.skipif(bool(_missing), reason=f"example dependencies missing: {_missing} (make setup)")
 def test_the_bert_example_runs_unchanged_under_two_replica_groups_with_the_plain_runs_accuracy(module_dirs, tiny_bert):
     """Issue #58, item 4: the example exited 2 on gather_for_metrics under --replica-groups 2; and it must end well

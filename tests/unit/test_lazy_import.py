@@ -4,8 +4,12 @@ import importlib
 import subprocess
 import sys
 
+import pytest
+
 import unified_dist as ud
 from unified_dist.testing.launchers import ROOT, child_env
+
+pytestmark = pytest.mark.fresh_python  # what a process imports at its start: a fork of the zygote has torch already
 
 
 def test_neither_the_package_nor_the_command_imports_torch_until_asked():

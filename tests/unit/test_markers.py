@@ -101,6 +101,7 @@ def test_the_library_never_imports_its_test_helpers():
     assert LIBRARY_IMPORT.search("from . import facade, testing\n")
 
 
+@pytest.mark.fresh_python  # a fork of the zygote has torch in memory before its first line
 def test_the_helpers_import_no_torch():
     code = ("import sys, unified_dist.testing.launchers, unified_dist.testing.multinode, "
             "unified_dist.testing.replica_runs\n"

@@ -117,14 +117,76 @@ One thread compiles in the process itself; the code it generates is the same. Me
 56.4 -> 41.6 s wall and 79.9 -> 57.6 CPU-s, the file 106.5 -> 87.0 s."""
 
 
-def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+ZYGOTE_SITE = ROOT / "unified_dist" / "testing" / "zygote_site"
+"""The folder whose ``sitecustomize`` hands a ``python`` to the zygote (unified_dist/testing/zygote.py)."""
+ZYGOTE = {"enabled": False, "path": None, "process": None, "failed": False}
+"""This test process's fork server: ``enabled`` while the running test may use it (tests/conftest.py clears it for
+tests marked ``fresh_python``), started at the first :func:`child_env` that wants it."""
+
+
+def _base_env() -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(LAUNCHER_VARIABLE_PREFIXES) and k not in TORCH_VARIABLES}
+           if not k.startswith(LAUNCHER_VARIABLE_PREFIXES) and k not in TORCH_VARIABLES and k != "UDTEST_ZYGOTE"}
     env.setdefault("TORCH_EXTENSIONS_DIR", TORCH_EXTENSIONS_DIR)
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", COMPILE_THREADS)
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                PATH=f"{BIN}{os.pathsep}{env.get('PATH', '')}",
                PYTHONPATH=f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    return env
+
+
+def _zygote(env: Dict[str, str]) -> Optional[str]:
+    """The socket of this process's fork server, started with ``env`` (the launches' environment without
+    ``UDTEST_ZYGOTE``) at the first call; ``None`` where it could not start (launches then start fresh)."""
+    if ZYGOTE["path"] or ZYGOTE["failed"]:
+        return ZYGOTE["path"]
+    import atexit
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="udz")
+    path = os.path.join(folder, "s")
+    with open(os.path.join(folder, "server.log"), "w") as log:
+        process = subprocess.Popen([sys.executable, str(ROOT / "unified_dist" / "testing" / "zygote.py"), path],
+                                   env=env, cwd=folder, stdin=subprocess.DEVNULL, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path + ".json"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            ZYGOTE["failed"] = True
+            with open(os.path.join(folder, "server.log")) as log:
+                print(f"zygote did not start; launches start fresh interpreters: {log.read()[-500:]}",
+                      file=sys.stderr)
+            return None
+        time.sleep(0.05)
+    ZYGOTE.update(path=path, process=process)
+    atexit.register(process.kill)
+    return path
+
+
+def zygote_cpu() -> float:
+    """CPU seconds of the forks that ended so far (the server's ``SOCKET.cpu``)."""
+    if not ZYGOTE["path"]:
+        return 0.0
+    try:
+        with open(ZYGOTE["path"] + ".cpu") as handle:
+            return float(handle.read() or 0.0)
+    except (OSError, ValueError):
+        return 0.0
+
+
+def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment of a launch: this process's, without a launcher's variables, with one OpenMP thread, offline
+    Hugging Face, unbuffered Python, the venv's ``bin/`` on ``PATH``, this checkout on ``PYTHONPATH``, then
+    ``extra``. While :data:`ZYGOTE` is enabled, the zygote's site folder leads ``PYTHONPATH`` and
+    ``UDTEST_ZYGOTE`` names the server: a ``python`` started with it is a fork of one that imported torch
+    (unified_dist/testing/zygote.py says when it is not)."""
+    env = _base_env()
+    if ZYGOTE["enabled"]:
+        env["PYTHONPATH"] = f"{ZYGOTE_SITE}{os.pathsep}{env['PYTHONPATH']}"
+        path = _zygote(dict(env))
+        if path:
+            env["UDTEST_ZYGOTE"] = path
     env.update(extra or {})
     return env
 
@@ -186,13 +248,13 @@ tests' own work."""
 
 def _children_cpu() -> float:
     """User and system CPU seconds of this process's children that ended and were waited for (a launcher
-    waits for its workers, so a launch's workers are counted in it). Two launches that run at once in one
-    test process (a fixture that overlaps its launches) share their sum: each is counted once, in whichever
-    ends last."""
+    waits for its workers, so a launch's workers are counted in it), and of the zygote's forks that ended. Two
+    launches that run at once in one test process (a fixture that overlaps its launches) share their sum: each is
+    counted once, in whichever ends last."""
     import resource
 
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime + zygote_cpu()
 
 
 def _log_launch(cmd: Sequence[str], wall_s: float, cpu_s: float, timed_out: bool) -> None:
@@ -262,8 +324,9 @@ def launch(launcher: str, script: str, args: Sequence[str] = (), nproc: int = 2,
 # ---------------------------------------------------------------------- what counts as a launch
 LAUNCHER_PROGRAMS = ("torchrun", "horovodrun", "deepspeed", "srun", "mpirun", "mpiexec")
 LAUNCHER_MODULES = ("torch.distributed.launch", "torch.distributed.run", "deepspeed.launcher.launch")
-HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
-"""Processes Python starts beside a single one (its multiprocessing bookkeeping): not a launch."""
+HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "unified_dist/testing/zygote.py")
+"""Processes Python starts beside a single one (its multiprocessing bookkeeping), and the zygote's server and forks
+(each fork's client, which is counted, carries the command line it runs): not a launch."""
 
 
 def is_launcher(cmdline: Sequence[str]) -> bool:

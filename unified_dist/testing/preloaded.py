@@ -28,8 +28,7 @@ import sys
 import time
 from typing import Dict, List
 
-PRELOAD = ("torch", "torch._dynamo")
-"""Imported once, before the first fork."""
+from unified_dist.testing.zygote import PRELOAD, run_as_python  # noqa: F401 (PRELOAD: what main imports)
 
 READ_AT_IMPORT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES",
                   "TORCH_LOGS", "TORCHDYNAMO_DISABLE", "TORCH_COMPILE_DISABLE", "LD_PRELOAD")
@@ -37,25 +36,8 @@ READ_AT_IMPORT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "PYTHONHAS
 this process's."""
 
 
-def _exit_status(exc: SystemExit) -> int:
-    """The status ``python`` exits with for an uncaught ``SystemExit``: its int code, 0 for ``None``, else 1 after
-    printing the code to stderr."""
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code
-    print(exc.code, file=sys.stderr)
-    return 1
-
-
 def _child(run: Dict) -> int:
     """In the forked child: ``python SCRIPT ARGS`` as far as the script can tell; the exit status."""
-    import atexit
-    import importlib.machinery
-    import threading
-    import traceback
-    import types
-
     os.setsid()
     fd = os.open(run["output"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -64,32 +46,7 @@ def _child(run: Dict) -> int:
     os.chdir(run["cwd"])
     os.environ.clear()
     os.environ.update(run["env"])
-    script = os.path.abspath(os.path.join(run["cwd"], run["script"]))
-    sys.argv = [run["script"], *run.get("args", [])]
-    sys.path[0] = os.path.dirname(script)
-    main = types.ModuleType("__main__")  # what the interpreter makes of a script: __file__ absolute, argv[0] as typed
-    main.__file__ = script
-    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", script)
-    sys.modules["__main__"] = main  # pickle and multiprocessing's spawn find the script's functions here
-    try:
-        with open(script, "rb") as handle:
-            code = compile(handle.read(), script, "exec")
-        exec(code, main.__dict__)
-        status = 0
-    except SystemExit as exc:
-        status = _exit_status(exc)
-    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
-        traceback.print_exc()
-        status = 1
-    try:
-        threading._shutdown()  # the interpreter waits for non-daemon threads before its atexit functions
-        atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-        status = status or 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return status
+    return run_as_python("script", run["script"], run.get("args", []))
 
 
 def _kill(pid: int) -> None:

@@ -192,6 +192,7 @@ def test_the_launcher_dry_run_prints_every_groups_command(cli_in_process, tmp_pa
 
 
 # ------------------------------------------------------------------------------ no torch to ask for a GPU
+@pytest.mark.fresh_python  # a fork of the zygote has torch in memory before its first line
 def test_where_no_gpu_driver_is_present_the_launcher_never_imports_torch(workdir):
     """A GPU is reached through its driver's device files (NVIDIA's, ROCm's, WSL 2's); where none exists the
     launcher answers without torch's import (2-3 CPU-seconds of every launch), for every backend and for replica

@@ -1,0 +1,197 @@
+"""unified_dist/testing/zygote.py and its client: a ``python`` handed to the fork server runs as a fresh one would.
+
+The expectations are a fresh interpreter's: each script below runs twice, once as ``python`` always starts (the
+client's folder off ``PYTHONPATH``) and once handed to a server of this module's own; what the two print, their exit
+statuses and their stderr must be equal. The decision log (``UDTEST_ZYGOTE_LOG``) shows which runs were forks."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from unified_dist.testing.launchers import ROOT, ZYGOTE_SITE, _base_env
+
+pytestmark = [pytest.mark.distributed, pytest.mark.fresh_python]  # this module's own server and its forks
+
+SCRIPTS = {
+    "identity": """
+        import json, os, sys
+        print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+                          "file": globals().get("__file__"), "mine": os.environ.get("MINE"),
+                          "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR") is not None}))
+        """,
+    "exit_3": "import sys\nprint('before')\nsys.exit(3)\n",
+    "exit_text": "raise SystemExit('bad input')\n",
+    "raises": "def f():\n    raise ValueError('deep')\nf()\n",
+    "no_import": "x = torch.ones(1)\n",  # the fork's globals are the script's: NameError as alone
+    "atexit_thread": textwrap.dedent("""
+        import atexit, threading, time
+        atexit.register(lambda: print('at exit ran', flush=True))
+        threading.Thread(target=lambda: (time.sleep(0.3), print('thread ended', flush=True))).start()
+        print('main ended', flush=True)
+        """),
+    "torch_start": "import torch\nprint(torch.get_num_threads(), torch.get_default_dtype(), torch.ones(3).sum())\n",
+    "stdin": "print(input().upper())\n",
+    "killed": "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n",
+    "signals": "import signal\nprint(repr(signal.getsignal(signal.SIGTERM)), repr(signal.getsignal(signal.SIGINT)))\n",
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("zygote")
+    env = {**_base_env(), "PYTHONPATH": f"{ZYGOTE_SITE}{os.pathsep}{_base_env()['PYTHONPATH']}"}
+    path = str(folder / "s")
+    process = subprocess.Popen([sys.executable, str(ROOT / "unified_dist" / "testing" / "zygote.py"), path], env=env,
+                               cwd=folder, stdin=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path + ".json"):
+        assert process.poll() is None and time.monotonic() < deadline, "the zygote did not start"
+        time.sleep(0.05)
+    yield {"env": env, "path": path, "log": folder / "log.txt", "folder": folder}
+    process.kill()
+    process.wait()
+
+
+def _run(server, name, code, handed, args=(), extra=None, cwd=None, **kwargs):
+    folder = server["folder"] / name
+    folder.mkdir(exist_ok=True)
+    (folder / "script.py").write_text(textwrap.dedent(code))
+    env = {**server["env"], **(extra or {})}
+    if handed:
+        env.update(UDTEST_ZYGOTE=server["path"], UDTEST_ZYGOTE_LOG=str(server["log"]))
+    else:
+        env["PYTHONPATH"] = env["PYTHONPATH"].split(os.pathsep, 1)[1]  # no client: the interpreter as it is
+    cmd = kwargs.pop("cmd", None) or [sys.executable, "script.py", *args]
+    return subprocess.run(cmd, cwd=cwd or folder, env=env, capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def _log(server):
+    return server["log"].read_text().splitlines() if server["log"].exists() else []
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_a_handed_run_prints_exits_and_fails_as_a_fresh_interpreter(server, name):
+    extra = {"MINE": "1"}
+    stdin = "hello\n" if name == "stdin" else None
+    before = len(_log(server))
+    fresh = _run(server, name, SCRIPTS[name], False, ["--flag", "v"], extra, input=stdin)
+    forked = _run(server, name, SCRIPTS[name], True, ["--flag", "v"], extra, input=stdin)
+    assert [line.split(":")[0] for line in _log(server)[before:]] == ["fork ['script.py', '--flag']"]
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+
+
+def test_module_and_code_forms_get_the_interpreters_argv_and_path(server):
+    show = "import json, sys; print(json.dumps([sys.argv, sys.path[0], __name__]))"
+    (server["folder"] / "shown.py").write_text(show + "\n")
+    for cmd in ([sys.executable, "-c", show, "a", "b"], [sys.executable, "-u", "-m", "shown", "x"]):
+        fresh = _run(server, "forms", "", False, cmd=cmd, cwd=server["folder"])
+        forked = _run(server, "forms", "", True, cmd=cmd, cwd=server["folder"])
+        assert fresh.returncode == 0, fresh.stderr
+        assert (forked.returncode, forked.stdout, forked.stderr) == (0, fresh.stdout, fresh.stderr)
+    assert sum(line.startswith("fork ['-") for line in _log(server)) >= 2
+
+
+def test_random_sequences_are_each_processs_own(server):
+    code = "import random, numpy, torch\nprint(random.random(), numpy.random.rand(), torch.initial_seed())\n"
+    outs = [_run(server, "random", code, True).stdout.split() for _ in range(3)]
+    for generator in range(3):  # a fresh interpreter seeds each from the system; forks of one server must not share
+        assert len({out[generator] for out in outs}) == 3, outs
+
+
+def test_a_signal_to_the_client_reaches_the_run_and_its_exit_is_the_clients(server):
+    folder = server["folder"] / "term"
+    folder.mkdir()
+    (folder / "script.py").write_text(textwrap.dedent("""
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *a: (print('got term', flush=True), sys.exit(7)))
+        print('ready', flush=True)
+        time.sleep(60)
+        """))
+    env = {**server["env"], "UDTEST_ZYGOTE": server["path"]}
+    client = subprocess.Popen([sys.executable, "script.py"], cwd=folder, env=env, stdout=subprocess.PIPE, text=True)
+    assert client.stdout.readline() == "ready\n"
+    client.send_signal(signal.SIGTERM)
+    assert client.wait(30) == 7 and client.stdout.read() == "got term\n"
+
+
+def test_a_killed_client_takes_its_run_and_the_runs_children_with_it(server):
+    folder = server["folder"] / "kill"
+    folder.mkdir()
+    (folder / "script.py").write_text(textwrap.dedent("""
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        print(os.getpid(), child.pid, flush=True)
+        time.sleep(120)
+        """))
+    env = {**server["env"], "UDTEST_ZYGOTE": server["path"]}
+    client = subprocess.Popen([sys.executable, "script.py"], cwd=folder, env=env, stdout=subprocess.PIPE, text=True)
+    pids = [int(word) for word in client.stdout.readline().split()]
+    assert client.pid not in pids  # the run is a fork of the server, not the client itself
+    client.kill()
+    assert client.wait(30) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while any(Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+              for pid in pids):
+        assert time.monotonic() < deadline, "the run or its child outlived its client"
+        time.sleep(0.1)
+
+
+def test_an_ignored_signal_stays_ignored_in_the_run(server):
+    def ignore():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    fresh = _run(server, "ignored", SCRIPTS["signals"], False, preexec_fn=ignore)
+    forked = _run(server, "ignored", SCRIPTS["signals"], True, preexec_fn=ignore)
+    assert fresh.stdout.startswith("<Handlers.SIG_IGN: 1> ") and forked.stdout == fresh.stdout
+
+
+@pytest.mark.parametrize("why", ["variable", "descriptor", "option"])
+def test_a_run_a_fork_would_start_differently_starts_fresh(server, why):
+    before = len(_log(server))
+    code = "import sys\nprint('torch' in sys.modules)\n"
+    if why == "variable":
+        got = _run(server, "refused", code, True, extra={"OMP_NUM_THREADS": "2"})
+    elif why == "descriptor":
+        read, write = os.pipe()
+        got = _run(server, "refused", code, True, pass_fds=(read,))
+        os.close(read)
+        os.close(write)
+    else:
+        got = _run(server, "refused", "", True, cmd=[sys.executable, "-X", "dev", "-c", code.replace("\n", ";")])
+    assert got.returncode == 0 and got.stdout == "False\n", got.stderr  # torch not in memory: a fresh start
+    reason = {"variable": "OMP_NUM_THREADS differs from the server's", "descriptor": "inherited descriptors",
+              "option": "interpreter option -X"}[why]
+    assert [line.startswith("fresh") and reason in line for line in _log(server)[before:]] == [True]
+
+
+def test_the_server_counts_the_cpu_of_the_forks_that_ended(server):
+    before = float(Path(server["path"] + ".cpu").read_text())
+    _run(server, "busy", "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\n", True)
+    time.sleep(0.2)
+    assert float(Path(server["path"] + ".cpu").read_text()) - before >= 0.5
+
+
+def test_the_refusals_name_the_difference():
+    sys.path.insert(0, str(ZYGOTE_SITE))
+    try:
+        import sitecustomize as client
+    finally:
+        sys.path.remove(str(ZYGOTE_SITE))
+    server = {"executable": sys.executable, "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}}
+    same = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": "3", "TORCHELASTIC_RUN_ID": "x"}
+    assert client.refusal(server, same, sys.executable, ["-u", "w.py", "a"], []) == ("script", "w.py", ["a"])
+    assert client.refusal(server, {**same, "TORCH_LOGS": "+dynamo"}, sys.executable, ["w.py"], []) == (
+        "TORCH_LOGS differs from the server's")
+    assert client.refusal(server, same, "/usr/bin/python3.9", ["w.py"], []).startswith("another interpreter")
+    assert client.refusal(server, same, sys.executable, ["-O", "w.py"], []) == "interpreter option -O"
+    assert client.refusal(server, same, sys.executable, [], []) == "no script"
+    assert json.dumps(client.refusal(server, same, sys.executable, ["-m", "torch.distributed.run", "--x"], [])) == (
+        '["module", "torch.distributed.run", ["--x"]]')

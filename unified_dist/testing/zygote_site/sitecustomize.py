@@ -1,0 +1,154 @@
+"""The client of unified_dist/testing/zygote.py: a ``python`` that hands its run to a fork of the tests' server.
+
+Imported by the interpreter at start-up when this folder is on ``PYTHONPATH``. Without ``UDTEST_ZYGOTE`` in
+the environment it does nothing. With it, :func:`hand_over` checks that a fork of the server would start as this
+process would (:func:`refusal`); if so it sends the run there and relays until the fork ends, then ends the same way
+and never returns. Any refusal, or a server that cannot be reached, lets this interpreter go on as usual.
+``UDTEST_ZYGOTE_LOG`` names a file that gets one line per decision (the tests' count of forks).
+"""
+import os
+
+ENV_VARIABLE = "UDTEST_ZYGOTE"
+FORWARDED = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGTERM", "SIGCONT", "SIGWINCH")
+"""The signals relayed to the fork (``SIGKILL`` cannot be: the server kills the fork's session when this ends)."""
+_IMPORT_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "CUDA", "NVIDIA", "TORCH",
+                    "PYTORCH", "TRITON", "LC_", "LANG", "MALLOC", "TMPDIR", "NUMPY", "KINETO")
+_NOT_AT_IMPORT = ("TORCHELASTIC_", "TORCH_NCCL_")
+_IMPORT_NAMES = ("USER", "LOGNAME", "LNAME", "USERNAME", "HOME")  # torch's default cache folders name the user
+
+
+def read_at_import(name):
+    """Whether variable ``name`` may be read while the server imports torch (or by the interpreter at start-up):
+    a client whose value differs from the server's starts fresh. The launchers' own variables (``RANK``,
+    ``TORCHELASTIC_*``, ``SLURM_*``, ``OMPI_*``, ...) are read later, by the code a fork runs."""
+    if name in _IMPORT_NAMES:
+        return True
+    return name.startswith(_IMPORT_PREFIXES) and not name.startswith(_NOT_AT_IMPORT) and name != ENV_VARIABLE
+
+
+def parse(argv, unbuffered_env):
+    """``(kind, target, args)`` for ``python [-u] SCRIPT|-m MODULE|-c CODE ARGS`` (``sys.orig_argv[1:]``), or a
+    refusal (a string): other options change the interpreter itself. ``-u`` is taken only where the server's
+    streams are unbuffered already (``PYTHONUNBUFFERED``)."""
+    argv = list(argv)
+    while argv and argv[0] == "-u":
+        if not unbuffered_env:
+            return "-u without PYTHONUNBUFFERED in the server"
+        argv.pop(0)
+    if not argv or argv[0] == "-":
+        return "no script"
+    if argv[0] in ("-m", "-c"):
+        if len(argv) < 2:
+            return f"{argv[0]} without its argument"
+        return ("module" if argv[0] == "-m" else "code"), argv[1], argv[2:]
+    if argv[0].startswith("-"):
+        return f"interpreter option {argv[0]}"
+    return "script", argv[0], argv[1:]
+
+
+def refusal(server, environ, executable, argv, open_fds):
+    """Why a fork of ``server`` (the server's ``SOCKET.json``) would not start as this process would, or the
+    parsed command line."""
+    if os.path.realpath(executable) != os.path.realpath(server["executable"]):
+        return f"another interpreter ({executable})"
+    theirs = server["env"]
+    for name in sorted(set(environ) | set(theirs)):
+        if read_at_import(name) and environ.get(name) != theirs.get(name):
+            return f"{name} differs from the server's"
+    if open_fds:
+        return f"inherited descriptors {open_fds}"  # multiprocessing's spawn, a launcher's pipes: the fork lacks them
+    return parse(argv, theirs.get("PYTHONUNBUFFERED"))
+
+
+def _log(line):
+    path = os.environ.get("UDTEST_ZYGOTE_LOG")
+    if path:
+        with open(path, "a") as out:
+            out.write(line + "\n")
+
+
+def _open_fds():
+    folder = "/proc/self/fd"
+    found = []
+    for name in os.listdir(folder):
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.fstat(fd)  # listdir's own descriptor is closed by now
+            except OSError:
+                continue
+            found.append(fd)
+    return found
+
+
+def hand_over():
+    import json
+    import signal
+    import socket
+    import struct
+    import sys
+
+    path = os.environ[ENV_VARIABLE]
+    try:
+        with open(path + ".json") as handle:
+            server = json.load(handle)
+    except (OSError, ValueError):
+        return _log(f"fresh {sys.orig_argv[1:3]}: no server at {path}")
+    parsed = refusal(server, os.environ, sys.executable, sys.orig_argv[1:], _open_fds())
+    if isinstance(parsed, str):
+        return _log(f"fresh {sys.orig_argv[1:3]}: {parsed}")
+    kind, target, args = parsed
+    signals = {name: ("ignore" if signal.getsignal(getattr(signal, name)) == signal.SIG_IGN else "default")
+               for name in FORWARDED}
+    request = json.dumps({"kind": kind, "target": target, "args": args, "cwd": os.getcwd(), "env": dict(os.environ),
+                          "signals": signals}).encode()
+    data = struct.pack("!I", len(request)) + request
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+        sent = socket.send_fds(conn, [data], [0, 1, 2])
+        conn.sendall(data[sent:])
+        reader = conn.makefile("rb")
+        pid = json.loads(reader.readline())["pid"]
+    except (OSError, ValueError, KeyError):
+        conn.close()
+        return _log(f"fresh {sys.orig_argv[1:3]}: the server did not take the run")
+    try:  # the run is the fork's now: whatever happens here, this process never runs it too
+        _log(f"fork {sys.orig_argv[1:3]}: pid {pid}")
+        os._exit(_relay(pid, signals, reader, signal, json))
+    except BaseException as exc:  # noqa: BLE001
+        os.write(2, f"zygote client: {exc!r}\n".encode())
+        os._exit(1)
+
+
+def _relay(pid, signals, reader, signal, json):
+    """Relay signals to the fork ``pid`` until the server says how it ended; end the same way (the exit status
+    returned, or this process killed by the fork's signal)."""
+    def relay(number, frame):
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            pass
+
+    for name, how in signals.items():
+        if how == "default":
+            signal.signal(getattr(signal, name), relay)
+    try:
+        ended = json.loads(reader.readline() or b"{}")
+    except (OSError, ValueError):
+        ended = {}
+    if "signal" in ended:
+        number = ended["signal"]
+        if number not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(number, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [number])
+        os.kill(os.getpid(), number)
+        return 128 + number  # a signal whose default is not to end a process
+    if "exit" not in ended:
+        os.write(2, b"zygote: the server ended before the run did\n")
+        return 1
+    return ended["exit"]
+
+
+if os.environ.get(ENV_VARIABLE):
+    hand_over()
