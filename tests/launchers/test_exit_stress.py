@@ -17,7 +17,7 @@ import pytest
 
 from unified_dist.testing.launchers import ROOT, child_env, run, unavailable
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.fresh_python]  # a process's own exit
 LAUNCHERS = ["torchrun", "accelerate"] + (["horovodrun"] if importlib.util.find_spec("horovod") else [])
 
 

@@ -40,6 +40,8 @@ SCRIPTS = {
     "torch_start": "import torch\nprint(torch.get_num_threads(), torch.get_default_dtype(), torch.ones(3).sum())\n",
     "stdin": "print(input().upper())\n",
     "killed": "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)\n",
+    "interrupted": "raise KeyboardInterrupt\n",  # the interpreter ends itself by SIGINT after the traceback
+    "finalized": "class Held:\n    def __del__(self):\n        print('finalized', flush=True)\nheld = Held()\n",
     "signals": "import signal\nprint(repr(signal.getsignal(signal.SIGTERM)), repr(signal.getsignal(signal.SIGINT)))\n",
 }
 

@@ -19,7 +19,9 @@ Each fork does what ``python`` would: a session of its own, the client's streams
 signal dispositions the client was started with, ``sys.argv`` and ``sys.path[0]`` as the interpreter sets them,
 the script run as a fresh ``__main__`` (:func:`run_as_python`), Python's, numpy's and torch's random generators
 reseeded from the system (a fresh interpreter seeds each from it; forks would share one sequence), ``tempfile``'s
-cached folder forgotten. What a fork shares with the others is what
+cached folder forgotten; it ends through the interpreter's own finalization (its threads joined, ``atexit``,
+garbage collected, the libraries' destructors run), as a fresh one would, so that a crash at exit shows. The
+server freezes what its imports made (``gc.freeze``): the forks' collections skip it. What a fork shares with the others is what
 importing :data:`PRELOAD` left in memory, and one thing a fresh interpreter would not share: the hash seed of
 ``str`` (``PYTHONHASHSEED``), chosen once for the server. Tests whose claim is about a process's own start, exit or
 signals run on fresh interpreters (pytest marker ``fresh_python``).
@@ -56,12 +58,16 @@ def _exit_status(exc: SystemExit) -> int:
     return 1
 
 
-def run_as_python(kind: str, target: str, args: List[str]) -> int:
+def run_as_python(kind: str, target: str, args: List[str], finalize: bool = True) -> int:
     """Run what ``python SCRIPT ARGS`` (``kind`` ``"script"``), ``python -m MODULE ARGS`` (``"module"``) or
     ``python -c CODE ARGS`` (``"code"``) runs, in this process (already in the run's folder and environment): a
     fresh ``__main__``, ``sys.argv`` and ``sys.path[0]`` as the interpreter sets them, the exit status the
-    interpreter would give (1 and the traceback after an uncaught exception), then what an interpreter does before
-    it exits: wait for non-daemon threads, run ``atexit`` functions, flush the streams."""
+    interpreter would give (1 and the traceback after an uncaught exception). With ``finalize``, then what an
+    interpreter does before it exits: wait for non-daemon threads, run ``atexit`` functions, flush the streams
+    (the caller ends with ``os._exit``). Without, the caller exits through the interpreter's own finalization,
+    which does all that and the rest (garbage collection, the libraries' C++ destructors, where a crash at exit
+    shows); an uncaught ``KeyboardInterrupt`` is raised again after its traceback, so that the interpreter ends
+    the process by ``SIGINT`` as it would."""
     import atexit
     import importlib.machinery
     import runpy
@@ -100,6 +106,11 @@ def run_as_python(kind: str, target: str, args: List[str]) -> int:
             tb = tb.tb_next  # the traceback starts in the script, as the interpreter's does
         traceback.print_exception(type(exc), exc, tb)
         status = 1
+        if isinstance(exc, KeyboardInterrupt) and not finalize:
+            sys.excepthook = lambda *info: None  # printed above, from the script's first frame
+            raise
+    if not finalize:
+        return status
     try:
         threading._shutdown()  # the interpreter waits for non-daemon threads before its atexit functions
         atexit._run_exitfuncs()
@@ -130,15 +141,11 @@ def _fresh_state() -> None:
         sys.modules["multiprocessing"].current_process().authkey = os.urandom(32)
 
 
-def _child(request: Dict, fds: List[int], inherited: List[int], effects: Dict[str, str]) -> int:
-    """In the fork: become what the client would have been; its exit status. ``effects``: the variables importing
-    :data:`PRELOAD` set in the server, set here too where the client's environment lacks them, as its own import
-    would have (from the same variables: the client's are the server's where they are read at import)."""
-    for fd in inherited:  # the server's listener and its connections to other clients
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+def _child(request: Dict, fds: List[int], effects: Dict[str, str]) -> int:
+    """In the fork (the server's sockets closed): become what the client would have been, run it; its exit status,
+    for the interpreter's own exit. ``effects``: the variables importing :data:`PRELOAD` set in the server, set here
+    too where the client's environment lacks them, as its own import would have (from the same variables: the
+    client's are the server's where they are read at import)."""
     os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -159,7 +166,7 @@ def _child(request: Dict, fds: List[int], inherited: List[int], effects: Dict[st
     _fresh_state()
     if sys.stdout is not None:
         sys.stdout.reconfigure(line_buffering=os.isatty(1))
-    return run_as_python(request["kind"], request["target"], request["args"])
+    return run_as_python(request["kind"], request["target"], request["args"], finalize=False)
 
 
 def _send(conn: Optional[socket.socket], message: Dict) -> None:
@@ -205,6 +212,9 @@ def serve(path: str) -> int:
     for module in PRELOAD:
         __import__(module)
     effects = {k: v for k, v in os.environ.items() if before.get(k) != v}  # torch sets TORCHINDUCTOR_CACHE_DIR
+    import gc
+
+    gc.freeze()  # what the imports made stays out of the forks' collections (and their pages shared)
     threads = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["one"]
     if len(threads) != 1:
         print(f"zygote: importing {', '.join(PRELOAD)} left {len(threads)} threads (set OMP_NUM_THREADS=1): a fork "
@@ -237,15 +247,12 @@ def serve(path: str) -> int:
                     continue
                 sys.stdout.flush()
                 sys.stderr.flush()
-                inherited = [listener.fileno(), selector.fileno(), *owner]
                 pid = os.fork()
-                if pid == 0:
-                    status = 1
-                    try:
-                        conn.close()
-                        status = _child(request, fds, inherited, effects)
-                    finally:
-                        os._exit(status)
+                if pid == 0:  # the fork: it leaves this loop with the run's status, and the interpreter exits
+                    for other in (conn, listener, selector, *conns.values()):
+                        if other is not None:
+                            other.close()
+                    return _child(request, fds, effects)
                 for fd in fds:
                     os.close(fd)
                 conns[pid] = conn
