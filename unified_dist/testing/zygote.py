@@ -128,9 +128,7 @@ def run_as_python(kind: str, target: str, args: List[str], finalize: bool = True
 def _fresh_state() -> None:
     """What a fresh interpreter would have that a fork of the server does not: its own random sequences, no cached
     temporary folder, its own multiprocessing key."""
-    import random
-
-    random.seed()
+    # Python's random reseeds itself in a fork (os.register_at_fork); numpy's and torch's do not
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     if "torch" in sys.modules:
