@@ -18,12 +18,12 @@ starts as any ``python`` does.
 Each fork does what ``python`` would: a session of its own, the client's streams, folder and environment, the
 signal dispositions the client was started with, ``sys.argv`` and ``sys.path[0]`` as the interpreter sets them,
 the script run as a fresh ``__main__`` (:func:`run_as_python`), Python's, numpy's and torch's random generators
-reseeded from the system (a fresh interpreter seeds each from it; forks would share one sequence), ``tempfile``'s
-cached folder forgotten; it ends through the interpreter's own finalization (its threads joined, ``atexit``,
-garbage collected, the libraries' destructors run), as a fresh one would, so that a crash at exit shows. The
-server freezes what its imports made (``gc.freeze``): the forks' collections skip it. What a fork shares with the others is what
-importing :data:`PRELOAD` left in memory, and one thing a fresh interpreter would not share: the hash seed of
-``str`` (``PYTHONHASHSEED``), chosen once for the server. Tests whose claim is about a process's own start, exit or
+seeded from the system (forks would otherwise share one sequence), ``tempfile``'s cached folder forgotten. It ends
+through the interpreter's own finalization (its threads joined, ``atexit``, garbage collected, the libraries'
+destructors run), as a fresh one would, so that a crash at exit shows. The server freezes what its imports made
+(``gc.freeze``): the forks' collections skip it. What a fork shares with the others is what importing
+:data:`PRELOAD` left in memory, and one thing a fresh interpreter would not share: the hash seed of ``str``
+(``PYTHONHASHSEED``), chosen once for the server. Tests whose claim is about a process's own start, exit or
 signals run on fresh interpreters (pytest marker ``fresh_python``).
 
 When the client dies (``SIGKILL``: a launcher's or a test's timeout), the server kills the fork's whole session.
