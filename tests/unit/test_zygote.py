@@ -1,8 +1,9 @@
 """unified_dist/testing/zygote.py and its client: a ``python`` handed to the fork server runs as a fresh one would.
 
 The expectations are a fresh interpreter's: each script below runs twice, once as ``python`` always starts (the
-client's folder off ``PYTHONPATH``) and once handed to a server of this module's own; what the two print, their exit
-statuses and their stderr must be equal. The decision log (``UDTEST_ZYGOTE_LOG``) shows which runs were forks."""
+same environment without ``UDTEST_ZYGOTE``: the client does nothing) and once handed to a server of this module's
+own; what the two print, their exit statuses and their stderr must be equal. The decision log
+(``UDTEST_ZYGOTE_LOG``) shows which runs were forks."""
 from __future__ import annotations
 
 import json
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.fresh_python]  # this module'
 SCRIPTS = {
     "identity": """
         import json, os, sys
-        print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__,
+        print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path": sys.path, "name": __name__,
                           "file": globals().get("__file__"), "mine": os.environ.get("MINE"),
                           "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR") is not None}))
         """,
@@ -67,10 +68,8 @@ def _run(server, name, code, handed, args=(), extra=None, cwd=None, **kwargs):
     folder.mkdir(exist_ok=True)
     (folder / "script.py").write_text(textwrap.dedent(code))
     env = {**server["env"], **(extra or {})}
-    if handed:
+    if handed:  # else the client's sitecustomize is imported too, and does nothing: the interpreter as it is
         env.update(UDTEST_ZYGOTE=server["path"], UDTEST_ZYGOTE_LOG=str(server["log"]))
-    else:
-        env["PYTHONPATH"] = env["PYTHONPATH"].split(os.pathsep, 1)[1]  # no client: the interpreter as it is
     cmd = kwargs.pop("cmd", None) or [sys.executable, "script.py", *args]
     return subprocess.run(cmd, cwd=cwd or folder, env=env, capture_output=True, text=True, timeout=120, **kwargs)
 
@@ -187,7 +186,8 @@ def test_the_refusals_name_the_difference():
         import sitecustomize as client
     finally:
         sys.path.remove(str(ZYGOTE_SITE))
-    server = {"executable": sys.executable, "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}}
+    server = {"executable": sys.executable, "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, "cwd": "/",
+              "modules": ["torch"]}
     same = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": "3", "TORCHELASTIC_RUN_ID": "x"}
     assert client.refusal(server, same, sys.executable, ["-u", "w.py", "a"], []) == ("script", "w.py", ["a"])
     assert client.refusal(server, {**same, "TORCH_LOGS": "+dynamo"}, sys.executable, ["w.py"], []) == (
@@ -197,3 +197,27 @@ def test_the_refusals_name_the_difference():
     assert client.refusal(server, same, sys.executable, [], []) == "no script"
     assert json.dumps(client.refusal(server, same, sys.executable, ["-m", "torch.distributed.run", "--x"], [])) == (
         '["module", "torch.distributed.run", ["--x"]]')
+
+
+def test_a_pythonpath_of_its_own_is_the_runs_sys_path_unless_it_holds_a_module_the_server_imported(server):
+    """Launchers put folders of their own first on PYTHONPATH (unified-dist's self-test, Horovod's redirect): the fork
+    rebuilds sys.path from the client's PYTHONPATH and folder, as the interpreter does (an empty entry is the folder
+    the process starts in); a folder that holds a module the server already imported makes the run start fresh."""
+    extra = server["folder"] / "extra"
+    extra.mkdir()
+    (extra / "helper.py").write_text("WHERE = 'extra'\n")
+    (server["folder"] / "here.py").write_text("WHERE = 'cwd'\n")
+    code = "import sys, helper, here\nprint(helper.WHERE, here.WHERE, sys.path)\n"
+    path = {"PYTHONPATH": f"{extra}{os.pathsep}{server['env']['PYTHONPATH']}"}
+    assert path["PYTHONPATH"].endswith(os.pathsep)  # the launches' own: an empty last entry, the start folder
+    before = len(_log(server))
+    cmd = [sys.executable, "paths/script.py"]
+    fresh = _run(server, "paths", code, False, extra=path, cwd=server["folder"], cmd=cmd)
+    forked = _run(server, "paths", code, True, extra=path, cwd=server["folder"], cmd=cmd)
+    assert fresh.returncode == 0, fresh.stderr
+    assert [line.split(":")[0] for line in _log(server)[before:]] == ["fork ['paths/script.py']"]
+    assert forked.stdout.startswith("extra cwd ") and forked.stdout == fresh.stdout
+    (extra / "numpy.py").write_text("raise SystemExit('the fresh interpreter imports this one')\n")
+    shadowed = _run(server, "paths", "import numpy\n", True, extra=path, cwd=server["folder"], cmd=cmd)
+    assert shadowed.stderr == "the fresh interpreter imports this one\n"
+    assert "holds numpy.py, a module the server imported from elsewhere" in _log(server)[-1]

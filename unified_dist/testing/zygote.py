@@ -139,11 +139,20 @@ def _fresh_state() -> None:
         sys.modules["multiprocessing"].current_process().authkey = os.urandom(32)
 
 
-def _child(request: Dict, fds: List[int], effects: Dict[str, str]) -> int:
+def python_path_entries(value: Optional[str], cwd: str) -> List[str]:
+    """The entries ``PYTHONPATH`` puts on ``sys.path`` after its first, as the interpreter makes them in ``cwd``: an
+    empty one is ``cwd``, a relative one is joined to it."""
+    if not value:
+        return []
+    return [os.path.join(cwd, entry) if entry else cwd for entry in value.split(os.pathsep)]
+
+
+def _child(request: Dict, fds: List[int], effects: Dict[str, str], tail: List[str]) -> int:
     """In the fork (the server's sockets closed): become what the client would have been, run it; its exit status,
     for the interpreter's own exit. ``effects``: the variables importing :data:`PRELOAD` set in the server, set here
     too where the client's environment lacks them, as its own import would have (from the same variables: the
-    client's are the server's where they are read at import)."""
+    client's are the server's where they are read at import). ``tail``: the server's ``sys.path`` after its
+    ``PYTHONPATH`` entries (the standard library, site-packages), behind the client's own entries."""
     os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
@@ -159,6 +168,7 @@ def _child(request: Dict, fds: List[int], effects: Dict[str, str]) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    sys.path[:] = [sys.path[0], *python_path_entries(os.environ.get("PYTHONPATH"), request["cwd"]), *tail]
     for name, value in effects.items():
         os.environ.setdefault(name, value)
     _fresh_state()
@@ -210,6 +220,10 @@ def serve(path: str) -> int:
     for module in PRELOAD:
         __import__(module)
     effects = {k: v for k, v in os.environ.items() if before.get(k) != v}  # torch sets TORCHINDUCTOR_CACHE_DIR
+    entries = python_path_entries(before.get("PYTHONPATH"), os.getcwd())
+    assert sys.path[1:1 + len(entries)] == entries, (sys.path, entries)
+    tail = sys.path[1 + len(entries):]
+    top_level = sorted({name.partition(".")[0] for name in sys.modules})
     import gc
 
     gc.freeze()  # what the imports made stays out of the forks' collections (and their pages shared)
@@ -227,7 +241,8 @@ def serve(path: str) -> int:
     with open(path + ".cpu", "w") as out:
         out.write("0.0")
     with open(path + ".json.tmp", "w") as out:
-        json.dump({"executable": sys.executable, "env": before, "pid": os.getpid()}, out)
+        json.dump({"executable": sys.executable, "env": before, "pid": os.getpid(), "cwd": os.getcwd(),
+                   "modules": top_level}, out)
     os.replace(path + ".json.tmp", path + ".json")  # clients read it whole or not at all
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)
@@ -250,7 +265,7 @@ def serve(path: str) -> int:
                     for other in (conn, listener, selector, *conns.values()):
                         if other is not None:
                             other.close()
-                    return _child(request, fds, effects)
+                    return _child(request, fds, effects, tail)
                 for fd in fds:
                     os.close(fd)
                 conns[pid] = conn

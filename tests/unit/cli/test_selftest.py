@@ -41,6 +41,7 @@ def test_every_installed_backend_passes_with_two_processes(cli):
     assert result.stderr.count("\n+ ") + result.stderr.startswith("+ ") == len(BACKENDS), result.stderr
 
 
+@pytest.mark.fresh_python  # a fork of the zygote passes checks within the 1 s that a fresh start spends importing
 def test_a_launch_past_its_timeout_is_killed_and_fails(cli):
     result = cli("test", "--backend", "torch", "--nproc", "2", "--timeout", "1", timeout=60)
     assert result.returncode == 1, result.stdout + result.stderr

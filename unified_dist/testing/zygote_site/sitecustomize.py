@@ -13,7 +13,7 @@ FORWARDED = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SI
 """The signals relayed to the fork (``SIGKILL`` cannot be: the server kills the fork's session when this ends)."""
 _IMPORT_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "CUDA", "NVIDIA", "TORCH",
                     "PYTORCH", "TRITON", "LC_", "LANG", "MALLOC", "TMPDIR", "NUMPY", "KINETO")
-_NOT_AT_IMPORT = ("TORCHELASTIC_", "TORCH_NCCL_")
+_NOT_AT_IMPORT = ("TORCHELASTIC_", "TORCH_NCCL_", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")  # PYTHONPATH: see below
 _IMPORT_NAMES = ("USER", "LOGNAME", "LNAME", "USERNAME", "HOME")  # torch's default cache folders name the user
 
 
@@ -46,6 +46,29 @@ def parse(argv, unbuffered_env):
     return "script", argv[0], argv[1:]
 
 
+def _entries(value, cwd):
+    """``PYTHONPATH``'s entries as the interpreter puts them on ``sys.path`` in ``cwd`` (zygote.python_path_entries)."""
+    if not value:
+        return []
+    return [os.path.join(cwd, entry) if entry else cwd for entry in value.split(os.pathsep)]
+
+
+def _path_conflict(server, value, cwd):
+    """Why the client's ``PYTHONPATH`` could not be the fork's, or ``None``. The fork rebuilds ``sys.path`` from
+    it, so modules it imports resolve as the client's would; a module the server already imported must not lie
+    in an entry the server did not have (the fresh interpreter would have imported that one)."""
+    theirs = set(_entries(server["env"].get("PYTHONPATH"), server["cwd"]))
+    modules = set(server["modules"])
+    for entry in _entries(value, cwd):
+        if entry in theirs or not os.path.isdir(entry):
+            continue
+        for name in os.listdir(entry):
+            module = name.split(".")[0]
+            if module in modules:
+                return f"PYTHONPATH entry {entry} holds {name}, a module the server imported from elsewhere"
+    return None
+
+
 def refusal(server, environ, executable, argv, open_fds):
     """Why a fork of ``server`` (the server's ``SOCKET.json``) would not start as this process would, or the
     parsed command line."""
@@ -55,6 +78,9 @@ def refusal(server, environ, executable, argv, open_fds):
     for name in sorted(set(environ) | set(theirs)):
         if read_at_import(name) and environ.get(name) != theirs.get(name):
             return f"{name} differs from the server's"
+    conflict = _path_conflict(server, environ.get("PYTHONPATH"), os.getcwd())
+    if conflict:
+        return conflict
     if open_fds:
         return f"inherited descriptors {open_fds}"  # multiprocessing's spawn, a launcher's pipes: the fork lacks them
     return parse(argv, theirs.get("PYTHONUNBUFFERED"))
