@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from unified_dist.testing.launchers import ROOT, ZYGOTE_SITE, _base_env
+from unified_dist.testing.launchers import ZYGOTE_SITE, start_zygote, zygote_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.fresh_python]  # this module's own server and its forks
 
@@ -50,14 +50,9 @@ SCRIPTS = {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("zygote")
-    env = {**_base_env(), "PYTHONPATH": f"{ZYGOTE_SITE}{os.pathsep}{_base_env()['PYTHONPATH']}"}
+    env = zygote_env()
     path = str(folder / "s")
-    process = subprocess.Popen([sys.executable, str(ROOT / "unified_dist" / "testing" / "zygote.py"), path], env=env,
-                               cwd=folder, stdin=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not os.path.exists(path + ".json"):
-        assert process.poll() is None and time.monotonic() < deadline, "the zygote did not start"
-        time.sleep(0.05)
+    process = start_zygote(env, str(folder))
     yield {"env": env, "path": path, "log": folder / "log.txt", "folder": folder}
     process.kill()
     process.wait()
@@ -208,7 +203,7 @@ def test_a_pythonpath_of_its_own_is_the_runs_sys_path_unless_it_holds_a_module_t
     (extra / "helper.py").write_text("WHERE = 'extra'\n")
     (server["folder"] / "here.py").write_text("WHERE = 'cwd'\n")
     code = "import sys, helper, here\nprint(helper.WHERE, here.WHERE, sys.path)\n"
-    path = {"PYTHONPATH": f"{extra}{os.pathsep}{server['env']['PYTHONPATH']}"}
+    path = {"PYTHONPATH": f"{extra}{os.pathsep}{extra}{os.pathsep}{server['env']['PYTHONPATH']}"}  # site dedupes
     assert path["PYTHONPATH"].endswith(os.pathsep)  # the launches' own: an empty last entry, the start folder
     before = len(_log(server))
     cmd = [sys.executable, "paths/script.py"]

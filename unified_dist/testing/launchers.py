@@ -119,7 +119,7 @@ One thread compiles in the process itself; the code it generates is the same. Me
 
 ZYGOTE_SITE = ROOT / "unified_dist" / "testing" / "zygote_site"
 """The folder whose ``sitecustomize`` hands a ``python`` to the zygote (unified_dist/testing/zygote.py)."""
-ZYGOTE = {"enabled": False, "path": None, "process": None, "failed": False}
+ZYGOTE = {"enabled": False, "path": None, "failed": False}
 """This test process's fork server: ``enabled`` while the running test may use it (tests/conftest.py clears it for
 tests marked ``fresh_python``), started at the first :func:`child_env` that wants it."""
 
@@ -135,15 +135,18 @@ def _base_env() -> Dict[str, str]:
     return env
 
 
-def _zygote(env: Dict[str, str]) -> Optional[str]:
-    """The socket of this process's fork server, started with ``env`` (the launches' environment without
-    ``UDTEST_ZYGOTE``) at the first call; ``None`` where it could not start (launches then start fresh)."""
-    if ZYGOTE["path"] or ZYGOTE["failed"]:
-        return ZYGOTE["path"]
-    import atexit
-    import tempfile
+def zygote_env() -> Dict[str, str]:
+    """The launches' environment with the zygote's site folder first on ``PYTHONPATH``, without ``UDTEST_ZYGOTE``:
+    what a server starts with, and what its clients' variables read at torch's import must equal."""
+    env = _base_env()
+    env["PYTHONPATH"] = f"{ZYGOTE_SITE}{os.pathsep}{env['PYTHONPATH']}"
+    return env
 
-    folder = tempfile.mkdtemp(prefix="udz")
+
+def start_zygote(env: Dict[str, str], folder: str) -> subprocess.Popen:
+    """Start a fork server (unified_dist/testing/zygote.py) with ``env``, its socket ``folder/s``, its output in
+    ``folder/server.log``; return its process once it serves. RuntimeError (with the log's tail) if it ends first or
+    does not serve within 120 s; it is killed then."""
     path = os.path.join(folder, "s")
     with open(os.path.join(folder, "server.log"), "w") as log:
         process = subprocess.Popen([sys.executable, str(ROOT / "unified_dist" / "testing" / "zygote.py"), path],
@@ -153,15 +156,30 @@ def _zygote(env: Dict[str, str]) -> Optional[str]:
     while not os.path.exists(path + ".json"):
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            ZYGOTE["failed"] = True
             with open(os.path.join(folder, "server.log")) as log:
-                print(f"zygote did not start; launches start fresh interpreters: {log.read()[-500:]}",
-                      file=sys.stderr)
-            return None
+                raise RuntimeError(f"the zygote did not start: {log.read()[-500:]}")
         time.sleep(0.05)
-    ZYGOTE.update(path=path, process=process)
+    return process
+
+
+def _zygote(env: Dict[str, str]) -> Optional[str]:
+    """The socket of this process's fork server, started with ``env`` (:func:`zygote_env`) at the first call;
+    ``None`` where it could not start (launches then start fresh)."""
+    if ZYGOTE["path"] or ZYGOTE["failed"]:
+        return ZYGOTE["path"]
+    import atexit
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="udz")
+    try:
+        process = start_zygote(env, folder)
+    except RuntimeError as exc:
+        ZYGOTE["failed"] = True
+        print(f"{exc}; launches start fresh interpreters", file=sys.stderr)
+        return None
+    ZYGOTE["path"] = os.path.join(folder, "s")
     atexit.register(process.kill)
-    return path
+    return ZYGOTE["path"]
 
 
 def zygote_cpu() -> float:
@@ -181,9 +199,8 @@ def child_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     ``extra``. While :data:`ZYGOTE` is enabled, the zygote's site folder leads ``PYTHONPATH`` and
     ``UDTEST_ZYGOTE`` names the server: a ``python`` started with it is a fork of one that imported torch
     (unified_dist/testing/zygote.py says when it is not)."""
-    env = _base_env()
+    env = zygote_env() if ZYGOTE["enabled"] else _base_env()
     if ZYGOTE["enabled"]:
-        env["PYTHONPATH"] = f"{ZYGOTE_SITE}{os.pathsep}{env['PYTHONPATH']}"
         path = _zygote(dict(env))
         if path:
             env["UDTEST_ZYGOTE"] = path

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from typing import Dict, List
 
-from unified_dist.testing.zygote import PRELOAD, run_as_python  # noqa: F401 (PRELOAD: what main imports)
+from unified_dist.testing.zygote import PRELOAD, kill_group, run_as_python
 
 READ_AT_IMPORT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES",
                   "TORCH_LOGS", "TORCHDYNAMO_DISABLE", "TORCH_COMPILE_DISABLE", "LD_PRELOAD")
@@ -47,13 +46,6 @@ def _child(run: Dict) -> int:
     os.environ.clear()
     os.environ.update(run["env"])
     return run_as_python("script", run["script"], run.get("args", []))
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)  # the child leads its own session and group
-    except ProcessLookupError:
-        pass
 
 
 def run_one(run: Dict) -> Dict:
@@ -76,11 +68,11 @@ def run_one(run: Dict) -> Dict:
             break
         if time.monotonic() > deadline:
             timed_out = True
-            _kill(pid)
+            kill_group(pid)
             _, status, usage = os.wait4(pid, 0)
             break
         time.sleep(0.02)
-    _kill(pid)  # whatever the run left behind in its group
+    kill_group(pid)  # whatever the run left behind in its group
     code = os.waitstatus_to_exitcode(status)
     return {"returncode": -9 if timed_out else code, "timed_out": timed_out,
             "wall_s": round(time.monotonic() - started, 2), "cpu_s": round(usage.ru_utime + usage.ru_stime, 2)}

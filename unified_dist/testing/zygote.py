@@ -35,6 +35,7 @@ suite starts about a thousand of them.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import selectors
@@ -139,12 +140,18 @@ def _fresh_state() -> None:
         sys.modules["multiprocessing"].current_process().authkey = os.urandom(32)
 
 
-def python_path_entries(value: Optional[str], cwd: str) -> List[str]:
-    """The entries ``PYTHONPATH`` puts on ``sys.path`` after its first, as the interpreter makes them in ``cwd``: an
-    empty one is ``cwd``, a relative one is joined to it."""
-    if not value:
-        return []
-    return [os.path.join(cwd, entry) if entry else cwd for entry in value.split(os.pathsep)]
+@functools.lru_cache(maxsize=None)
+def _client():
+    """The client's module (zygote_site/sitecustomize.py), loaded by its path once, in the server (the forks
+    inherit it): its ``python_path_entries`` is the one rule for ``sys.path`` on both sides. Loading it does nothing
+    else here (the server has no ``UDTEST_ZYGOTE``)."""
+    import importlib.util
+
+    where = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_site", "sitecustomize.py")
+    spec = importlib.util.spec_from_file_location("_unified_dist_zygote_client", where)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _child(request: Dict, fds: List[int], effects: Dict[str, str], tail: List[str]) -> int:
@@ -168,7 +175,8 @@ def _child(request: Dict, fds: List[int], effects: Dict[str, str], tail: List[st
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.path[:] = [sys.path[0], *python_path_entries(os.environ.get("PYTHONPATH"), request["cwd"]), *tail]
+    entries = _client().python_path_entries(os.environ.get("PYTHONPATH"), request["cwd"])
+    sys.path[:] = [sys.path[0], *entries, *(path for path in tail if path not in entries)]  # as site dedupes
     for name, value in effects.items():
         os.environ.setdefault(name, value)
     _fresh_state()
@@ -205,7 +213,9 @@ def _receive(conn: socket.socket):
     return json.loads(data), fds
 
 
-def _kill_session(pid: int) -> None:
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group that ``pid`` leads (a fork, or a preloaded run: each calls ``setsid`` first), or
+    ``pid`` alone where it has not yet."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -220,7 +230,7 @@ def serve(path: str) -> int:
     for module in PRELOAD:
         __import__(module)
     effects = {k: v for k, v in os.environ.items() if before.get(k) != v}  # torch sets TORCHINDUCTOR_CACHE_DIR
-    entries = python_path_entries(before.get("PYTHONPATH"), os.getcwd())
+    entries = _client().python_path_entries(before.get("PYTHONPATH"), os.getcwd())
     assert sys.path[1:1 + len(entries)] == entries, (sys.path, entries)
     tail = sys.path[1 + len(entries):]
     top_level = sorted({name.partition(".")[0] for name in sys.modules})
@@ -279,7 +289,7 @@ def serve(path: str) -> int:
                 conn.close()
                 if conns.get(pid) is conn:
                     conns[pid] = None
-                    _kill_session(pid)
+                    kill_group(pid)
         while conns:
             try:
                 pid, status, usage = os.wait4(-1, os.WNOHANG)
@@ -302,7 +312,7 @@ def serve(path: str) -> int:
                 conn.close()
         if os.getppid() != parent:  # the test process that started this one is gone
             for pid in conns:
-                _kill_session(pid)
+                kill_group(pid)
             return 0
 
 

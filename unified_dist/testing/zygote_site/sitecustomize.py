@@ -23,7 +23,7 @@ def read_at_import(name):
     ``TORCHELASTIC_*``, ``SLURM_*``, ``OMPI_*``, ...) are read later, by the code a fork runs."""
     if name in _IMPORT_NAMES:
         return True
-    return name.startswith(_IMPORT_PREFIXES) and not name.startswith(_NOT_AT_IMPORT) and name != ENV_VARIABLE
+    return name.startswith(_IMPORT_PREFIXES) and not name.startswith(_NOT_AT_IMPORT)
 
 
 def parse(argv, unbuffered_env):
@@ -46,20 +46,26 @@ def parse(argv, unbuffered_env):
     return "script", argv[0], argv[1:]
 
 
-def _entries(value, cwd):
-    """``PYTHONPATH``'s entries as the interpreter puts them on ``sys.path`` in ``cwd`` (zygote.python_path_entries)."""
-    if not value:
-        return []
-    return [os.path.join(cwd, entry) if entry else cwd for entry in value.split(os.pathsep)]
+def python_path_entries(value, cwd):
+    """The entries ``PYTHONPATH`` (``value``) puts on ``sys.path`` after its first, as the interpreter makes them in
+    ``cwd``: an empty one is ``cwd``, a relative one is joined to it, each made absolute and normal, and a repeated
+    one kept only the first time (``site.removeduppaths``). The server's forks rebuild ``sys.path`` with it too
+    (zygote.py)."""
+    entries = []
+    for entry in value.split(os.pathsep) if value else []:
+        path = os.path.abspath(os.path.join(cwd, entry))
+        if path not in entries:
+            entries.append(path)
+    return entries
 
 
 def _path_conflict(server, value, cwd):
     """Why the client's ``PYTHONPATH`` could not be the fork's, or ``None``. The fork rebuilds ``sys.path`` from
     it, so modules it imports resolve as the client's would; a module the server already imported must not lie
     in an entry the server did not have (the fresh interpreter would have imported that one)."""
-    theirs = set(_entries(server["env"].get("PYTHONPATH"), server["cwd"]))
+    theirs = set(python_path_entries(server["env"].get("PYTHONPATH"), server["cwd"]))
     modules = set(server["modules"])
-    for entry in _entries(value, cwd):
+    for entry in python_path_entries(value, cwd):
         if entry in theirs or not os.path.isdir(entry):
             continue
         for name in os.listdir(entry):
@@ -141,15 +147,18 @@ def hand_over():
         return _log(f"fresh {sys.orig_argv[1:3]}: the server did not take the run")
     try:  # the run is the fork's now: whatever happens here, this process never runs it too
         _log(f"fork {sys.orig_argv[1:3]}: pid {pid}")
-        os._exit(_relay(pid, signals, reader, signal, json))
+        os._exit(_relay(pid, signals, reader))
     except BaseException as exc:  # noqa: BLE001
         os.write(2, f"zygote client: {exc!r}\n".encode())
         os._exit(1)
 
 
-def _relay(pid, signals, reader, signal, json):
+def _relay(pid, signals, reader):
     """Relay signals to the fork ``pid`` until the server says how it ended; end the same way (the exit status
     returned, or this process killed by the fork's signal)."""
+    import json
+    import signal
+
     def relay(number, frame):
         try:
             os.kill(pid, number)
