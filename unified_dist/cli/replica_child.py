@@ -20,16 +20,18 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import re
 import runpy
 import signal
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Mapping
+from typing import Any, Dict, List, Mapping, Optional
 
 STATUS_VAR = "REPLICA_GROUP_STATUS_DIR"
 """The folder where each process of a group writes how it ended (``rank<R>.json``): set by the launcher."""
 READY = "unified-dist lighthouse: listening on port "
 """The line the lighthouse prints, with its port, once it listens."""
+_READY_LINE = re.compile(re.escape(READY) + r"(\d+)\n")
 
 
 def _torchft_extension() -> Any:
@@ -57,6 +59,15 @@ def _say(line: str) -> None:
     the port and its newline (seen: the launcher read port ``343952026-11-28T15:41:16.315``)."""
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), f"{line}\n".encode())
+
+
+def ready_port(log: str) -> Optional[int]:
+    """The port in the lighthouse's :data:`READY` line in ``log`` (``None`` before it is there). The line is one
+    write (:func:`_say`), so it is whole in the file, but not always at a line's start: torchft's logger writes its
+    own lines in pieces, and ours can land inside one (seen: ``...09:12:05.396 [unified-dist lighthouse: listening
+    on port 37045\nINFO] [torchft::lighthouse] ...``)."""
+    found = _READY_LINE.search(log)
+    return int(found.group(1)) if found else None
 
 
 def serve_lighthouse(argv: List[str]) -> int:

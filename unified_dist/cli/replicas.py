@@ -54,7 +54,7 @@ from ..errors import UnifiedDistError
 from ..training.preemption import REQUEUE_EXIT_CODE
 from .commands import Command, Plan, environment
 from .errors import UsageError
-from .replica_child import READY, STATUS_VAR
+from .replica_child import STATUS_VAR, ready_port
 
 HEARTBEAT_TIMEOUT_MS = 2000
 """How long the lighthouse waits for a silent group before the others go on without it (torchft's
@@ -218,7 +218,7 @@ def lighthouse_flags(port: str, join_ms: int = JOIN_TIMEOUT_MS) -> List[str]:
 
 def lighthouse_command(port: int, join_ms: int = JOIN_TIMEOUT_MS) -> List[str]:
     """torchft's lighthouse on ``port`` (0: one the OS picks) in a process of its own, with
-    ``torchft_lighthouse``'s flags: it prints :data:`READY` and the port once bound."""
+    ``torchft_lighthouse``'s flags: it prints :data:`~unified_dist.cli.replica_child.READY` and the port once bound."""
     return [sys.executable, "-m", "unified_dist.cli.replica_child", "lighthouse",
             *lighthouse_flags(str(port), join_ms)]
 
@@ -270,10 +270,10 @@ class Lighthouse:
             with open(self.log) as log:
                 log.seek(offset)
                 said = log.read()
-            for line in said.splitlines():
-                if line.startswith(READY):
-                    self.port = int(line[len(READY):])
-                    return
+            port = ready_port(said)
+            if port is not None:
+                self.port = port
+                return
             if self.process.poll() is not None:
                 last = [line for line in said.splitlines() if line.strip()]
                 raise LighthouseDown(f"it exited with {status(self.process.returncode)}"

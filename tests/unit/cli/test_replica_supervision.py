@@ -247,6 +247,18 @@ def test_the_lighthouse_writes_its_port_line_and_newline_in_one_write(monkeypatc
     assert capfd.readouterr().out == f"{replica_child.READY}34395\n"
 
 
+def test_the_launcher_finds_the_port_line_inside_a_log_line_torchft_wrote_in_pieces():
+    """torchft's logger writes a line in several writes, so the port line (one write) can land inside one of its
+    lines: seen in CI, the launcher looked only at lines' starts, missed it and said the lighthouse did not start."""
+    ready = replica_child.READY
+    interleaved = (f"2026-11-30T09:12:05.396 [{ready}37045\nINFO] [torchft::lighthouse] - Lighthouse listening on: "
+                   f"http://vm:37045\n2026-11-30T09:12:05.398 [INFO] [torchft::lighthouse] - Quorum status: ...\n")
+    assert replica_child.ready_port(interleaved) == 37045
+    assert replica_child.ready_port(f"{ready}34395\n") == 34395
+    assert replica_child.ready_port(f"{ready}343") is None  # not yet whole: its newline ends it
+    assert replica_child.ready_port("2026-11-30T09:12:05.396 [INFO] [torchft::lighthouse] - listening\n") is None
+
+
 def test_sigusr1_is_passed_as_sigterm_which_torchrun_passes_on(tmp_path, capsys):
     """SLURM's warning before the time limit: torchrun dies of SIGUSR1 (it passes on only TERM, INT, HUP, QUIT),
     so the launcher passes SIGTERM; the stand-ins stop on SIGTERM only, so the job's 75 says SIGTERM arrived."""
