@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.fresh_python]  # this module'
 SCRIPTS = {
     "identity": """
         import json, os, sys
-        print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "path": sys.path, "name": __name__,
+        print(json.dumps({"argv": sys.argv, "orig_argv": sys.orig_argv, "cwd": os.getcwd(), "path": sys.path,
+                          "name": __name__,
                           "file": globals().get("__file__"), "mine": os.environ.get("MINE"),
                           "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR") is not None}))
         """,
@@ -85,7 +86,7 @@ def test_a_handed_run_prints_exits_and_fails_as_a_fresh_interpreter(server, name
 
 
 def test_module_and_code_forms_get_the_interpreters_argv_and_path(server):
-    show = "import json, sys; print(json.dumps([sys.argv, sys.path[0], __name__]))"
+    show = "import json, sys; print(json.dumps([sys.argv, sys.orig_argv, sys.path[0], __name__]))"
     (server["folder"] / "shown.py").write_text(show + "\n")
     for cmd in ([sys.executable, "-c", show, "a", "b"], [sys.executable, "-u", "-m", "shown", "x"]):
         fresh = _run(server, "forms", "", False, cmd=cmd, cwd=server["folder"])

@@ -133,7 +133,7 @@ def hand_over():
     signals = {name: ("ignore" if signal.getsignal(getattr(signal, name)) == signal.SIG_IGN else "default")
                for name in FORWARDED}
     request = json.dumps({"kind": kind, "target": target, "args": args, "cwd": os.getcwd(), "env": dict(os.environ),
-                          "signals": signals}).encode()
+                          "signals": signals, "orig_argv": sys.orig_argv}).encode()
     data = struct.pack("!I", len(request)) + request
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
