@@ -47,6 +47,7 @@ def ran(tmp_path_factory):
     (base / "plan.json").write_text(json.dumps(plan))
     launched = run([sys.executable, "-m", "unified_dist.testing.preloaded", str(base / "plan.json"),
                     str(base / "results.json")], 120, {**env, "PRELOADED_ONLY": "1"}, cwd=base)
+    assert (base / "results.json").exists(), (launched.returncode, launched.timed_out, launched.output[-3000:])
     results = json.loads((base / "results.json").read_text())
     return launched, results, {name: (base / name / "out.txt").read_text() for name in CASES}
 

@@ -14,7 +14,7 @@ What a run gets from the fork is only what importing torch leaves: modules whose
 run's variables. A script still imports what it uses (its globals are fresh: a missing ``import torch`` fails as it
 would alone); what it imports beyond :data:`PRELOAD` is imported in the child, under its own environment. The plan's
 environments must share the variables torch reads at import; :func:`main` refuses a plan whose runs differ from this
-process's environment in one of :data:`READ_AT_IMPORT`.
+process's environment in one of them (:func:`check_plan`).
 
 Why: on 2 cores, importing torch and ``torch._dynamo`` (which torch's first optimizer imports) costs each
 short program about 3 CPU-seconds, more than most documentation snippets spend on their own work.
@@ -27,12 +27,7 @@ import sys
 import time
 from typing import Dict, List
 
-from unified_dist.testing.zygote import PRELOAD, kill_group, run_as_python
-
-READ_AT_IMPORT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH", "PYTHONHASHSEED", "CUDA_VISIBLE_DEVICES",
-                  "TORCH_LOGS", "TORCHDYNAMO_DISABLE", "TORCH_COMPILE_DISABLE", "LD_PRELOAD")
-"""Variables read while :data:`PRELOAD` is imported (or by the interpreter at start-up): every run's value must be
-this process's."""
+from unified_dist.testing.zygote import PRELOAD, client, kill_group, run_as_python
 
 
 def _child(run: Dict) -> int:
@@ -79,13 +74,18 @@ def run_one(run: Dict) -> Dict:
 
 
 def check_plan(plan: List[Dict], environ=os.environ) -> None:
-    """Refuse, in one line, a run whose environment differs from ``environ`` where :data:`PRELOAD` reads it."""
+    """Refuse, in one line, a run whose environment differs from ``environ`` where :data:`PRELOAD`'s import or the
+    interpreter's start reads it (the zygote client's rule), or in ``PYTHONPATH`` (a run keeps this process's
+    ``sys.path``)."""
+    differs = client().differs_at_import
     for run in plan:
-        for name in READ_AT_IMPORT:
-            if run["env"].get(name) != environ.get(name):
-                raise SystemExit(f"preloaded: run {run['name']!r} sets {name}={run['env'].get(name)!r} but torch was "
-                                 f"imported with {name}={environ.get(name)!r}: start this process with the runs' "
-                                 "environment")
+        name = differs(run["env"], environ)
+        if name is None and run["env"].get("PYTHONPATH") != environ.get("PYTHONPATH"):
+            name = "PYTHONPATH"
+        if name is not None:
+            raise SystemExit(f"preloaded: run {run['name']!r} sets {name}={run['env'].get(name)!r} but torch was "
+                             f"imported with {name}={environ.get(name)!r}: start this process with the runs' "
+                             "environment")
 
 
 def main(argv: List[str]) -> int:

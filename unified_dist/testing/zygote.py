@@ -142,10 +142,11 @@ def _fresh_state() -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _client():
+def client():
     """The client's module (zygote_site/sitecustomize.py), loaded by its path once, in the server (the forks
-    inherit it): its ``python_path_entries`` is the one rule for ``sys.path`` on both sides. Loading it does nothing
-    else here (the server has no ``UDTEST_ZYGOTE``)."""
+    inherit it): its ``python_path_entries`` is the one rule for ``sys.path`` on both sides, its ``differs_at_import``
+    the one rule for the variables torch's import reads (preloaded.py's too). Loading it does nothing else here (the
+    server has no ``UDTEST_ZYGOTE``)."""
     import importlib.util
 
     where = os.path.join(os.path.dirname(os.path.abspath(__file__)), "zygote_site", "sitecustomize.py")
@@ -176,7 +177,7 @@ def _child(request: Dict, fds: List[int], effects: Dict[str, str], tail: List[st
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    entries = _client().python_path_entries(os.environ.get("PYTHONPATH"), request["cwd"])
+    entries = client().python_path_entries(os.environ.get("PYTHONPATH"), request["cwd"])
     sys.path[:] = [sys.path[0], *entries, *(path for path in tail if path not in entries)]  # as site dedupes
     for name, value in effects.items():
         os.environ.setdefault(name, value)
@@ -232,7 +233,7 @@ def serve(path: str) -> int:
     for module in PRELOAD:
         __import__(module)
     effects = {k: v for k, v in os.environ.items() if before.get(k) != v}  # torch sets TORCHINDUCTOR_CACHE_DIR
-    entries = _client().python_path_entries(before.get("PYTHONPATH"), os.getcwd())
+    entries = client().python_path_entries(before.get("PYTHONPATH"), os.getcwd())
     assert sys.path[1:1 + len(entries)] == entries, (sys.path, entries)
     tail = sys.path[1 + len(entries):]
     top_level = sorted({name.partition(".")[0] for name in sys.modules})

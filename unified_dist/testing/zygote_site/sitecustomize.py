@@ -1,7 +1,8 @@
 """The client of unified_dist/testing/zygote.py: a ``python`` that hands its run to a fork of the tests' server.
 
 Imported by the interpreter at start-up when this folder is on ``PYTHONPATH``. Without ``UDTEST_ZYGOTE`` in
-the environment it does nothing. With it, :func:`hand_over` checks that a fork of the server would start as this
+the environment, or loaded under another name (zygote.py and preloaded.py load it by its path for its rules), it
+does nothing. With it, :func:`hand_over` checks that a fork of the server would start as this
 process would (:func:`refusal`); if so it sends the run there and relays until the fork ends, then ends the same way
 and never returns. Any refusal, or a server that cannot be reached, lets this interpreter go on as usual.
 ``UDTEST_ZYGOTE_LOG`` names a file that gets one line per decision (the tests' count of forks).
@@ -24,6 +25,15 @@ def read_at_import(name):
     if name in _IMPORT_NAMES:
         return True
     return name.startswith(_IMPORT_PREFIXES) and not name.startswith(_NOT_AT_IMPORT)
+
+
+def differs_at_import(environ, theirs):
+    """The first variable (by name) that :func:`read_at_import` says is read at import and whose value differs
+    between the two environments, or ``None``."""
+    for name in sorted(set(environ) | set(theirs)):
+        if read_at_import(name) and environ.get(name) != theirs.get(name):
+            return name
+    return None
 
 
 def parse(argv, unbuffered_env):
@@ -81,9 +91,9 @@ def refusal(server, environ, executable, argv, open_fds):
     if os.path.realpath(executable) != os.path.realpath(server["executable"]):
         return f"another interpreter ({executable})"
     theirs = server["env"]
-    for name in sorted(set(environ) | set(theirs)):
-        if read_at_import(name) and environ.get(name) != theirs.get(name):
-            return f"{name} differs from the server's"
+    name = differs_at_import(environ, theirs)
+    if name:
+        return f"{name} differs from the server's"
     conflict = _path_conflict(server, environ.get("PYTHONPATH"), os.getcwd())
     if conflict:
         return conflict
@@ -185,5 +195,5 @@ def _relay(pid, signals, reader):
     return ended["exit"]
 
 
-if os.environ.get(ENV_VARIABLE):
+if __name__ == "sitecustomize" and os.environ.get(ENV_VARIABLE):  # loaded by its path (zygote.client): rules only
     hand_over()
