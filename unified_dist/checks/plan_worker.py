@@ -30,11 +30,20 @@ How the world is simulated, and why each piece is needed:
   not counted (the table is empty), and what the plan does not model (mixed precision, offload, a DeepSpeed
   config file's optimizer) is a ``PlanError``.
 - A pipeline (``pp`` > 1): a schedule's shape inference reads the activations the previous stage sends, which the
-  fake process group never delivers, so the schedule is not run. ``ud.pipeline_step`` gives each of the stage's
-  trainable parameters a gradient of its own shape (and layout: a DTensor's for a sharded stage) and returns a
-  zero loss; the optimizer then steps as usual, and the rank's bytes are its stage's parameters, gradients and
-  optimizer state. What the schedule holds (activations of the microbatches in flight) and sends is not planned:
-  no saved-for-backward bytes, and the collectives table is empty.
+  fake process group never delivers, so the schedule is not run. ``ud.pipeline_step`` instead runs, on fake
+  tensors, what the schedule's first microbatch does up to this rank's stage: the model's forward with each earlier
+  stage's units put back in turn (the units ``keep_stage`` dropped, kept aside when ``ud.prepare`` dropped them),
+  each on the previous one's output, then this stage's own (sharded) units on that, and on the last stage the loss,
+  counting what this stage saves for backward (:class:`~unified_dist.parallel.accounting.SavedBytes`; a stage
+  after the first receives a leaf that needs its gradient, as the schedule's). The schedule holds
+  :func:`~unified_dist.parallel.pipeline.microbatches_held` microbatches' of those at once, the batch's own
+  storages (the microbatches are views of it) once. On the first stage, torch 2.13's schedule also keeps the graph
+  of the forward its shape inference ran on the first batch's first microbatch for as long as the schedule lives
+  (measured: it is alive between steps; the later stages' is freed), so one more microbatch, with its batch, counts
+  there: the peak of every step after the first. It then gives each of the stage's trainable
+  parameters a gradient of its own shape (and layout: a DTensor's for a sharded stage) and returns a zero loss;
+  the optimizer steps as usual, and the rank's bytes are its stage's parameters, gradients and optimizer state.
+  What the schedule sends is not planned: the collectives table is empty.
 
 An exception the script raises (a layout that does not divide the world, a TP plan that does not fit
 the heads) is the error the real job would meet: it is written as it is, type and one-line message.
@@ -47,7 +56,7 @@ import resource
 import runpy
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -63,7 +72,14 @@ from ..backends.deepspeed_backend import (
 from ..backends.torch_ddp import TorchBackend
 from ..compat import enable_fake_collectives
 from ..errors import SettingError, UnifiedDistError
-from ..parallel.accounting import CollectiveCounter, SavedBytes, group_labels, rank_bytes, zero_rank_bytes
+from ..parallel.accounting import (
+    CollectiveCounter,
+    SavedBytes,
+    group_labels,
+    rank_bytes,
+    storage_key,
+    zero_rank_bytes,
+)
 
 
 class PlanLimit(UnifiedDistError):
@@ -173,6 +189,7 @@ class Simulation:
         self._in_prepared_step = False
         self._labels: Dict[str, str] = {}
         self.pipeline: Optional[Dict[str, Any]] = None  # under pp: this rank's stage, stages, schedule, microbatches
+        self._whole: Dict[int, tuple] = {}  # under pp: id(stage module) -> (every unit by name, the stages' units)
 
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
@@ -193,7 +210,16 @@ class Simulation:
         self._wrap_prepared_step()
         from ..parallel.pipeline import PipelinedModel
 
-        PipelinedModel.step = lambda model, inputs, targets, loss_fn: self._pipeline_step(model)
+        PipelinedModel.step = lambda model, inputs, targets, loss_fn: self._pipeline_step(model, inputs, targets,
+                                                                                         loss_fn)
+        from ..parallel import pipeline
+
+        keep_stage = pipeline.keep_stage
+
+        def keeping_aside(model: torch.nn.Module, stage: int, plan: List[List[str]]) -> list:
+            self._whole[id(model)] = (dict(pipeline.units(model)), plan)
+            return keep_stage(model, stage, plan)
+        pipeline.keep_stage = keeping_aside
         register_optimizer_step_pre_hook(self._before_step)
         register_optimizer_step_post_hook(self._after_step)
 
@@ -243,15 +269,60 @@ class Simulation:
             self.saved = {"bytes": self._saving.bytes, "tensors": self._saving.count}
             self._saving = None
 
-    def _pipeline_step(self, model) -> torch.Tensor:
-        """``ud.pipeline_step`` without its schedule (see the module doc): a gradient for each of the stage's
-        trainable parameters, shaped and laid out like it; a zero loss."""
+    def _pipeline_step(self, model, inputs: Any, targets: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """``ud.pipeline_step`` without its schedule (see the module doc): what the first microbatch saves on this
+        stage, then a gradient for each of the stage's trainable parameters, shaped and laid out like it; a zero
+        loss."""
         self.pipeline = {"stage": model.stage, "stages": model.stages, "schedule": model.schedule_name,
                          "microbatches": model.microbatches}
+        if self.saved is None:
+            self.saved = self._stage_saved(model, inputs, targets, loss_fn)
         for p in model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         return torch.zeros((), device=model._device)
+
+    def _stage_saved(self, model, inputs: Any, targets: torch.Tensor, loss_fn: Callable) -> Dict[str, Any]:
+        """What this rank's stage holds for backward under its schedule (the module doc): the first microbatch's
+        saved bytes, of which the batch's own storages, and how many microbatches are held at once."""
+        from .. import session
+        from ..parallel import pipeline
+        from ..parallel.sharding import blocks_to_shard
+
+        stage, module = model.stage, model.module
+        whole, plan = self._whole[id(module)]
+        args, kwargs, target = model.first_microbatch(inputs, targets)
+        own = dict(pipeline.units(module))  # this stage's units as prepared (sharded), the others' stand-ins
+
+        def only(j: int) -> None:  # stage j's units in the model, every other unit a stand-in
+            for name in whole:
+                pipeline.put_unit(module, name, (own[name] if j == stage else whole[name]) if name in plan[j]
+                                  else pipeline.OtherStage())
+        try:
+            for j in range(stage):
+                only(j)
+                with torch.no_grad():
+                    args = (module.forward(*args, **kwargs),)  # forward itself: no hook of the stage's own (FSDP2)
+            if stage:  # what the stage receives is a leaf that needs its gradient (it sends it back)
+                args = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in args)
+            for name, unit in own.items():
+                pipeline.put_unit(module, name, unit)
+            regions = session.current().backend.compile_regions(module)
+            blocks = regions if regions is not None else blocks_to_shard(module)
+            with SavedBytes(module, blocks, twins=self._fake_twin) as saving:
+                output = module(*args, **kwargs)
+                if model.is_last:
+                    loss_fn(output, target)
+        finally:
+            for name, unit in own.items():
+                pipeline.put_unit(module, name, unit)
+        batch = {storage_key(t) for t in _batch_tensors((inputs, targets))}
+        batch_bytes = sum(size for key, size in saving.sizes.items() if key in batch)
+        held = pipeline.microbatches_held(model.schedule_name, model.microbatches, model.stages, stage)
+        kept = saving.bytes if stage == 0 else 0  # torch's shape inference keeps a graph: see the module doc
+        return {"bytes": kept + batch_bytes + held * (saving.bytes - batch_bytes), "microbatch_bytes": saving.bytes,
+                "batch_bytes": batch_bytes, "microbatches_held": held, "kept_between_steps": kept,
+                "microbatch_rows": int(target.shape[0]) if isinstance(target, torch.Tensor) else None}
 
     # ------------------------------------------------------------------ the step
     def _before_step(self, optimizer, args, kwargs) -> None:
@@ -314,6 +385,17 @@ class Simulation:
                            "tp": layout.tp}, "pipeline": self.pipeline,
                 "ddp": self.ddp, "activation_checkpointing": bool(config.sharding.activation_checkpointing),
                 "mixed_precision": config.mixed_precision}
+
+
+def _batch_tensors(value: Any) -> List[torch.Tensor]:
+    """The tensors in a step's batch (a tensor, or tuples, lists and mappings of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _batch_tensors(item)]
+    return []
 
 
 def _unsharded(models: List[torch.nn.Module], optimizer: torch.optim.Optimizer) -> tuple:

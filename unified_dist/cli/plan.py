@@ -23,8 +23,9 @@ are not modelled (the plan says so, status 1); DeepSpeed's collectives are not l
 backend refuses (``--sharding fsdp``, ``--tp``, ``--dp-replicate``, ``--pp``, ...) the plan refuses in one line.
 
 ``--pp P`` plans the simulated rank's pipeline stage (which one, and its parameters, gradients and optimizer state
-after its first step) without running the schedule (:mod:`unified_dist.checks.plan_worker` says why): no
-saved-for-backward bytes or collectives under a pipeline.
+after its first step) and what its schedule holds for backward at its peak (the first microbatch's saved bytes
+through this stage, times the microbatches the schedule holds at once), without running the schedule
+(:mod:`unified_dist.checks.plan_worker` says how): no collectives under a pipeline.
 """
 from __future__ import annotations
 
@@ -162,15 +163,25 @@ def render(report: Dict[str, Any]) -> List[str]:
     if pipeline:
         lines.append(f"pipeline: stage {pipeline['stage']} of {pipeline['stages']} ({pipeline['schedule']}, "
                      f"{pipeline['microbatches']} microbatches); the schedule is not run: the bytes are the stage's")
+    if pipeline and saved:
+        kept = saved["kept_between_steps"]
+        saved_line = (f"saved for backward at the schedule's peak (activation checkpointing "
+                      f"{'on' if report['activation_checkpointing'] else 'off'}): {size(saved['bytes'])} = "
+                      f"{saved['microbatches_held']} microbatch(es) of {saved['microbatch_rows']} rows in flight x "
+                      f"{size(saved['microbatch_bytes'] - saved['batch_bytes'])} + the batch's own "
+                      f"{size(saved['batch_bytes'])}" + (f" + {size(kept)} torch's shape inference keeps" if kept
+                                                          else ""))
     lines.append("bytes this rank holds after the first optimizer step:" if zero is None else
                  "bytes this rank holds at its first optimizer step (derived, not run: DeepSpeed 0.19.8, float32):")
     rows = (("parameters", "params"), ("master copies", "master"), ("gradients", "grads"),
             ("optimizer state", "optimizer"), ("total", "total"))
     lines += [f"  {name:<16}{size(held[key]):>12}" for name, key in rows if key in held]
     ac = "on" if report["activation_checkpointing"] else "off"
-    lines.append(f"saved for backward by the first micro-batch (activation checkpointing {ac}): "
-                 + (size(saved["bytes"]) if saved else "not planned under a pipeline (its schedule is not run)"
-                    if pipeline else "not seen (no forward of a prepared model)"))
+    if pipeline and saved:
+        lines.append(saved_line)
+    else:
+        lines.append(f"saved for backward by the first micro-batch (activation checkpointing {ac}): "
+                     + (size(saved["bytes"]) if saved else "not seen (no forward of a prepared model)"))
     if "saved_for_backward_other" in report:
         other = report["saved_for_backward_other"]
         lines.append(f"  with activation checkpointing {'off' if ac == 'on' else 'on'}: "

@@ -145,6 +145,7 @@ class SavedBytes:
         self.blocks = list(watched_blocks)
         self.twins = twins or (lambda p: [])  # other tensors that stand for parameter p (a fake copy of it)
         self.seen: set = set()
+        self.sizes: dict = {}  # each counted storage's bytes, by storage_key
         self.bytes = 0
         self.count = 0
         self._handles: list = []
@@ -164,7 +165,8 @@ class SavedBytes:
             if key in self.seen or key in (params if params is not None else self._param_keys()):
                 continue
             self.seen.add(key)
-            self.bytes += local.untyped_storage().nbytes()
+            self.sizes[key] = local.untyped_storage().nbytes()
+            self.bytes += self.sizes[key]
             self.count += 1
 
     def _pack(self, t):

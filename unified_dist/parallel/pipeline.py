@@ -212,15 +212,32 @@ def keep_stage(model: torch.nn.Module, stage: int, plan: List[List[str]]) -> Lis
         if name in kept:
             continue
         dropped += list(unit.parameters())
-        parent, _, attr = name.rpartition(".")
-        container = model.get_submodule(parent) if parent else model
-        if isinstance(container, torch.nn.ModuleList | torch.nn.Sequential):
-            container[int(attr)] = OtherStage()
-        elif isinstance(container, torch.nn.ModuleDict):
-            container[attr] = OtherStage()
-        else:
-            setattr(container, attr, OtherStage())
+        put_unit(model, name, OtherStage())
     return dropped
+
+
+def put_unit(model: torch.nn.Module, name: str, unit: torch.nn.Module) -> None:
+    """Make ``unit`` the unit of ``model`` named ``name`` (one of :func:`units`), in place."""
+    parent, _, attr = name.rpartition(".")
+    container = model.get_submodule(parent) if parent else model
+    if isinstance(container, torch.nn.ModuleList | torch.nn.Sequential):
+        container[int(attr)] = unit
+    elif isinstance(container, torch.nn.ModuleDict):
+        container[attr] = unit
+    else:
+        setattr(container, attr, unit)
+
+
+def microbatches_held(schedule: str, microbatches: int, stages: int, stage: int) -> int:
+    """How many microbatches' activations stage ``stage`` holds for backward at once under ``schedule``: GPipe
+    runs every forward before the first backward (all ``microbatches``); 1F1B starts ``stages - stage - 1``
+    forwards ahead and then alternates one forward and one backward, so ``min(microbatches, stages - stage)``.
+    (bench/pipeline measures it: the peak of each rank's saved-for-backward bytes under both.)"""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, stages - stage)
+    raise PipelineError(f"no count of microbatches in flight for schedule {schedule!r} (one of {sorted(SCHEDULES)})")
 
 
 # ---------------------------------------------------------------------- the prepared model and its step
@@ -315,12 +332,7 @@ class PipelinedModel(torch.nn.Module):
         """Forward and backward of ``inputs`` (see :func:`_positional_and_keywords`) against ``targets`` in
         microbatches (dimension 0); the mean microbatch loss, detached, on every stage. Every stage is
         given the same batch: the first reads ``inputs``, the last ``targets``, every one the keywords."""
-        args, kwargs, rows = _positional_and_keywords(inputs)
-        if rows is None or rows % self.microbatches or targets.shape[0] != rows:
-            raise PipelineError(
-                f"pipeline_step got a batch of {rows} rows (targets {tuple(targets.shape)[:1]}) that "
-                f"pp_microbatches={self.microbatches} does not divide into equal microbatches; use a batch size "
-                f"that is a multiple of {self.microbatches} (drop_last=True on the loader)")
+        args, kwargs = self._checked(inputs, targets)
         schedule = self._schedule_for(loss_fn, self._agreed(_shapes(args, kwargs)))
         losses: List[torch.Tensor] = []
         if self.stage == 0 and self.is_last:
@@ -333,6 +345,29 @@ class PipelinedModel(torch.nn.Module):
             schedule.step(**kwargs)
         mean = torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
         return _from_last_stage(mean, self.stages, self._group, self._device)
+
+    def _checked(self, inputs: Any, targets: torch.Tensor) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        """The positional and keyword arguments of ``inputs``, once the rows are known to split into
+        ``microbatches`` equal microbatches, as many as the rows of ``targets``; a one-line refusal otherwise."""
+        args, kwargs, rows = _positional_and_keywords(inputs)
+        if rows is None or rows % self.microbatches or targets.shape[0] != rows:
+            raise PipelineError(
+                f"pipeline_step got a batch of {rows} rows (targets {tuple(targets.shape)[:1]}) that "
+                f"pp_microbatches={self.microbatches} does not divide into equal microbatches; use a batch size "
+                f"that is a multiple of {self.microbatches} (drop_last=True on the loader)")
+        return args, kwargs
+
+    def first_microbatch(self, inputs: Any, targets: torch.Tensor) -> Tuple[Tuple[Any, ...], Dict[str, Any], Any]:
+        """What :meth:`step`'s schedule gives the stages for the first microbatch of ``inputs`` and ``targets``:
+        the positional arguments, the keywords and the targets, each tensor's first rows as a view of the batch
+        (``torch.tensor_split`` on dimension 0, as the schedule splits them); refused as :meth:`step` refuses."""
+        args, kwargs = self._checked(inputs, targets)
+
+        def first(value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.dim():
+                return torch.tensor_split(value, self.microbatches)[0]
+            return value
+        return tuple(first(a) for a in args), {k: first(v) for k, v in kwargs.items()}, first(targets)
 
     def forward_only(self, inputs: Any) -> torch.Tensor:
         """The model's output for ``inputs`` (as :meth:`step` takes them), forward only, without gradients:
@@ -419,5 +454,5 @@ def _from_last_stage(loss: Optional[torch.Tensor], stages: int, group: Any, devi
     return box[0].to(LOSS_DTYPES[int(box[1].item())])
 
 
-__all__ = ["SCHEDULES", "MULTI_STAGE_SCHEDULES", "PipelinedModel", "default_split", "keep_stage",
-           "settings_problem", "split_names", "stage_units", "units"]
+__all__ = ["SCHEDULES", "MULTI_STAGE_SCHEDULES", "OtherStage", "PipelinedModel", "default_split", "keep_stage",
+           "microbatches_held", "put_unit", "settings_problem", "split_names", "stage_units", "units"]

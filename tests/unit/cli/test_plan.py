@@ -349,6 +349,7 @@ def test_plan_names_the_offload_settings_it_does_not_model():
 # ------------------------------------------------------------------------------------------ pipeline stages
 PIPELINE = """
 import argparse
+import contextlib
 import json
 import os
 
@@ -375,20 +376,55 @@ class Net(torch.nn.Module):
         return self.head(x)
 
 
-ud.init(pp=2)
-model = Net()
-optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-model, optimizer = ud.prepare(model, optimizer)
-ud.pipeline_step(model, torch.randn(4, 5), torch.randn(4, 3), torch.nn.functional.mse_loss)
-optimizer.step()
-if args.out:  # the stage's own tensors after a real schedule and step, counted by hand
-    params = list(ud.unwrap(model).parameters())
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    held = {key: sum(t.numel() * t.element_size() for t in tensors) for key, tensors in
-            (("params", params), ("grads", [p.grad for p in params if p.grad is not None]), ("optimizer", state))}
-    with open(os.path.join(args.out, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump(held, f)
-ud.shutdown()
+class Saved:  # the storages autograd holds for backward, at their peak: each once while a saved tensor keeps
+    # it (the microbatches are views of the batch), the parameters' excluded
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.users, self.alive, self.peak = {}, 0, 0
+
+    def pack(self, t):
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key[0] in self.params or not key[1]:
+            return t, None
+        self.users[key] = self.users.get(key, 0) + 1
+        self.alive += key[1] if self.users[key] == 1 else 0
+        self.peak = max(self.peak, self.alive)
+        return t, Release(self, key)
+
+
+class Release:
+    def __init__(self, saved, key):
+        self.saved, self.key = saved, key
+
+    def __del__(self):
+        self.saved.users[self.key] -= 1
+        if not self.saved.users[self.key]:
+            self.saved.alive -= self.key[1]
+
+
+for schedule in os.environ.get("SCHEDULES", "1f1b").split(","):  # a plan stops at the first one's first step
+    ud.init(pp=2, pp_schedule=schedule)
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, optimizer = ud.prepare(model, optimizer)
+    saved = Saved(ud.unwrap(model).parameters()) if args.out else None  # a real launch only: the plan's are fake
+    for step in range(2 if saved else 1):  # the second step's peak: the first one's is lower (see plan_worker)
+        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda held: held[0]) if saved else None
+        if saved:
+            saved.peak = saved.alive
+        with hooks or contextlib.nullcontext():
+            ud.pipeline_step(model, torch.randn(4, 5), torch.randn(4, 3), torch.nn.functional.mse_loss)
+        optimizer.step()
+    if args.out:  # the stage's own tensors after a real schedule and step, counted by hand
+        params = list(ud.unwrap(model).parameters())
+        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        held = {key: sum(t.numel() * t.element_size() for t in tensors) for key, tensors in
+                (("params", params), ("grads", [p.grad for p in params if p.grad is not None]), ("optimizer", state))}
+        with open(os.path.join(args.out, f"rank{os.environ['RANK']}_{schedule}.json"), "w") as f:
+            json.dump({"held": held, "saved_peak": saved.peak, "saved_after": saved.alive}, f)
+    ud.shutdown()
 """
 """Embeddings, 4 layers and a head: the default split gives stage 0 the embeddings and layers 0-1 (36 + 84 = 120
 elements, 6 tensors), stage 1 layers 2-3 and the head (84 + 21 = 105 elements, 6 tensors): the two stages differ."""
@@ -396,29 +432,44 @@ elements, 6 tensors), stage 1 layers 2-3 and the head (84 + 21 = 105 elements, 6
 
 @pytest.fixture(scope="module")
 def pipeline_held(tmp_path_factory):
-    """What each of 2 torchrun ranks holds after a real 1F1B step of :data:`PIPELINE` (pp=2; about 25 s on 2
-    cores; torchrun --standalone picks its own port)."""
+    """What each of 2 torchrun ranks holds in two real steps of :data:`PIPELINE` (pp=2, 2 microbatches) under 1F1B
+    and then GPipe, in one launch (about 25 s on 2 cores; torchrun --standalone picks its own port): by rank and
+    schedule, its parameters', gradients' and AdamW state's bytes, its saved-for-backward peak in the second step
+    and what autograd still held after it."""
     from unified_dist.testing.launchers import child_env, command, run
 
     root = tmp_path_factory.mktemp("pipeline")
     (root / "train.py").write_text(PIPELINE)
-    done = run(command("torchrun", str(root / "train.py"), ["--out", str(root)]), 180, child_env())
+    done = run(command("torchrun", str(root / "train.py"), ["--out", str(root)]), 180,
+               {**child_env(), "SCHEDULES": ",".join(SCHEDULES)})
     assert done.returncode == 0, done.output[-3000:]
-    return {rank: json.loads((root / f"rank{rank}.json").read_text()) for rank in range(2)}
+    return {(rank, schedule): json.loads((root / f"rank{rank}_{schedule}.json").read_text())
+            for rank in range(2) for schedule in SCHEDULES}
+
+
+SCHEDULES = ("1f1b", "gpipe")
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("rank", (0, 1))
-def test_plan_of_a_pipeline_holds_each_stage(plan, pipeline_held, rank):
+def test_plan_of_a_pipeline_holds_each_stage(plan, pipeline_held, rank, schedule, monkeypatch):
     """``--pp 2`` at world 2: rank R is stage R, and the plan gives the bytes of that stage's parameters, gradients
-    and AdamW state that a real launch holds after its first step (the schedule itself is not run by the plan)."""
+    and AdamW state that a real launch holds after a step, and the peak of what its schedule holds for backward
+    (1F1B: stage 1 holds one microbatch where GPipe holds both; stage 0 keeps one between steps), without running
+    the schedule."""
+    monkeypatch.setenv("SCHEDULES", schedule)
     code, report, err = plan(PIPELINE, "--pp", "2", world=(1, 2), rank=rank)
     assert code == 0 and report["error"] is None, (report, err)
-    assert report["pipeline"] == {"stage": rank, "stages": 2, "schedule": "1f1b", "microbatches": 2}
-    assert (report["saved_for_backward"], report["collectives"]) == (None, [])
-    expected = pipeline_held[rank]
-    assert report["bytes"] == {**expected, "total": sum(expected.values())}
+    assert report["pipeline"] == {"stage": rank, "stages": 2, "schedule": schedule, "microbatches": 2}
+    real = pipeline_held[rank, schedule]
+    assert report["bytes"] == {**real["held"], "total": sum(real["held"].values())}
+    saved = report["saved_for_backward"]
+    assert saved["bytes"] == real["saved_peak"], (saved, real)
+    assert saved["kept_between_steps"] == real["saved_after"], (saved, real)
+    assert saved["microbatches_held"] == (1 if (rank, schedule) == (1, "1f1b") else 2)
+    assert report["collectives"] == []
 
 
 # (weight shape, bias shape) of PIPELINE's Linears per stage under the default split (the docstring above)
@@ -440,8 +491,10 @@ def test_plan_of_a_pipeline_sharded_by_fsdp2_holds_each_ranks_shard_of_its_stage
     assert report["bytes"] == expected_bytes(numels)
 
 
-PIPELINE_TP = PIPELINE.replace("ud.init(pp=2)", 'ud.init(pp=2, tp_plan={"layers.0": "colwise", "layers.1": "rowwise", '
-                                                '"layers.2": "colwise", "layers.3": "rowwise"})')
+PIPELINE_TP = PIPELINE.replace("ud.init(pp=2, pp_schedule=schedule)", 'ud.init(pp=2, pp_schedule=schedule, tp_plan={'
+                               '"layers.0": "colwise", "layers.1": "rowwise", "layers.2": "colwise", "layers.3": '
+                               '"rowwise"})')
+assert PIPELINE_TP != PIPELINE
 """PIPELINE with a TP plan: each stage's two layers a column-wise, row-wise pair (the tanh between them acts on
 each column's slice); the embedding and the head are not split."""
 
