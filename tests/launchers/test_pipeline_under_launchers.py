@@ -76,3 +76,43 @@ def test_the_measured_difference_is_far_inside_the_bound(launches):
     print(f"pipeline: largest |stage - one process| over every case: {worst:.3g}; "
           f"largest |resumed - uninterrupted| (optimizer state through a checkpoint, both ways): {resumed:.3g}")
     assert worst <= 1e-12 and resumed <= 1e-12
+
+
+OPERATIONS_BETWEEN_UNITS = """
+import torch
+
+import unified_dist as ud
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(5, 6)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(4))
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))  # an operation between units: every stage would run it on what it holds
+        return self.head(x)
+
+
+ud.init(pp=2)
+model = ud.prepare(Net())
+ud.pipeline_step(model, torch.randn(4, 5), torch.randn(4, 3), torch.nn.functional.mse_loss)
+print("the step ran", flush=True)
+"""
+
+
+def test_a_forward_with_operations_between_its_units_is_refused_in_one_line(tmp_path):
+    """docs/pipeline.md: every stage runs the model's own forward, its other stages' units replaced by stand-ins that
+    return what they are given; a ``torch.tanh`` between two units would run on every stage (4 times where the model
+    runs it once per layer before the stage's own, here), a silently different model. The first stage's first
+    forward is refused in one line, and the launch ends (the other stage, waiting for it, is stopped by torchrun)."""
+    (tmp_path / "train.py").write_text(OPERATIONS_BETWEEN_UNITS)
+    result = launch("torchrun", str(tmp_path / "train.py"), nproc=2, timeout=TIMEOUT, env={"OMP_NUM_THREADS": "1"})
+    assert not result.timed_out and result.returncode != 0, result.output[-3000:]
+    assert "the step ran" not in result.output
+    assert ("PipelineError: pp: Net.forward gave unit layers.1 something other than what unit layers.0 returned: "
+            "under pp every stage runs the model's forward") in result.output, result.output[-3000:]

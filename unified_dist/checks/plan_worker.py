@@ -309,6 +309,7 @@ class Simulation:
                 pipeline.put_unit(module, name, unit)
             regions = session.current().backend.compile_regions(module)
             blocks = regions if regions is not None else blocks_to_shard(module)
+            pipeline.UnitChain(module, stage)  # the schedule's first forward is checked: the job would stop there
             with SavedBytes(module, blocks, twins=self._fake_twin) as saving:
                 output = module(*args, **kwargs)
                 if model.is_last:

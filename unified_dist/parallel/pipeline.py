@@ -18,8 +18,10 @@ What ``pp=P`` means (``ud.init(pp=...)``, ``UNIFIED_DIST_PP``, ``unified-dist la
   last).
   The model's own ``forward`` then runs on each stage, so it must apply its units one after the
   other, each to the previous one's output (embeddings, blocks, head): an ``Identity`` stands for a
-  unit another stage ran. A model with parameters or buffers on its root, too few layers, an unknown
-  or out-of-order split point, or a parameter shared between two stages is refused in one line.
+  unit another stage ran. A forward that does anything else with the activation (an operation
+  between units) is refused at the first forward of each schedule (:class:`UnitChain`). A model with
+  parameters or buffers on its root, too few layers, an unknown or out-of-order split point, or a
+  parameter shared between two stages is refused in one line.
 - The training step differs in one explicit place: ``loss = ud.pipeline_step(model, inputs, targets,
   loss_fn)`` runs the schedule (forward and backward of ``pp_microbatches`` microbatches) and returns
   the mean of ``loss_fn(output, target)`` over the microbatches, detached, on every stage (the last
@@ -240,6 +242,81 @@ def microbatches_held(schedule: str, microbatches: int, stages: int, stage: int)
     raise PipelineError(f"no count of microbatches in flight for schedule {schedule!r} (one of {sorted(SCHEDULES)})")
 
 
+# ---------------------------------------------------------------------- the model's forward, watched once
+class UnitChain:
+    """Watches the next forward of a stage's ``module`` (the user's model, other stages' units replaced) and refuses,
+    in one line, a forward that does more than apply its units one after the other: every stage runs the model's
+    own forward, so an operation between units (``torch.tanh(layer(x))``, ``x * scale``, ``out.squeeze()``) would
+    run on every stage, once per stage, and the pipeline would compute another function than the model, silently.
+
+    The rule, on the objects themselves: each unit the forward calls takes as its first argument the very object the
+    unit called before it returned; on a stage after the first, the first unit called takes the activation the
+    stage received (the module's first positional argument); and the forward returns what the last unit returned.
+    Units may be skipped (a forward that runs its embeddings only when it has no hidden states), not reordered.
+    Its hooks see what the forward itself passes and returns: on a unit they come first before it (before FSDP2's
+    and TP's hooks, which may cast or wrap what it takes) and last after it (what the next unit is given); on the
+    module, last before it (what FSDP2's root hook cast) and first after it."""
+
+    def __init__(self, module: torch.nn.Module, stage: int) -> None:
+        self.module, self.stage = module, stage
+        self.order = {name: n for n, (name, _) in enumerate(units(module))}
+        self.calls: List[Tuple[str, Any, Any]] = []  # (unit, its first argument, what it returned)
+        self._args: Tuple[Any, ...] = ()
+        self._depth = 0
+        self._handles = [module.register_forward_pre_hook(self._starts, with_kwargs=True),  # after FSDP2's casts
+                         module.register_forward_hook(self._ends, prepend=True, with_kwargs=True)]  # before its own
+        for name, unit in units(module):
+            self._handles += [
+                unit.register_forward_pre_hook(lambda m, args, kwargs, n=name: self._enters(n, args, kwargs),
+                                               prepend=True, with_kwargs=True),
+                unit.register_forward_hook(lambda m, args, kwargs, out, n=name: self._leaves(n, out),
+                                           with_kwargs=True)]
+
+    def _starts(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        self._args = args
+
+    def _enters(self, name: str, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        self.calls.append((name, first, None))
+
+    def _leaves(self, name: str, output: Any) -> None:
+        for n in range(len(self.calls) - 1, -1, -1):
+            if self.calls[n][0] == name and self.calls[n][2] is None:
+                self.calls[n] = (name, self.calls[n][1], output)
+                break
+
+    def _ends(self, module: torch.nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], output: Any) -> None:
+        self.remove()
+        problem = self.problem(output)
+        if problem:
+            raise PipelineError(
+                f"pp: {type(module).__name__}.forward {problem}: under pp every stage runs the model's forward, so "
+                "that would run on every stage and the pipeline would compute another model; make it part of a unit "
+                "(a module, e.g. nn.Sequential(layer, nn.Tanh())), or keep the forward to units applied one after "
+                "the other (docs/pipeline.md)")
+
+    def problem(self, output: Any) -> Optional[str]:
+        """What the watched forward did besides applying its units in turn (``None``: nothing)."""
+        calls = self.calls
+        if not calls:
+            return "called none of its units"
+        for (before, _, returned), (name, took, _) in zip(calls, calls[1:]):
+            if self.order[name] <= self.order[before]:
+                return f"called unit {name} after {before}"
+            if took is not returned:
+                return f"gave unit {name} something other than what unit {before} returned"
+        if self.stage and self._args and calls[0][1] is not self._args[0]:
+            return f"gave its first unit, {calls[0][0]}, something other than the activation the stage received"
+        if output is not calls[-1][2]:
+            return f"returned something other than what its last unit, {calls[-1][0]}, returned"
+        return None
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
 # ---------------------------------------------------------------------- the prepared model and its step
 class PipelinedModel(torch.nn.Module):
     """One stage of a pipelined model: ``module`` is the user's model with the other stages' units
@@ -307,6 +384,7 @@ class PipelinedModel(torch.nn.Module):
         if key not in self._schedules:
             from torch.distributed import pipelining
 
+            UnitChain(self.module, self.stage)  # its first forward (the schedule's shape inference) is checked
             stage = pipelining.PipelineStage(self.module, self.stage, self.stages, self._device, group=self._group)
             cls = getattr(pipelining, SCHEDULES[self.schedule_name])
             self._schedules[key] = cls(stage, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=True)
@@ -384,6 +462,7 @@ class PipelinedModel(torch.nn.Module):
         if schedule is None:
             from torch.distributed import pipelining
 
+            UnitChain(self.module, self.stage)
             stage = pipelining.PipelineStage(self.module, self.stage, self.stages, self._device, group=self._group)
             schedule = self._eval_schedules[key] = pipelining.ScheduleGPipe(stage, n_microbatches=microbatches)
         with torch.no_grad():
@@ -455,4 +534,4 @@ def _from_last_stage(loss: Optional[torch.Tensor], stages: int, group: Any, devi
 
 
 __all__ = ["SCHEDULES", "MULTI_STAGE_SCHEDULES", "OtherStage", "PipelinedModel", "default_split", "keep_stage",
-           "microbatches_held", "put_unit", "settings_problem", "split_names", "stage_units", "units"]
+           "microbatches_held", "put_unit", "settings_problem", "split_names", "stage_units", "UnitChain", "units"]

@@ -366,13 +366,13 @@ class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Linear(5, 6)
-        self.layers = torch.nn.ModuleList([torch.nn.Linear(6, 6) for _ in range(4)])
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(4))
         self.head = torch.nn.Linear(6, 3)
 
     def forward(self, x):
         x = self.embed(x)
         for layer in self.layers:
-            x = torch.tanh(layer(x))
+            x = layer(x)
         return self.head(x)
 
 
@@ -492,8 +492,8 @@ def test_plan_of_a_pipeline_sharded_by_fsdp2_holds_each_ranks_shard_of_its_stage
 
 
 PIPELINE_TP = PIPELINE.replace("ud.init(pp=2, pp_schedule=schedule)", 'ud.init(pp=2, pp_schedule=schedule, tp_plan={'
-                               '"layers.0": "colwise", "layers.1": "rowwise", "layers.2": "colwise", "layers.3": '
-                               '"rowwise"})')
+                               '"layers.0.0": "colwise", "layers.1.0": "rowwise", "layers.2.0": "colwise", '
+                               '"layers.3.0": "rowwise"})')
 assert PIPELINE_TP != PIPELINE
 """PIPELINE with a TP plan: each stage's two layers a column-wise, row-wise pair (the tanh between them acts on
 each column's slice); the embedding and the head are not split."""

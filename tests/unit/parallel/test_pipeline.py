@@ -127,6 +127,52 @@ def test_a_stack_nested_deeper_is_found_and_the_modules_on_the_way_are_opened():
     assert pipeline.stage_units(model, 2, ["body.pooler"])[1] == ["body.pooler", "head"]
 
 
+class Between(Stack):
+    """Stack whose forward does one more thing with the activation, where ``how`` says."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+
+    def forward(self, x):
+        if self.how == "before_the_first_unit":
+            x = x * 2
+        x = self.embed(x)
+        for n, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x)) if self.how == "between_units" else layer(x)
+            if self.how == "reordered" and n == 0:
+                x = self.head(self.norm(x))
+        out = self.head(self.norm(x))
+        return out.squeeze(-1) if self.how == "after_the_last_unit" else out
+
+
+@pytest.mark.parametrize("how,stage,says", [
+    ("between_units", 0, "gave unit layers.1 something other than what unit layers.0 returned"),
+    ("between_units", 1, "gave unit layers.1 something other than what unit layers.0 returned"),
+    ("before_the_first_unit", 1, "gave its first unit, embed, something other than the activation the stage received"),
+    ("after_the_last_unit", 0, "returned something other than what its last unit, head, returned"),
+    ("reordered", 0, "called unit layers.1 after head"),
+])
+def test_a_forward_that_does_more_than_apply_its_units_in_turn_is_refused(how, stage, says):
+    """docs/pipeline.md: every stage runs the model's own forward, other stages' units standing in as identities;
+    an operation of the forward's own on the activation would run on every stage. The first forward after
+    ``UnitChain`` is refused in one line, on any stage that sees it; a forward that applies its units in turn runs
+    (the example's, which skips its embeddings on a later stage: tests/examples/test_bert_sentiment.py -k pipeline)."""
+    model = Between(how)
+    pipeline.keep_stage(model, stage, pipeline.stage_units(model, 2))
+    pipeline.UnitChain(model, stage)
+    x = torch.randn(2, 3) if stage == 0 else torch.randn(2, 4)
+    with pytest.raises(PipelineError, match=f"^pp: Between.forward {says}: under pp every stage runs the model's "
+                                            "forward, so that would run on every stage") as refused:
+        model(x)
+    assert "\n" not in str(refused.value)
+    model(x)  # once: the chain's hooks are gone
+    plain = Between("plain")
+    pipeline.keep_stage(plain, stage, pipeline.stage_units(plain, 2))
+    pipeline.UnitChain(plain, stage)
+    plain(x)
+
+
 def test_a_unit_another_stage_runs_passes_its_first_argument_through_whatever_else_it_is_given():
     """The loop of a nested stack calls each layer with more than the hidden states (an attention mask):
     on the stage that does not own a layer, the layer's call returns the hidden states unchanged."""
