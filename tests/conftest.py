@@ -51,7 +51,29 @@ bench/suite_time/suite_time.py reads. Under xdist the controller writes it (ever
 workers do not."""
 
 
+_SHARED_BUFFERS = {}
+"""When the session began (the controller's): DeepSpeed's CPU all-reduce leaves a shared-memory buffer per rank in
+/dev/shm (RAM) on the paths where DeepSpeed itself starts it (Accelerate's DeepSpeed plugin, plain DeepSpeed
+scripts); the deepspeed engine unlinks its own (``DeepSpeedBackend._unlink_shared_buffer``). What the session's
+launches left is removed when the whole session ends, so that runs of the suite do not fill the machine's memory."""
+
+
+def _remove_shared_buffers_left_since(started: float) -> None:
+    from pathlib import Path
+
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+        try:
+            if path.stat().st_mtime >= started:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def pytest_sessionstart(session):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        import time
+
+        _SHARED_BUFFERS["started"] = time.time() - 1  # the file system's times are coarser than the clock's
     if os.environ.get("UNIFIED_DIST_TEST_TIMES") and not os.environ.get("PYTEST_XDIST_WORKER"):
         import time
 
@@ -70,6 +92,8 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if "started" in _SHARED_BUFFERS:  # the controller, after every worker: no launch is still starting
+        _remove_shared_buffers_left_since(_SHARED_BUFFERS["started"])
     if "record" not in _TIMES or not _TIMES["items"]:
         return
     import json

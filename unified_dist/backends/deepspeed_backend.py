@@ -24,11 +24,13 @@ GPUs), so the collectives are the torch backend's.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import warnings
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -228,8 +230,24 @@ class DeepSpeedBackend(TorchBackend):
                 warnings.warn(f"unified_dist: {note}", UserWarning, stacklevel=4)
         super().__init__(detection, config)  # joins the default group: gloo on a CPU, nccl on GPUs
         deepspeed.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, verbose=False)
+        self._unlink_shared_buffer()
         self.engine: Any = None
         self._pending: Dict[str, Any] = {}
+
+    def _unlink_shared_buffer(self) -> None:
+        """DeepSpeed's all-reduce on a CPU (its ``shm_comm`` op, when every rank is on this host: ``LOCAL_SIZE``
+        equals the world) maps one shared-memory buffer per rank, ``/dev/shm/deepspeed_allreduce_buffer_`` + uid,
+        ``MASTER_ADDR``, ``MASTER_PORT`` and rank (69 MB each at 0.19.8), and never unlinks it: every run left its
+        ranks' buffers in memory until the machine restarted. Each rank maps every other's before
+        ``init_distributed`` returns, so once all have returned (a barrier) each unlinks its own name; the mappings
+        live on until the processes end, and no buffer outlives them, even a killed one's."""
+        if os.environ.get("LOCAL_SIZE") != str(self.world_size) or self.world_size < 2:
+            return  # DeepSpeed made none (its own condition), the same verdict on every rank
+        path = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+                                   f"{os.environ.get('MASTER_PORT', '')}_{self.rank}")
+        dist.barrier()
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
 
     # ----------------------------------------------------------------- preparation
     def about_to_prepare(self, objs: tuple) -> None:
