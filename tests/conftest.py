@@ -59,9 +59,9 @@ launches left is removed when the whole session ends, so that runs of the suite 
 
 
 def _remove_shared_buffers_left_since(started: float) -> None:
-    from pathlib import Path
+    from unified_dist.backends.deepspeed_backend import SHARED_MEMORY, shared_buffer
 
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"):
+    for path in SHARED_MEMORY.glob(shared_buffer("*", "*", "*")):
         try:
             if path.stat().st_mtime >= started:
                 path.unlink()
@@ -70,13 +70,12 @@ def _remove_shared_buffers_left_since(started: float) -> None:
 
 
 def pytest_sessionstart(session):
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        import time
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    import time
 
-        _SHARED_BUFFERS["started"] = time.time() - 1  # the file system's times are coarser than the clock's
-    if os.environ.get("UNIFIED_DIST_TEST_TIMES") and not os.environ.get("PYTEST_XDIST_WORKER"):
-        import time
-
+    _SHARED_BUFFERS["started"] = time.time() - 1  # the file system's times are coarser than the clock's
+    if os.environ.get("UNIFIED_DIST_TEST_TIMES"):
         from unified_dist.testing.launchers import bench_module
 
         _TIMES["record"] = bench_module("bench/shared/provenance").start()

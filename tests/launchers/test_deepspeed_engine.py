@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
+from unified_dist.backends.deepspeed_backend import SHARED_MEMORY, shared_buffer
 from unified_dist.testing.launchers import BIN, ROOT, Result, child_env, command, free_port, run, unavailable
 
 sys.path.insert(0, str(ROOT / "tests" / "launchers" / "workers"))
@@ -310,7 +310,7 @@ def test_the_engine_leaves_no_shared_memory_behind(launches):
     assert sorted(ranks) == [0, 1]
     command = launches.commands["unified-dist"]
     port = command[command.index("--master-port") + 1]
-    left = sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+    left = sorted(p.name for p in SHARED_MEMORY.glob(shared_buffer("*", port, "*")))
     assert left == [], left
 
 

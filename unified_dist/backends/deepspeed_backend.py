@@ -201,6 +201,16 @@ def engine_config(file: Dict[str, Any], path: Optional[str], stage: int, accumul
     return config
 
 
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def shared_buffer(addr: str, port: str, rank: str) -> str:
+    """The name of the shared-memory buffer DeepSpeed's CPU all-reduce (``shm.cpp`` at 0.19.8) makes for ``rank`` of
+    the job at ``addr``:``port`` (``MASTER_ADDR``, ``MASTER_PORT``), this user's; ``"*"`` for any (a glob pattern
+    in :data:`SHARED_MEMORY`)."""
+    return f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
 class DeepSpeedBackend(TorchBackend):
     """One DeepSpeed engine per session, built by ``ud.prepare`` from the model and optimizer given together."""
 
@@ -243,8 +253,8 @@ class DeepSpeedBackend(TorchBackend):
         live on until the processes end, and no buffer outlives them, even a killed one's."""
         if os.environ.get("LOCAL_SIZE") != str(self.world_size) or self.world_size < 2:
             return  # DeepSpeed made none (its own condition), the same verdict on every rank
-        path = Path("/dev/shm") / (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-                                   f"{os.environ.get('MASTER_PORT', '')}_{self.rank}")
+        path = SHARED_MEMORY / shared_buffer(os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""),
+                                             str(self.rank))
         dist.barrier()
         with contextlib.suppress(FileNotFoundError):
             path.unlink()

@@ -163,14 +163,6 @@ def render(report: Dict[str, Any]) -> List[str]:
     if pipeline:
         lines.append(f"pipeline: stage {pipeline['stage']} of {pipeline['stages']} ({pipeline['schedule']}, "
                      f"{pipeline['microbatches']} microbatches); the schedule is not run: the bytes are the stage's")
-    if pipeline and saved:
-        kept = saved["kept_between_steps"]
-        saved_line = (f"saved for backward at the schedule's peak (activation checkpointing "
-                      f"{'on' if report['activation_checkpointing'] else 'off'}): {size(saved['bytes'])} = "
-                      f"{saved['microbatches_held']} microbatch(es) of {saved['microbatch_rows']} rows in flight x "
-                      f"{size(saved['microbatch_bytes'] - saved['batch_bytes'])} + the batch's own "
-                      f"{size(saved['batch_bytes'])}" + (f" + {size(kept)} torch's shape inference keeps" if kept
-                                                          else ""))
     lines.append("bytes this rank holds after the first optimizer step:" if zero is None else
                  "bytes this rank holds at its first optimizer step (derived, not run: DeepSpeed 0.19.8, float32):")
     rows = (("parameters", "params"), ("master copies", "master"), ("gradients", "grads"),
@@ -178,7 +170,13 @@ def render(report: Dict[str, Any]) -> List[str]:
     lines += [f"  {name:<16}{size(held[key]):>12}" for name, key in rows if key in held]
     ac = "on" if report["activation_checkpointing"] else "off"
     if pipeline and saved:
-        lines.append(saved_line)
+        each = size(saved["microbatch_bytes"] - saved["batch_bytes"])
+        kept = saved["kept_between_steps"]
+        inference = f" + {size(kept)} torch's shape inference keeps" if kept else ""
+        lines.append(f"saved for backward at the schedule's peak (activation checkpointing {ac}): "
+                     f"{size(saved['bytes'])} = {saved['microbatches_held']} microbatch(es) of "
+                     f"{saved['microbatch_rows']} rows in flight x {each} + the batch's own "
+                     f"{size(saved['batch_bytes'])}{inference}")
     else:
         lines.append(f"saved for backward by the first micro-batch (activation checkpointing {ac}): "
                      + (size(saved["bytes"]) if saved else "not seen (no forward of a prepared model)"))

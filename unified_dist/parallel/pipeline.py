@@ -258,11 +258,10 @@ class UnitChain:
     module, last before it (what FSDP2's root hook cast) and first after it."""
 
     def __init__(self, module: torch.nn.Module, stage: int) -> None:
-        self.module, self.stage = module, stage
+        self.stage = stage
         self.order = {name: n for n, (name, _) in enumerate(units(module))}
         self.calls: List[Tuple[str, Any, Any]] = []  # (unit, its first argument, what it returned)
         self._args: Tuple[Any, ...] = ()
-        self._depth = 0
         self._handles = [module.register_forward_pre_hook(self._starts, with_kwargs=True),  # after FSDP2's casts
                          module.register_forward_hook(self._ends, prepend=True, with_kwargs=True)]  # before its own
         for name, unit in units(module):
