@@ -56,11 +56,12 @@ import resource
 import runpy
 import sys
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import nested
 from ..backends.deepspeed_backend import (
     _said,
     offload_devices,
@@ -244,14 +245,11 @@ class Simulation:
         return out
 
     def _forward_starts(self, model: torch.nn.Module, regions) -> None:
-        from ..parallel.sharding import blocks_to_shard
-
         if not self._counting_from_forward:
             self._counting_from_forward = True
             self.counter.reset()  # the step's collectives only (not init's and prepare's)
         if self.saved is None and self._saving is None:
-            blocks = regions if regions is not None else blocks_to_shard(model)
-            self._saving = SavedBytes(model, blocks, twins=self._fake_twin).__enter__()
+            self._saving = SavedBytes(model, _checkpointed(model, regions), twins=self._fake_twin).__enter__()
 
     def _fake_twin(self, param: torch.Tensor) -> list:
         """The fake copy the fake mode makes of a real parameter (one a script loaded from a file) when an
@@ -287,37 +285,32 @@ class Simulation:
         saved bytes, of which the batch's own storages, and how many microbatches are held at once."""
         from .. import session
         from ..parallel import pipeline
-        from ..parallel.sharding import blocks_to_shard
 
         stage, module = model.stage, model.module
         whole, plan = self._whole[id(module)]
         args, kwargs, target = model.first_microbatch(inputs, targets)
+        batch = {storage_key(t) for _, t in nested.leaves((args, kwargs, target)) if isinstance(t, torch.Tensor)}
         own = dict(pipeline.units(module))  # this stage's units as prepared (sharded), the others' stand-ins
 
-        def only(j: int) -> None:  # stage j's units in the model, every other unit a stand-in
-            for name in whole:
-                pipeline.put_unit(module, name, (own[name] if j == stage else whole[name]) if name in plan[j]
-                                  else pipeline.OtherStage())
+        def put(units: Dict[str, torch.nn.Module]) -> None:
+            for name, unit in units.items():
+                pipeline.put_unit(module, name, unit)
         try:
-            for j in range(stage):
-                only(j)
+            for j in range(stage):  # stage j's units in the model, every other unit a stand-in
+                put({name: whole[name] if name in plan[j] else pipeline.OtherStage() for name in whole})
                 with torch.no_grad():
                     args = (module.forward(*args, **kwargs),)  # forward itself: no hook of the stage's own (FSDP2)
             if stage:  # what the stage receives is a leaf that needs its gradient (it sends it back)
                 args = tuple(a.detach().requires_grad_(a.is_floating_point()) for a in args)
-            for name, unit in own.items():
-                pipeline.put_unit(module, name, unit)
-            regions = session.current().backend.compile_regions(module)
-            blocks = regions if regions is not None else blocks_to_shard(module)
+                put(own)
+            blocks = _checkpointed(module, session.current().backend.compile_regions(module))
             pipeline.UnitChain(module, stage)  # the schedule's first forward is checked: the job would stop there
             with SavedBytes(module, blocks, twins=self._fake_twin) as saving:
                 output = module(*args, **kwargs)
                 if model.is_last:
                     loss_fn(output, target)
         finally:
-            for name, unit in own.items():
-                pipeline.put_unit(module, name, unit)
-        batch = {storage_key(t) for t in _batch_tensors((inputs, targets))}
+            put(own)
         batch_bytes = sum(size for key, size in saving.sizes.items() if key in batch)
         held = pipeline.microbatches_held(model.schedule_name, model.microbatches, model.stages, stage)
         kept = saving.bytes if stage == 0 else 0  # torch's shape inference keeps a graph: see the module doc
@@ -388,15 +381,16 @@ class Simulation:
                 "mixed_precision": config.mixed_precision}
 
 
-def _batch_tensors(value: Any) -> List[torch.Tensor]:
-    """The tensors in a step's batch (a tensor, or tuples, lists and mappings of them)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _batch_tensors(item)]
-    return []
+def _checkpointed(model: torch.nn.Module, regions: Optional[List[torch.nn.Module]]) -> List[torch.nn.Module]:
+    """The blocks of ``model`` whose inputs a checkpointed forward holds (``regions``, the blocks the backend split,
+    else those it would shard), where the session checkpoints activations; none otherwise, where autograd's own saves
+    are all there is (a block whose first operation saves no input, a tanh, holds none)."""
+    from .. import session
+    from ..parallel.sharding import blocks_to_shard
+
+    if not session.current().backend.config.sharding.activation_checkpointing:
+        return []
+    return regions if regions is not None else blocks_to_shard(model)
 
 
 def _unsharded(models: List[torch.nn.Module], optimizer: torch.optim.Optimizer) -> tuple:

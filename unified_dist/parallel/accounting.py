@@ -135,9 +135,9 @@ class SavedBytes:
     gathered) excluded, they are counted as parameters;
     plus the inputs of each block in ``watched_blocks``: a checkpointed block holds them (in its recompute
     closure, which no saved-tensor hook sees) to run its forward again in backward, and a
-    checkpointed block's own saved tensors go to the checkpoint's hooks, not these. Without
-    checkpointing, a block's input is saved by its first operation anyway (the storage is counted
-    once), so adding it costs the plain run nothing. ``twins(p)`` gives tensors that stand for parameter
+    checkpointed block's own saved tensors go to the checkpoint's hooks, not these. Pass only checkpointed
+    blocks: a plain block holds its input only where its first operation saves it (a Linear does, a tanh
+    saves its output instead), which the hooks see. ``twins(p)`` gives tensors that stand for parameter
     ``p`` in the forward (under a fake mode, the fake copy of a real parameter); they are parameters too."""
 
     def __init__(self, model: torch.nn.Module, watched_blocks=(), twins=None):

@@ -363,10 +363,11 @@ args = parser.parse_args()
 
 
 class Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, first="tanh"):  # each layer's activation, before its Linear
         super().__init__()
         self.embed = torch.nn.Linear(5, 6)
-        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(4))
+        activation = {"tanh": torch.nn.Tanh, "gelu": torch.nn.GELU}[first]
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(activation(), torch.nn.Linear(6, 6)) for _ in range(4))
         self.head = torch.nn.Linear(6, 3)
 
     def forward(self, x):
@@ -403,10 +404,11 @@ class Release:
             self.saved.alive -= self.key[1]
 
 
-for schedule in os.environ.get("SCHEDULES", "1f1b").split(","):  # a plan stops at the first one's first step
+for first, schedule in [(f, s) for f in os.environ.get("UNITS", "tanh").split(",")  # a plan stops at the first
+                        for s in os.environ.get("SCHEDULES", "1f1b").split(",")]:  # one's first step
     ud.init(pp=2, pp_schedule=schedule)
     torch.manual_seed(0)
-    model = Net()
+    model = Net(first)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
     model, optimizer = ud.prepare(model, optimizer)
     saved = Saved(ud.unwrap(model).parameters()) if args.out else None  # a real launch only: the plan's are fake
@@ -422,7 +424,7 @@ for schedule in os.environ.get("SCHEDULES", "1f1b").split(","):  # a plan stops 
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         held = {key: sum(t.numel() * t.element_size() for t in tensors) for key, tensors in
                 (("params", params), ("grads", [p.grad for p in params if p.grad is not None]), ("optimizer", state))}
-        with open(os.path.join(args.out, f"rank{os.environ['RANK']}_{schedule}.json"), "w") as f:
+        with open(os.path.join(args.out, f"rank{os.environ['RANK']}_{first}_{schedule}.json"), "w") as f:
             json.dump({"held": held, "saved_peak": saved.peak, "saved_after": saved.alive}, f)
     ud.shutdown()
 """
@@ -433,18 +435,18 @@ elements, 6 tensors), stage 1 layers 2-3 and the head (84 + 21 = 105 elements, 6
 @pytest.fixture(scope="module")
 def pipeline_held(tmp_path_factory):
     """What each of 2 torchrun ranks holds in two real steps of :data:`PIPELINE` (pp=2, 2 microbatches) under 1F1B
-    and then GPipe, in one launch (about 25 s on 2 cores; torchrun --standalone picks its own port): by rank and
-    schedule, its parameters', gradients' and AdamW state's bytes, its saved-for-backward peak in the second step
-    and what autograd still held after it."""
+    and then GPipe, with tanh and then GELU layers, in one launch (about 30 s on 2 cores; torchrun --standalone
+    picks its own port): by rank, activation and schedule, its parameters', gradients' and AdamW state's bytes, its
+    saved-for-backward peak in the second step and what autograd still held after it."""
     from unified_dist.testing.launchers import child_env, command, run
 
     root = tmp_path_factory.mktemp("pipeline")
     (root / "train.py").write_text(PIPELINE)
     done = run(command("torchrun", str(root / "train.py"), ["--out", str(root)]), 180,
-               {**child_env(), "SCHEDULES": ",".join(SCHEDULES)})
+               {**child_env(), "SCHEDULES": ",".join(SCHEDULES), "UNITS": "tanh,gelu"})
     assert done.returncode == 0, done.output[-3000:]
-    return {(rank, schedule): json.loads((root / f"rank{rank}_{schedule}.json").read_text())
-            for rank in range(2) for schedule in SCHEDULES}
+    return {(rank, first, schedule): json.loads((root / f"rank{rank}_{first}_{schedule}.json").read_text())
+            for rank in range(2) for first in ("tanh", "gelu") for schedule in SCHEDULES}
 
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -463,13 +465,31 @@ def test_plan_of_a_pipeline_holds_each_stage(plan, pipeline_held, rank, schedule
     code, report, err = plan(PIPELINE, "--pp", "2", world=(1, 2), rank=rank)
     assert code == 0 and report["error"] is None, (report, err)
     assert report["pipeline"] == {"stage": rank, "stages": 2, "schedule": schedule, "microbatches": 2}
-    real = pipeline_held[rank, schedule]
+    real = pipeline_held[rank, "tanh", schedule]
     assert report["bytes"] == {**real["held"], "total": sum(real["held"].values())}
     saved = report["saved_for_backward"]
     assert saved["bytes"] == real["saved_peak"], (saved, real)
     assert saved["kept_between_steps"] == real["saved_after"], (saved, real)
     assert saved["microbatches_held"] == (1 if (rank, schedule) == (1, "1f1b") else 2)
     assert report["collectives"] == []
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_plan_of_a_later_stage_counts_what_it_saves_of_the_activation_it_receives(plan, pipeline_held, schedule,
+                                                                                 monkeypatch):
+    """A GELU saves its input: the second stage's first GELU saves the activation the stage received, which it does
+    only because the schedule gives it as a leaf that needs its gradient (a tanh saves its output, which the Linear
+    after it saves anyway). The plan's stage 1 equals the real rank's peak; its stage 0 is not asserted here: with
+    these layers torch 2.13 keeps no graph between steps on the first stage (docs/pipeline.md, "Not yet done")."""
+    monkeypatch.setenv("UNITS", "gelu")
+    monkeypatch.setenv("SCHEDULES", schedule)
+    code, report, err = plan(PIPELINE, "--pp", "2", world=(1, 2), rank=1)
+    assert code == 0 and report["error"] is None, (report, err)
+    real = pipeline_held[1, "gelu", schedule]
+    assert (report["saved_for_backward"]["bytes"], report["saved_for_backward"]["kept_between_steps"]) == (
+        real["saved_peak"], real["saved_after"]), (report["saved_for_backward"], real)
 
 
 # (weight shape, bias shape) of PIPELINE's Linears per stage under the default split (the docstring above)
@@ -492,8 +512,8 @@ def test_plan_of_a_pipeline_sharded_by_fsdp2_holds_each_ranks_shard_of_its_stage
 
 
 PIPELINE_TP = PIPELINE.replace("ud.init(pp=2, pp_schedule=schedule)", 'ud.init(pp=2, pp_schedule=schedule, tp_plan={'
-                               '"layers.0.0": "colwise", "layers.1.0": "rowwise", "layers.2.0": "colwise", '
-                               '"layers.3.0": "rowwise"})')
+                               '"layers.0.1": "colwise", "layers.1.1": "rowwise", "layers.2.1": "colwise", '
+                               '"layers.3.1": "rowwise"})')
 assert PIPELINE_TP != PIPELINE
 """PIPELINE with a TP plan: each stage's two layers a column-wise, row-wise pair (the tanh between them acts on
 each column's slice); the embedding and the head are not split."""
