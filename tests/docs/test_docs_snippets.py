@@ -401,11 +401,14 @@ def _params(kind: str):
             for block in runnable(kind)]
 
 
-def _env(tmp_path: Path) -> Dict[str, str]:
+def _env(tmp_path: Path, caches: Optional[Path] = None) -> Dict[str, str]:
     """A clean environment: no launcher variables (child_env) and no UNIFIED_DIST_* setting of the shell that
-    runs the tests (a page's example sets its own), the repository on PYTHONPATH, caches in the folder."""
+    runs the tests (a page's example sets its own), the repository on PYTHONPATH, Hugging Face's caches in
+    ``caches`` (default: the folder). The one-process blocks share one (huggingface_hub reads ``HF_HOME`` at its
+    import, which their preloaded process made once)."""
     env = {k: v for k, v in child_env().items() if not k.startswith("UNIFIED_DIST_")}
-    env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"), HF_DATASETS_OFFLINE="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", HF_HOME=str((caches or tmp_path) / "hf"), HF_DATASETS_OFFLINE="1",
+               PYTHONPATH=str(ROOT))
     return env
 
 
@@ -447,8 +450,8 @@ def one_process_runs(tmp_path_factory):
         code = program(block)
         (folder / "snippet.py").write_text(code)
         where[block.name] = folder, code
-        plan.append({"name": block.name, "script": "snippet.py", "args": [], "cwd": str(folder), "env": _env(folder),
-                     "output": str(folder / "output.txt"), "timeout": PYTHON_TIMEOUT})
+        plan.append({"name": block.name, "script": "snippet.py", "args": [], "cwd": str(folder),
+                     "env": _env(folder, caches=base), "output": str(folder / "output.txt"), "timeout": PYTHON_TIMEOUT})
     (base / "plan.json").write_text(json.dumps(plan))
     launched = run([sys.executable, "-m", "unified_dist.testing.preloaded", str(base / "plan.json"),
                     str(base / "results.json")], PYTHON_TIMEOUT * max(len(plan), 1), _env(base), cwd=base)

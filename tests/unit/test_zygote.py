@@ -217,3 +217,76 @@ def test_a_pythonpath_of_its_own_is_the_runs_sys_path_unless_it_holds_a_module_t
     shadowed = _run(server, "paths", "import numpy\n", True, extra=path, cwd=server["folder"], cmd=cmd)
     assert shadowed.stderr == "the fresh interpreter imports this one\n"
     assert "holds numpy.py, a module the server imported from elsewhere" in _log(server)[-1]
+
+
+def test_a_script_beside_a_module_the_server_imported_starts_fresh(server):
+    """A fresh interpreter puts the script's folder first on sys.path (the start folder for -m and -c): a module
+    there that the server imported from elsewhere is the one a fresh run imports, so the run starts fresh."""
+    before = len(_log(server))
+    folder = server["folder"] / "beside"
+    folder.mkdir()
+    (folder / "numpy.py").write_text("raise SystemExit('the fresh interpreter imports this one')\n")
+    beside = _run(server, "beside", "import numpy\n", True, cwd=server["folder"],
+                  cmd=[sys.executable, "beside/script.py"])
+    own = {"PYTHONPATH": server["env"]["PYTHONPATH"].rstrip(os.pathsep)}  # the launches' has the start folder too
+    in_cwd = _run(server, "beside", "", True, extra=own, cmd=[sys.executable, "-c", "import numpy"])
+    assert beside.stderr == in_cwd.stderr == "the fresh interpreter imports this one\n"
+    assert [line.startswith("fresh") and f"first sys.path entry {folder} holds numpy.py" in line
+            for line in _log(server)[before:]] == [True, True]
+
+
+TRACE = """
+import json, os, sys, traceback
+sys.path.insert(0, sys.argv[1])
+import zygote
+known, reads, scans, tracing = zygote.client().SCANS, set(), set(), [False]
+
+def where():
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        name = frame.filename
+        if tracing[0] and not name.startswith("<frozen") and not name.endswith(("/os.py", "/_collections_abc.py")):
+            return name.split("site-packages/")[-1]
+    return None
+
+class Traced(os._Environ):
+    def __getitem__(self, key):
+        site = where()
+        if site and site not in known:
+            reads.add(key)
+        return super().__getitem__(key)
+
+    def __iter__(self):
+        site = where()
+        if site:
+            scans.add(site)
+        return super().__iter__()
+
+e = os.environ
+os.environ = Traced(e._data, e.encodekey, e.decodekey, e.encodevalue, e.decodevalue)
+tracing[0] = True
+for module in zygote.PRELOAD:
+    __import__(module)
+tracing[0] = False
+print(json.dumps({"reads": sorted(reads), "scans": sorted(scans)}))
+"""
+
+
+def test_every_variable_the_preload_reads_is_one_the_client_compares(tmp_path):
+    """The server's import of its preload, traced through ``os.environ``: every variable read by Python code is one
+    the client compares with the server's (``read_at_import``), and a module that reads the whole environment is one
+    of the client's ``SCANS``, whose prefix it compares. A fork would otherwise run with the server's reading of a
+    variable its client set differently. (What C code reads, torch's own, the client's prefixes cover by hand.)"""
+    sys.path.insert(0, str(ZYGOTE_SITE))
+    try:
+        import sitecustomize as client
+    finally:
+        sys.path.remove(str(ZYGOTE_SITE))
+    env = {k: v for k, v in zygote_env().items() if k != "UDTEST_ZYGOTE"}
+    got = subprocess.run([sys.executable, "-c", TRACE, str(Path(__file__).parents[2] / "unified_dist" / "testing")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-3000:]
+    traced = json.loads(got.stdout.splitlines()[-1])
+    assert "HF_HUB_OFFLINE" in traced["reads"] and "TORCHINDUCTOR_CACHE_DIR" in traced["reads"]  # the trace works
+    assert [name for name in traced["reads"] if not client.read_at_import(name)] == []
+    assert set(traced["scans"]) <= set(client.SCANS)
+    assert all(client.read_at_import(prefix + "ANY") for prefix in client.SCANS.values())

@@ -31,8 +31,8 @@ When the client dies (``SIGKILL``: a launcher's or a test's timeout), the server
 ``SOCKET.cpu`` holds the user and system CPU seconds of every fork that ended, so the tests' launch log counts
 forks' work as it counts children's.
 
-Why: on 2 cores, importing torch and ``torch._dynamo`` costs each launched process about 3.5 CPU-seconds; the
-suite starts about a thousand of them.
+Why: on 2 cores, importing torch and ``torch._dynamo`` costs each launched process about 3.5 CPU-seconds, and the
+example's processes spend 2 more importing transformers; the suite starts about a thousand of them.
 """
 from __future__ import annotations
 
@@ -46,8 +46,12 @@ import struct
 import sys
 from typing import Dict, List, Optional
 
-PRELOAD = ("torch", "torch._dynamo")
-"""Imported once by the server, before the first fork."""
+PRELOAD = ("torch", "torch._dynamo", "transformers", "transformers.models.auto.modeling_auto",
+           "transformers.models.auto.tokenization_auto", "transformers.models.bert.modeling_bert",
+           "transformers.data.data_collator")
+"""Imported once by the server, before the first fork: torch, and the transformers chain the example's processes
+import (about 2 CPU-seconds more each, on top of torch's 3.5). Not ``datasets``: pyarrow's import starts a thread
+(jemalloc's), and a fork has only the forking thread."""
 
 def _exit_status(exc: SystemExit) -> int:
     """The status ``python`` exits with for an uncaught ``SystemExit``: its int code, 0 for ``None``, else 1 after

@@ -12,16 +12,32 @@ import os
 ENV_VARIABLE = "UDTEST_ZYGOTE"
 FORWARDED = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGTERM", "SIGCONT", "SIGWINCH")
 """The signals relayed to the fork (``SIGKILL`` cannot be: the server kills the fork's session when this ends)."""
-_IMPORT_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "CUDA", "NVIDIA", "TORCH",
-                    "PYTORCH", "TRITON", "LC_", "LANG", "MALLOC", "TMPDIR", "NUMPY", "KINETO")
+_IMPORT_PREFIXES = ("PYTHON", "_PYTHON_", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "CUDA", "NVIDIA",
+                    "TORCH", "PYTORCH", "TRITON", "LC_", "LANG", "MALLOC", "TMPDIR", "NUMPY", "NPY_", "KINETO",
+                    # torch._dynamo's and inductor's configuration, sympy and mpmath under them
+                    "AOT", "INDUCTOR_", "FX_", "COMPILE_STROBELIGHT_", "CUTEDSL_", "CUTLASS_", "PARTITIONER_",
+                    "SYMPY_", "MPMATH_",
+                    # the transformers chain (huggingface_hub, accelerate, tqdm, PIL, psutil)
+                    "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TQDM_", "PILLOW_", "PSUTIL_", "XLA_", "OAUTH_")
 _NOT_AT_IMPORT = ("TORCHELASTIC_", "TORCH_NCCL_", "CUDA_VISIBLE_DEVICES", "PYTHONPATH")  # PYTHONPATH: see below
-_IMPORT_NAMES = ("USER", "LOGNAME", "LNAME", "USERNAME", "HOME")  # torch's default cache folders name the user
+_IMPORT_NAMES = ("USER", "LOGNAME", "LNAME", "USERNAME", "HOME",  # torch's default cache folders name the user
+                 "TMP", "TEMP", "CXX", "SAGE_ROOT", "DUMP_AOTI_MINIFIER", "ENABLE_PERSISTENT_TMA_MATMUL",
+                 "ENABLE_TEMPLATE_TMA_STORE", "ENABLE_TMA_LOAD_FOR_TEMPLATE_EPILOGUE", "FAKE_ALLOW_META",
+                 "LOG_AUTOTUNE_RESULTS", "LOG_TLPARSE", "PT2_COMPILE_ID_PREFIX", "UNSAFE_SKIP_FSDP_MODULE_GUARDS",
+                 "XDG_CACHE_HOME", "LOGLEVEL", "COLUMNS", "LINES", "CI", "DISABLE_TELEMETRY", "DO_NOT_TRACK",
+                 "EAGER_IMPORT", "OPENID_PROVIDER_URL", "CLAUDE_CONFIG_DIR", "NPU_FA2_SPARSE_MODE",
+                 "SM_HP_MP_PARAMETERS", "USE_HUB_KERNELS", "USE_TORCH_XLA", "ACCELERATE_ENABLE_RICH",
+                 "ACCELERATE_LOG_LEVEL", "ACCELERATE_USE_MEGATRON_LM")
+SCANS = {"tqdm/utils.py": "TQDM_"}
+"""Modules that read the whole environment at import, and the prefix of the variables they keep: their reads are
+compared through that prefix (tests/unit/test_zygote.py traces the server's import and holds these lists to it)."""
 
 
 def read_at_import(name):
-    """Whether variable ``name`` may be read while the server imports torch (or by the interpreter at start-up):
-    a client whose value differs from the server's starts fresh. The launchers' own variables (``RANK``,
-    ``TORCHELASTIC_*``, ``SLURM_*``, ``OMPI_*``, ...) are read later, by the code a fork runs."""
+    """Whether variable ``name`` may be read while the server imports its preload (torch, the Hugging Face chain) or
+    by the interpreter at start-up: a client whose value differs from the server's starts fresh. The launchers' own
+    variables (``RANK``, ``TORCHELASTIC_*``, ``SLURM_*``, ``OMPI_*``, ``ACCELERATE_MIXED_PRECISION``, ...) are read
+    later, by the code a fork runs."""
     if name in _IMPORT_NAMES:
         return True
     return name.startswith(_IMPORT_PREFIXES) and not name.startswith(_NOT_AT_IMPORT)
@@ -73,15 +89,22 @@ def _path_conflict(server, value, cwd):
     """Why the client's ``PYTHONPATH`` could not be the fork's, or ``None``. The fork rebuilds ``sys.path`` from
     it, so modules it imports resolve as the client's would; a module the server already imported must not lie
     in an entry the server did not have (the fresh interpreter would have imported that one)."""
-    theirs = set(python_path_entries(server["env"].get("PYTHONPATH"), server["cwd"]))
-    modules = set(server["modules"])
     for entry in python_path_entries(value, cwd):
-        if entry in theirs or not os.path.isdir(entry):
-            continue
-        for name in os.listdir(entry):
-            module = name.split(".")[0]
-            if module in modules:
-                return f"PYTHONPATH entry {entry} holds {name}, a module the server imported from elsewhere"
+        name = _imported_elsewhere(server, entry)
+        if name:
+            return f"PYTHONPATH entry {entry} holds {name}, a module the server imported from elsewhere"
+    return None
+
+
+def _imported_elsewhere(server, folder):
+    """A file or folder in ``folder`` named as a top-level module the server imported, where ``folder`` is not one
+    of the server's ``PYTHONPATH`` entries (so the server's came from elsewhere), or ``None``."""
+    if folder in python_path_entries(server["env"].get("PYTHONPATH"), server["cwd"]) or not os.path.isdir(folder):
+        return None
+    modules = set(server["modules"])
+    for name in sorted(os.listdir(folder)):
+        if name.split(".")[0] in modules:
+            return name
     return None
 
 
@@ -99,7 +122,14 @@ def refusal(server, environ, executable, argv, open_fds):
         return conflict
     if open_fds:
         return f"inherited descriptors {open_fds}"  # multiprocessing's spawn, a launcher's pipes: the fork lacks them
-    return parse(argv, theirs.get("PYTHONUNBUFFERED"))
+    parsed = parse(argv, theirs.get("PYTHONUNBUFFERED"))
+    if isinstance(parsed, str):
+        return parsed
+    first = os.path.dirname(os.path.abspath(parsed[1])) if parsed[0] == "script" else os.getcwd()  # sys.path[0]
+    name = _imported_elsewhere(server, first)
+    if name:
+        return f"the run's first sys.path entry {first} holds {name}, a module the server imported from elsewhere"
+    return parsed
 
 
 def _log(line):
