@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from unified_dist.testing.launchers import ZYGOTE_SITE, start_zygote, zygote_env
+from unified_dist.testing.launchers import ZYGOTE_SITE, start_zygote, unavailable, zygote_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.fresh_python]  # this module's own server and its forks
 
@@ -183,7 +183,7 @@ def test_the_refusals_name_the_difference():
     finally:
         sys.path.remove(str(ZYGOTE_SITE))
     server = {"executable": sys.executable, "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, "cwd": "/",
-              "modules": ["torch"]}
+              "modules": ["torch"], "places": client.places()}
     same = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": "3", "TORCHELASTIC_RUN_ID": "x"}
     assert client.refusal(server, same, sys.executable, ["-u", "w.py", "a"], []) == ("script", "w.py", ["a"])
     assert client.refusal(server, {**same, "TORCH_LOGS": "+dynamo"}, sys.executable, ["w.py"], []) == (
@@ -193,6 +193,9 @@ def test_the_refusals_name_the_difference():
     assert client.refusal(server, same, sys.executable, [], []) == "no script"
     assert json.dumps(client.refusal(server, same, sys.executable, ["-m", "torch.distributed.run", "--x"], [])) == (
         '["module", "torch.distributed.run", ["--x"]]')
+    elsewhere = {**server["places"], "net": "net:[1]"}
+    assert client.refusal(server, same, sys.executable, ["w.py"], [], here=elsewhere) == (
+        "another net namespace than the server's")
 
 
 def test_a_pythonpath_of_its_own_is_the_runs_sys_path_unless_it_holds_a_module_the_server_imported(server):
@@ -290,3 +293,22 @@ def test_every_variable_the_preload_reads_is_one_the_client_compares(tmp_path):
     assert [name for name in traced["reads"] if not client.read_at_import(name)] == []
     assert set(traced["scans"]) <= set(client.SCANS)
     assert all(client.read_at_import(prefix + "ANY") for prefix in client.SCANS.values())
+
+
+def test_a_python_started_in_another_network_namespace_starts_fresh(server):
+    """The multinode tests start each host's processes under ``ip netns exec`` and ``unshare --uts``: a fork of the
+    server would run in the server's network and host name, so such a python starts fresh."""
+    if os.geteuid() != 0 or subprocess.run(["ip", "netns", "add", "udtest_zygote"], capture_output=True).returncode:
+        unavailable("cannot make a network namespace here (root and iproute2 needed)")
+    try:
+        before = len(_log(server))
+        code = "import os, socket\nprint(os.readlink('/proc/self/ns/net'), socket.gethostname())\n"
+        cmd = ["ip", "netns", "exec", "udtest_zygote", "unshare", "--uts", "--", "sh", "-c",
+               'hostname udtest-h1 && exec "$@"', "sh", sys.executable, "script.py"]
+        got = _run(server, "namespace", code, True, cmd=cmd)
+    finally:
+        subprocess.run(["ip", "netns", "del", "udtest_zygote"], capture_output=True)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split()[0] != os.readlink("/proc/self/ns/net") and got.stdout.split()[1] == "udtest-h1"
+    assert [line.startswith("fresh") and "another" in line and "namespace than the server's" in line
+            for line in _log(server)[before:]] == [True]

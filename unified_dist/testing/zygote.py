@@ -259,7 +259,7 @@ def serve(path: str) -> int:
         out.write("0.0")
     with open(path + ".json.tmp", "w") as out:
         json.dump({"executable": sys.executable, "env": before, "pid": os.getpid(), "cwd": os.getcwd(),
-                   "modules": top_level}, out)
+                   "modules": top_level, "places": client().places()}, out)
     os.replace(path + ".json.tmp", path + ".json")  # clients read it whole or not at all
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)

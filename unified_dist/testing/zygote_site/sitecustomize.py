@@ -108,11 +108,27 @@ def _imported_elsewhere(server, folder):
     return None
 
 
-def refusal(server, environ, executable, argv, open_fds):
+def places():
+    """Where this process runs, as a fork inherits it from its server: its namespaces (network, host name, mounts,
+    processes, ...: ``/proc/self/ns``) and its control groups (``/proc/self/cgroup``)."""
+    folder = "/proc/self/ns"
+    found = {name: os.readlink(os.path.join(folder, name)) for name in sorted(os.listdir(folder))} \
+        if os.path.isdir(folder) else {}
+    if os.path.exists("/proc/self/cgroup"):
+        with open("/proc/self/cgroup") as handle:
+            found["cgroups"] = handle.read()
+    return found
+
+
+def refusal(server, environ, executable, argv, open_fds, here=None):
     """Why a fork of ``server`` (the server's ``SOCKET.json``) would not start as this process would, or the
-    parsed command line."""
+    parsed command line. ``here``: this process's :func:`places` (read when not given)."""
     if os.path.realpath(executable) != os.path.realpath(server["executable"]):
         return f"another interpreter ({executable})"
+    here = places() if here is None else here
+    for name in sorted(set(here) | set(server["places"])):
+        if here.get(name) != server["places"].get(name):  # `ip netns exec`, `unshare`: the fork would run outside
+            return f"another {'control group' if name == 'cgroups' else f'{name} namespace'} than the server's"
     theirs = server["env"]
     name = differs_at_import(environ, theirs)
     if name:
