@@ -72,10 +72,62 @@ def cpu_model() -> str:
     return f"{name}; native bf16: {', '.join(native) if native else 'none'}"
 
 
+def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", mounts: str = "/sys/fs/cgroup"):
+    """The CPUs this process may use per scheduling period by its control groups' quotas (the smallest along its
+    group and the groups above it: cgroup v2's ``cpu.max``, v1's ``cpu.cfs_quota_us / cpu.cfs_period_us``), or
+    ``None`` where none sets one. bench/suite_time/slower.py sets one to measure a slower machine on this one."""
+    try:
+        with open(proc_cgroup) as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            base, read = Path(mounts) / "unified", _v2_quota
+            if not (base / "cgroup.controllers").exists():
+                base = Path(mounts)
+        elif "cpu" in controllers.split(","):
+            base, read = Path(mounts) / controllers, _v1_quota
+            if not base.exists():
+                base = Path(mounts) / "cpu"
+        else:
+            continue
+        parts = [part for part in path.split("/") if part]
+        for depth in range(len(parts) + 1):
+            quota = read(base.joinpath(*parts[:depth]))
+            if quota is not None:
+                found.append(quota)
+    return min(found) if found else None
+
+
+def _v1_quota(folder: Path):
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _v2_quota(folder: Path):
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return int(quota) / int(period) if quota != "max" and int(period) > 0 else None
+
+
 def start() -> dict:
-    """Provenance fields to put in a results file before measuring; call :func:`finish` after."""
-    return {"commit": commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "cpu": cpu_model(), "load_before": os.getloadavg(), "cpu_ticks_before": cpu_ticks()}
+    """Provenance fields to put in a results file before measuring; call :func:`finish` after. ``cpu_quota`` where
+    a control group cuts this process's CPU time (:func:`cpu_quota`)."""
+    record = {"commit": commit(), "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "cpu": cpu_model(), "load_before": os.getloadavg(), "cpu_ticks_before": cpu_ticks()}
+    quota = cpu_quota()
+    if quota is not None:
+        record["cpu_quota"] = round(quota, 3)
+    return record
 
 
 def finish(record: dict) -> dict:

@@ -22,7 +22,9 @@ What it records (:func:`summarise`):
   ``tests_s`` spent inside them, the CPU seconds of the processes they started, per launcher, and the longest ones
   with their CPU per wall second (a launch of 2 busy processes on 2 cores shows about 2; well under 1, it waited).
 
-Ratios within one run only: the machine's CPU changes between sessions (the record names it).
+Ratios within one run only: the machine's CPU changes between sessions (the record names it). A run under
+bench/suite_time/slower.py (this machine's CPU time cut by a control group's quota) records the quota
+(``cpu_quota``, CPUs), and the budget's line says how many times slower that made the machine.
 """
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ BUDGET_S = 30 * 60
 """The suite's goal: 30 minutes of tests on the slowest 2-core machine (issue #60)."""
 
 PHASES = ("setup", "call", "teardown")
-RUN_FIELDS = ("commit", "command", "cpu", "cores", "workers", "load_before", "load_after", "steal_fraction",
-              "busy_fraction", "wall_s", "exit_status")
+RUN_FIELDS = ("commit", "command", "cpu", "cores", "cpu_quota", "workers", "load_before", "load_after",
+              "steal_fraction", "busy_fraction", "wall_s", "exit_status")
 
 
 def _file(nodeid: str) -> str:
@@ -116,6 +118,10 @@ def table(summary: dict) -> list:
     verdict = (f"{summary['over_s'] / 60:.1f} min over" if summary["over_s"] > 0
                else f"{-summary['over_s'] / 60:.1f} min under")
     where = f"on {summary.get('cpu', 'an unrecorded CPU')}, {summary.get('cores', '?')} cores"
+    quota = summary.get("cpu_quota")
+    if quota is not None and summary.get("cores"):
+        where += (f", its CPU time cut to {quota:.2f} CPUs (bench/suite_time/slower.py: this machine made "
+                  f"{summary['cores'] / quota:.2f} times slower)")
     wall = summary["wall_s"] / 60
     if summary.get("workers"):
         first = (f"- {summary['tests']} tests on {summary['workers']} pytest-xdist workers, **{wall:.1f} min wall** "

@@ -102,3 +102,11 @@ def test_the_first_line_says_how_busy_the_cores_were_where_the_run_recorded_it(s
     busy = suite_time.table(suite_time.summarise(dict(TIMES, busy_fraction=0.974)))
     assert busy[0].endswith("under the budget of 30 min. The cores were busy 97% of the run.")
     assert "busy" not in suite_time.table(suite_time.summarise(TIMES))[0]  # an older record: nothing said
+
+
+def test_a_run_under_a_cpu_quota_says_how_many_times_slower_the_machine_was_made(suite_time):
+    s = suite_time.summarise(dict(TIMES, cpu_quota=1.429))
+    assert s["cpu_quota"] == 1.429
+    assert ("on Some CPU, 2 cores, its CPU time cut to 1.43 CPUs (bench/suite_time/slower.py: this machine made "
+            "1.40 times slower)") in suite_time.table(s)[0]  # 2 / 1.429 = 1.3996
+    assert "cut" not in suite_time.table(suite_time.summarise(TIMES))[0]
