@@ -193,8 +193,12 @@ def test_the_refusals_name_the_difference():
     assert client.refusal(server, same, sys.executable, [], []) == "no script"
     assert json.dumps(client.refusal(server, same, sys.executable, ["-m", "torch.distributed.run", "--x"], [])) == (
         '["module", "torch.distributed.run", ["--x"]]')
-    elsewhere = {**server["places"], "net": "net:[1]"}
-    assert client.refusal(server, same, sys.executable, ["w.py"], [], here=elsewhere) == (
+    assert client.refusal(server, same, sys.executable, ["w.py"], [], here={**server["places"], "pid": "pid:[1]"}) == (
+        "another pid namespace than the server's")
+    elsewhere = {**server["places"], "net": "net:[1]"}  # joined by the fork where the server may (as root)
+    assert client.refusal(dict(server, can_join=True), same, sys.executable, ["w.py"], [], here=elsewhere) == (
+        "script", "w.py", [])
+    assert client.refusal(dict(server, can_join=False), same, sys.executable, ["w.py"], [], here=elsewhere) == (
         "another net namespace than the server's")
 
 
@@ -228,6 +232,11 @@ def test_a_script_beside_a_module_the_server_imported_starts_fresh(server):
     before = len(_log(server))
     folder = server["folder"] / "beside"
     folder.mkdir()
+    (folder / "torch").write_text("#!/bin/sh\n")  # a console script (bin/ holds torchrun beside accelerate's)
+    (folder / "transformers").mkdir()  # a namespace portion: the server's regular package wins over it
+    scripts = _run(server, "beside", "import torch, transformers\nprint('imported')\n", True, cwd=server["folder"],
+                   cmd=[sys.executable, "beside/script.py"])
+    assert scripts.stdout == "imported\n", scripts.stderr
     (folder / "numpy.py").write_text("raise SystemExit('the fresh interpreter imports this one')\n")
     beside = _run(server, "beside", "import numpy\n", True, cwd=server["folder"],
                   cmd=[sys.executable, "beside/script.py"])
@@ -235,7 +244,8 @@ def test_a_script_beside_a_module_the_server_imported_starts_fresh(server):
     in_cwd = _run(server, "beside", "", True, extra=own, cmd=[sys.executable, "-c", "import numpy"])
     assert beside.stderr == in_cwd.stderr == "the fresh interpreter imports this one\n"
     assert [line.startswith("fresh") and f"first sys.path entry {folder} holds numpy.py" in line
-            for line in _log(server)[before:]] == [True, True]
+            for line in _log(server)[before:]] == [False, True, True]
+    assert _log(server)[before].startswith("fork ['beside/script.py']")
 
 
 TRACE = """
@@ -295,20 +305,34 @@ def test_every_variable_the_preload_reads_is_one_the_client_compares(tmp_path):
     assert all(client.read_at_import(prefix + "ANY") for prefix in client.SCANS.values())
 
 
-def test_a_python_started_in_another_network_namespace_starts_fresh(server):
-    """The multinode tests start each host's processes under ``ip netns exec`` and ``unshare --uts``: a fork of the
-    server would run in the server's network and host name, so such a python starts fresh."""
+def test_a_python_started_in_another_network_namespace_runs_in_it(server):
+    """The multinode tests start each host's processes under ``ip netns exec`` (its own network and mounts) and
+    ``unshare --uts`` (its own host name): the fork enters the client's namespaces, so it sees what a fresh
+    interpreter started there sees."""
     if os.geteuid() != 0 or subprocess.run(["ip", "netns", "add", "udtest_zygote"], capture_output=True).returncode:
         unavailable("cannot make a network namespace here (root and iproute2 needed)")
     try:
         before = len(_log(server))
-        code = "import os, socket\nprint(os.readlink('/proc/self/ns/net'), socket.gethostname())\n"
+        code = ("import os, socket\nprint(os.readlink('/proc/self/ns/net'), socket.gethostname(), os.getcwd(), "
+                "sorted(os.listdir('/sys/class/net')))\n")
         cmd = ["ip", "netns", "exec", "udtest_zygote", "unshare", "--uts", "--", "sh", "-c",
                'hostname udtest-h1 && exec "$@"', "sh", sys.executable, "script.py"]
-        got = _run(server, "namespace", code, True, cmd=cmd)
+        fresh = _run(server, "namespace", code, False, cmd=cmd)
+        forked = _run(server, "namespace", code, True, cmd=cmd)
     finally:
         subprocess.run(["ip", "netns", "del", "udtest_zygote"], capture_output=True)
-    assert got.returncode == 0, got.stderr
-    assert got.stdout.split()[0] != os.readlink("/proc/self/ns/net") and got.stdout.split()[1] == "udtest-h1"
-    assert [line.startswith("fresh") and "another" in line and "namespace than the server's" in line
-            for line in _log(server)[before:]] == [True]
+    assert fresh.returncode == 0, fresh.stderr
+    assert fresh.stdout.split()[0] != os.readlink("/proc/self/ns/net") and fresh.stdout.split()[1] == "udtest-h1"
+    assert forked.stdout == fresh.stdout, forked.stderr
+    assert [line.split(":")[0] for line in _log(server)[before:]] == ["fork ['script.py']"]
+
+
+@pytest.mark.parametrize("value", ["1", ""])
+def test_pythonfaulthandler_is_the_clients_in_the_fork(server, value):
+    """The interpreter reads PYTHONFAULTHANDLER at its start; the fork applies the client's value itself."""
+    before = len(_log(server))
+    code = "import faulthandler\nprint(faulthandler.is_enabled())\n"
+    fresh = _run(server, "faults", code, False, extra={"PYTHONFAULTHANDLER": value})
+    forked = _run(server, "faults", code, True, extra={"PYTHONFAULTHANDLER": value})
+    assert fresh.stdout == forked.stdout == f"{bool(value)}\n", (fresh.stderr, forked.stderr)
+    assert [line.split(":")[0] for line in _log(server)[before:]] == ["fork ['script.py']"]

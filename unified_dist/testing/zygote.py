@@ -167,8 +167,15 @@ def _child(request: Dict, fds: List[int], effects: Dict[str, str], tail: List[st
     client's are the server's where they are read at import). ``tail``: the server's ``sys.path`` after its
     ``PYTHONPATH`` entries (the standard library, site-packages), behind the client's own entries."""
     os.setsid()
-    for target, fd in enumerate(fds):
+    for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
+        os.close(fd)
+    for name, fd in zip(request["join"], fds[3:]):  # before the folder: entering a mount namespace resets it
+        try:
+            _setns(fd)
+        except OSError as exc:
+            print(f"zygote: the fork could not enter its client's {name} namespace ({exc})", file=sys.stderr)
+            return 1
         os.close(fd)
     for name, how in request["signals"].items():
         number = getattr(signal, name)
@@ -185,11 +192,27 @@ def _child(request: Dict, fds: List[int], effects: Dict[str, str], tail: List[st
     sys.path[:] = [sys.path[0], *entries, *(path for path in tail if path not in entries)]  # as site dedupes
     for name, value in effects.items():
         os.environ.setdefault(name, value)
+    import faulthandler
+
+    if os.environ.get("PYTHONFAULTHANDLER"):  # what the interpreter does at start-up (APPLIED_BY_THE_FORK)
+        faulthandler.enable()
+    else:
+        faulthandler.disable()
     sys.orig_argv = request["orig_argv"]  # the command line as typed (the server's otherwise)
     _fresh_state()
     if sys.stdout is not None:
         sys.stdout.reconfigure(line_buffering=os.isatty(1))
     return run_as_python(request["kind"], request["target"], request["args"], finalize=False)
+
+
+def _setns(fd: int) -> None:
+    """Enter the namespace ``fd`` refers to (``setns(2)``; ``os.setns`` is Python 3.12's)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, 0) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, os.strerror(number))
 
 
 def _send(conn: Optional[socket.socket], message: Dict) -> None:
@@ -202,10 +225,11 @@ def _send(conn: Optional[socket.socket], message: Dict) -> None:
 
 
 def _receive(conn: socket.socket):
-    """A request: 4 bytes of length, JSON, with the client's three descriptors on the first chunk."""
+    """A request: 4 bytes of length, JSON, with the client's three descriptors on the first chunk, then one for each
+    namespace the fork is to join (the request's ``join``)."""
     conn.settimeout(10)
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-    if len(data) < 4 or len(fds) != 3:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3 + len(client().JOINABLE))
+    if len(data) < 4 or len(fds) < 3:
         for fd in fds:
             os.close(fd)
         raise OSError("malformed request")
@@ -217,7 +241,12 @@ def _receive(conn: socket.socket):
             raise OSError("client left mid-request")
         data += more
     conn.settimeout(None)
-    return json.loads(data), fds
+    request = json.loads(data)
+    if len(fds) != 3 + len(request.get("join", ())):
+        for fd in fds:
+            os.close(fd)
+        raise OSError("malformed request")
+    return request, fds
 
 
 def kill_group(pid: int) -> None:
@@ -259,7 +288,7 @@ def serve(path: str) -> int:
         out.write("0.0")
     with open(path + ".json.tmp", "w") as out:
         json.dump({"executable": sys.executable, "env": before, "pid": os.getpid(), "cwd": os.getcwd(),
-                   "modules": top_level, "places": client().places()}, out)
+                   "modules": top_level, "places": client().places(), "can_join": os.geteuid() == 0}, out)
     os.replace(path + ".json.tmp", path + ".json")  # clients read it whole or not at all
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ)

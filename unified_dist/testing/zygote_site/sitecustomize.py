@@ -33,6 +33,13 @@ SCANS = {"tqdm/utils.py": "TQDM_"}
 compared through that prefix (tests/unit/test_zygote.py traces the server's import and holds these lists to it)."""
 
 
+APPLIED_BY_THE_FORK = ("PYTHONFAULTHANDLER",)
+"""Variables the interpreter reads at start-up that the fork applies itself, from the client's value (zygote.py)."""
+JOINABLE = ("net", "uts", "ipc", "mnt")
+"""The namespaces a fork joins where its client's differ from the server's (``ip netns exec``, ``unshare --uts``: the
+multinode tests' hosts): the client sends them, the fork enters them before it changes to the client's folder."""
+
+
 def read_at_import(name):
     """Whether variable ``name`` may be read while the server imports its preload (torch, the Hugging Face chain) or
     by the interpreter at start-up: a client whose value differs from the server's starts fresh. The launchers' own
@@ -40,6 +47,8 @@ def read_at_import(name):
     later, by the code a fork runs."""
     if name in _IMPORT_NAMES:
         return True
+    if name in APPLIED_BY_THE_FORK:
+        return False
     return name.startswith(_IMPORT_PREFIXES) and not name.startswith(_NOT_AT_IMPORT)
 
 
@@ -103,9 +112,19 @@ def _imported_elsewhere(server, folder):
         return None
     modules = set(server["modules"])
     for name in sorted(os.listdir(folder)):
-        if name.split(".")[0] in modules:
+        if name.split(".")[0] in modules and _importable(os.path.join(folder, name)):
             return name
     return None
+
+
+def _importable(path):
+    """Whether ``path`` is what an import of its name finds first in its folder: a module (``.py``, ``.pyc``, an
+    extension) or a regular package (a folder with ``__init__.py``). A folder without it is a namespace portion, which
+    a module or package later on ``sys.path`` still wins over, and a file without a suffix (a console script) is
+    nothing an import reads."""
+    if os.path.isdir(path):
+        return os.path.exists(os.path.join(path, "__init__.py"))
+    return path.endswith((".py", ".pyc", ".so", ".pyd"))
 
 
 def places():
@@ -120,14 +139,20 @@ def places():
     return found
 
 
+def to_join(server, here, joinable=JOINABLE):
+    """The names of :func:`places` where ``here`` (this process's) differs from the server's, among ``joinable``
+    (all of them for ``()``)."""
+    return [name for name in sorted(set(here) | set(server["places"]))
+            if here.get(name) != server["places"].get(name) and (not joinable or name in joinable)]
+
+
 def refusal(server, environ, executable, argv, open_fds, here=None):
     """Why a fork of ``server`` (the server's ``SOCKET.json``) would not start as this process would, or the
     parsed command line. ``here``: this process's :func:`places` (read when not given)."""
     if os.path.realpath(executable) != os.path.realpath(server["executable"]):
         return f"another interpreter ({executable})"
-    here = places() if here is None else here
-    for name in sorted(set(here) | set(server["places"])):
-        if here.get(name) != server["places"].get(name):  # `ip netns exec`, `unshare`: the fork would run outside
+    for name in to_join(server, places() if here is None else here, joinable=()):
+        if name not in JOINABLE or not server.get("can_join"):  # the fork would run outside this process's
             return f"another {'control group' if name == 'cgroups' else f'{name} namespace'} than the server's"
     theirs = server["env"]
     name = differs_at_import(environ, theirs)
@@ -186,15 +211,19 @@ def hand_over():
     if isinstance(parsed, str):
         return _log(f"fresh {sys.orig_argv[1:3]}: {parsed}")
     kind, target, args = parsed
+    request_join = to_join(server, places())
     signals = {name: ("ignore" if signal.getsignal(getattr(signal, name)) == signal.SIG_IGN else "default")
                for name in FORWARDED}
     request = json.dumps({"kind": kind, "target": target, "args": args, "cwd": os.getcwd(), "env": dict(os.environ),
-                          "signals": signals, "orig_argv": sys.orig_argv}).encode()
+                          "signals": signals, "orig_argv": sys.orig_argv, "join": request_join}).encode()
     data = struct.pack("!I", len(request)) + request
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
-        sent = socket.send_fds(conn, [data], [0, 1, 2])
+        joined = [os.open(f"/proc/self/ns/{name}", os.O_RDONLY) for name in request_join]
+        sent = socket.send_fds(conn, [data], [0, 1, 2, *joined])
+        for fd in joined:
+            os.close(fd)
         conn.sendall(data[sent:])
         reader = conn.makefile("rb")
         pid = json.loads(reader.readline())["pid"]
