@@ -15,8 +15,9 @@ inherited would differ from a fresh start: same interpreter, same variables that
 (``read_at_import`` there), a command line of the forms ``python [-u] SCRIPT|-m MODULE|-c CODE ARGS``. Otherwise it
 starts as any ``python`` does.
 
-Each fork does what ``python`` would: a session of its own, the client's streams, folder and environment, the
-signal dispositions the client was started with, ``sys.argv``, ``sys.orig_argv`` and ``sys.path[0]`` as the
+Each fork does what ``python`` would: a session of its own, the client's streams, its network, host-name, IPC and mount
+namespaces where they differ from the server's (the client sends them; the server must be root, else such a client
+starts fresh), its folder and environment, the signal dispositions the client was started with, ``sys.argv``, ``sys.orig_argv`` and ``sys.path[0]`` as the
 interpreter sets them, the script run as a fresh ``__main__`` (:func:`run_as_python`), Python's, numpy's and torch's
 random generators seeded from the system (forks would otherwise share one sequence), ``tempfile``'s cached folder
 forgotten. It ends through the interpreter's own finalization (its threads joined, ``atexit``, garbage collected,
