@@ -17,15 +17,15 @@ starts as any ``python`` does.
 
 Each fork does what ``python`` would: a session of its own, the client's streams, its network, host-name, IPC and mount
 namespaces where they differ from the server's (the client sends them; the server must be root, else such a client
-starts fresh), its folder and environment, the signal dispositions the client was started with, ``sys.argv``, ``sys.orig_argv`` and ``sys.path[0]`` as the
-interpreter sets them, the script run as a fresh ``__main__`` (:func:`run_as_python`), Python's, numpy's and torch's
-random generators seeded from the system (forks would otherwise share one sequence), ``tempfile``'s cached folder
-forgotten. It ends through the interpreter's own finalization (its threads joined, ``atexit``, garbage collected,
-the libraries' destructors run), as a fresh one would, so that a crash at exit shows. The server freezes what its
-imports made (``gc.freeze``): the forks' collections skip it. What a fork shares with the others is what importing
-:data:`PRELOAD` left in memory, and what a fresh interpreter would not share: the hash seed of ``str``
-(``PYTHONHASHSEED``), chosen once for the server, and what the kernel shows of it (its parent, its
-``/proc/PID/cmdline`` and ``environ`` are the server's). Tests whose claim is about a process's own start, exit or
+starts fresh), its folder and environment, the signal dispositions the client was started with, ``sys.argv``,
+``sys.orig_argv`` and ``sys.path[0]`` as the interpreter sets them, the script run as a fresh ``__main__``
+(:func:`run_as_python`), Python's, numpy's and torch's random generators seeded from the system (forks would otherwise
+share one sequence), ``tempfile``'s cached folder forgotten. It ends through the interpreter's own finalization (its
+threads joined, ``atexit``, garbage collected, the libraries' destructors run), as a fresh one would, so that a crash
+at exit shows. The server freezes what its imports made (``gc.freeze``): the forks' collections skip it. What a fork
+shares with the others is what importing :data:`PRELOAD` left in memory, and what a fresh interpreter would not share:
+the hash seed of ``str`` (``PYTHONHASHSEED``), chosen once for the server, and what the kernel shows of it (its parent,
+its ``/proc/PID/cmdline`` and ``environ`` are the server's). Tests whose claim is about a process's own start, exit or
 signals run on fresh interpreters (pytest marker ``fresh_python``).
 
 When the client dies (``SIGKILL``: a launcher's or a test's timeout), the server kills the fork's whole session.
