@@ -83,7 +83,9 @@ def test_an_unmarked_test_that_launches_fails(pytester):
     start = time.monotonic()
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*test_unmarked launched 3 processes at once*but is not marked distributed*"])
+    # 2 or 3: the watch reports at its first look that finds two processes alive for min_age; on a loaded machine
+    # the shell's second sleep can be first seen one look (0.1 s) after the first, and then misses that look
+    result.stdout.re_match_lines([r".*test_unmarked launched [23] processes at once.*but is not marked distributed.*"])
     assert time.monotonic() - start < 60
 
 
