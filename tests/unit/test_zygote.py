@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from unified_dist.testing.launchers import ZYGOTE_SITE, start_zygote, unavailable, zygote_env
+from unified_dist.testing import zygote
+from unified_dist.testing.launchers import start_zygote, unavailable, zygote_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.fresh_python]  # this module's own server and its forks
 
@@ -177,11 +178,7 @@ def test_the_server_counts_the_cpu_of_the_forks_that_ended(server):
 
 
 def test_the_refusals_name_the_difference():
-    sys.path.insert(0, str(ZYGOTE_SITE))
-    try:
-        import sitecustomize as client
-    finally:
-        sys.path.remove(str(ZYGOTE_SITE))
+    client = zygote.client()
     server = {"executable": sys.executable, "env": {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, "cwd": "/",
               "modules": ["torch"], "places": client.places()}
     same = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": "3", "TORCHELASTIC_RUN_ID": "x"}
@@ -289,11 +286,7 @@ def test_every_variable_the_preload_reads_is_one_the_client_compares(tmp_path):
     the client compares with the server's (``read_at_import``), and a module that reads the whole environment is one
     of the client's ``SCANS``, whose prefix it compares. A fork would otherwise run with the server's reading of a
     variable its client set differently. (What C code reads, torch's own, the client's prefixes cover by hand.)"""
-    sys.path.insert(0, str(ZYGOTE_SITE))
-    try:
-        import sitecustomize as client
-    finally:
-        sys.path.remove(str(ZYGOTE_SITE))
+    client = zygote.client()
     env = {k: v for k, v in zygote_env().items() if k != "UDTEST_ZYGOTE"}
     got = subprocess.run([sys.executable, "-c", TRACE, str(Path(__file__).parents[2] / "unified_dist" / "testing")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

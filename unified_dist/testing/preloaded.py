@@ -1,4 +1,4 @@
-"""Many one-process Python programs, each in a fresh fork of one process that has already imported torch.
+"""Many one-process Python programs, each in a fresh fork of one process that imported :data:`PRELOAD` once.
 
     python -m unified_dist.testing.preloaded PLAN.json RESULTS.json
 
@@ -10,7 +10,7 @@ on ``sys.path``, ``sys.argv`` set, the script run as a fresh ``__main__`` module
 traceback goes to ``output``), and its ``atexit`` functions run. A run past its ``timeout`` seconds is killed with
 its whole session. ``RESULTS.json`` maps each name to ``{"returncode", "timed_out", "wall_s", "cpu_s"}``.
 
-What a run gets from the fork is only what importing torch leaves: modules whose import does not depend on the
+What a run gets from the fork is only what importing :data:`PRELOAD` leaves: modules whose import does not depend on the
 run's variables. A script still imports what it uses (its globals are fresh: a missing ``import torch`` fails as it
 would alone); what it imports beyond :data:`PRELOAD` is imported in the child, under its own environment. The plan's
 environments must share the variables torch reads at import; :func:`main` refuses a plan whose runs differ from this

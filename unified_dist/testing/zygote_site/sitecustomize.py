@@ -139,11 +139,9 @@ def places():
     return found
 
 
-def to_join(server, here, joinable=JOINABLE):
-    """The names of :func:`places` where ``here`` (this process's) differs from the server's, among ``joinable``
-    (all of them for ``()``)."""
-    return [name for name in sorted(set(here) | set(server["places"]))
-            if here.get(name) != server["places"].get(name) and (not joinable or name in joinable)]
+def differing(server, here):
+    """The names of :func:`places` where ``here`` (this process's) differs from the server's."""
+    return [name for name in sorted(set(here) | set(server["places"])) if here.get(name) != server["places"].get(name)]
 
 
 def refusal(server, environ, executable, argv, open_fds, here=None):
@@ -151,7 +149,7 @@ def refusal(server, environ, executable, argv, open_fds, here=None):
     parsed command line. ``here``: this process's :func:`places` (read when not given)."""
     if os.path.realpath(executable) != os.path.realpath(server["executable"]):
         return f"another interpreter ({executable})"
-    for name in to_join(server, places() if here is None else here, joinable=()):
+    for name in differing(server, places() if here is None else here):
         if name not in JOINABLE or not server.get("can_join"):  # the fork would run outside this process's
             return f"another {'control group' if name == 'cgroups' else f'{name} namespace'} than the server's"
     theirs = server["env"]
@@ -207,11 +205,12 @@ def hand_over():
             server = json.load(handle)
     except (OSError, ValueError):
         return _log(f"fresh {sys.orig_argv[1:3]}: no server at {path}")
-    parsed = refusal(server, os.environ, sys.executable, sys.orig_argv[1:], _open_fds())
+    here = places()
+    parsed = refusal(server, os.environ, sys.executable, sys.orig_argv[1:], _open_fds(), here)
     if isinstance(parsed, str):
         return _log(f"fresh {sys.orig_argv[1:3]}: {parsed}")
     kind, target, args = parsed
-    request_join = to_join(server, places())
+    request_join = differing(server, here)  # joinable all, or refusal() said so
     signals = {name: ("ignore" if signal.getsignal(getattr(signal, name)) == signal.SIG_IGN else "default")
                for name in FORWARDED}
     request = json.dumps({"kind": kind, "target": target, "args": args, "cwd": os.getcwd(), "env": dict(os.environ),
